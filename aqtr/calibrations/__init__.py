@@ -1,0 +1,15 @@
+"""Registry `calibrations`: how a scale group's bound is chosen."""
+
+from aqtr.calibrations.absmax import AbsMax
+from aqtr.calibrations.base import Calibration, get, names, register, registry
+from aqtr.calibrations.constant import Constant
+
+__all__ = [
+  'AbsMax',
+  'Calibration',
+  'Constant',
+  'get',
+  'names',
+  'register',
+  'registry',
+]

@@ -1,0 +1,43 @@
+"""Absolute-maximum calibration."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+
+from aqtr.calibrations.base import Calibration, register
+
+
+@register('absmax')
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AbsMax(Calibration):
+  """bound = clip_scale * max_G |x| (AQT's AbsMaxCalibration).
+
+  With clip_scale < 1 the largest values are clipped; pair it with the
+  numerics' clip_gradient.
+
+  Attributes:
+    clip_scale: multiplier on the absolute maximum, finite and > 0.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> AbsMax(clip_scale=0.5).calibrate(jnp.array([[1., -4.]]), axes=(1,))
+    Array([[2.]], dtype=float32)
+  """
+
+  clip_scale: float = 1.0
+
+  def __post_init__(self):
+    c = self.clip_scale
+    if isinstance(c, bool) or not isinstance(c, int | float):
+      raise TypeError(f'AbsMax.clip_scale must be a float, got {c!r}.')
+    if not (math.isfinite(c) and c > 0):
+      raise ValueError(f'AbsMax.clip_scale must be finite and > 0, got {c}.')
+
+  def calibrate(self, x: jax.Array, axes: Sequence[int]) -> jax.Array:
+    b = jnp.max(jnp.abs(x), axis=tuple(axes), keepdims=True)
+    return b if self.clip_scale == 1.0 else b * self.clip_scale

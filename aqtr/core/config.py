@@ -1,0 +1,188 @@
+"""The frozen config tree: DotGeneralConfig > DotGeneralRaw > TensorConfig.
+
+  DotGeneralConfig
+    fwd:  DotGeneralRaw   out    = lhs . rhs
+    dlhs: DotGeneralRaw   d lhs  = g . rhs_residual   (its lhs operand is g)
+    drhs: DotGeneralRaw   d rhs  = g . lhs_residual   (its lhs operand is g)
+  DotGeneralRaw:  lhs, rhs: TensorConfig; use_fwd_quant; accumulator
+  TensorConfig:   numerics, calibration, tiling, rounding
+
+Every node is a frozen kw-only dataclass with defaults, hence hashable: a
+config is a static argument of `jit` and `custom_vjp`. The defaults are int8
+symmetric, per-channel absmax, round-to-nearest-even. Validation happens at
+construction and names the field and the fix.
+
+Example:
+  >>> from aqtr import numerics
+  >>> cfg = TensorConfig(numerics=numerics.NoNumerics())
+  >>> cfg.quantized
+  False
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from aqtr.calibrations.absmax import AbsMax
+from aqtr.calibrations.base import Calibration
+from aqtr.core.rounding import NearestEven, Rounding
+from aqtr.numerics.base import Numerics
+from aqtr.numerics.int_symmetric import IntSymmetric
+from aqtr.tilings.base import Tiling
+from aqtr.tilings.per_channel import PerChannel
+
+# core/ imports two concrete algorithms for its defaults; the families import
+# nothing from core/config, so there is no cycle.
+
+_ACCUMULATORS = ('auto', 'int32', 'float32')
+
+
+def _check_type(owner: str, field: str, value, cls: type) -> None:
+  if not isinstance(value, cls):
+    raise TypeError(
+      f'{owner}.{field} must be an instance of {cls.__module__}.'
+      f'{cls.__qualname__}, got {value!r}.'
+    )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TensorConfig:
+  """How one operand of one dot is quantized.
+
+  Attributes:
+    numerics: the number format ('none' leaves the operand in float).
+    calibration: how the bound of each scale group is found.
+    tiling: which elements share a scale.
+    rounding: NearestEven() or Stochastic(...) (needs a key at call time).
+  """
+
+  numerics: Numerics = dataclasses.field(default_factory=IntSymmetric)
+  calibration: Calibration = dataclasses.field(default_factory=AbsMax)
+  tiling: Tiling = dataclasses.field(default_factory=PerChannel)
+  rounding: Rounding = dataclasses.field(default_factory=NearestEven)
+
+  def __post_init__(self):
+    _check_type('TensorConfig', 'numerics', self.numerics, Numerics)
+    _check_type('TensorConfig', 'calibration', self.calibration, Calibration)
+    _check_type('TensorConfig', 'tiling', self.tiling, Tiling)
+    _check_type('TensorConfig', 'rounding', self.rounding, Rounding)
+    n = self.numerics
+    if self.rounding.stochastic and n.quantizes:
+      if not n.supports_stochastic_rounding:
+        raise ValueError(
+          f'TensorConfig.rounding: {type(n).__name__} does not support '
+          'stochastic rounding; use NearestEven() or an int numerics.'
+        )
+      if getattr(n, 'preserve_max_val', True) is False:
+        raise ValueError(
+          'TensorConfig.rounding: stochastic rounding with '
+          'IntSymmetric(preserve_max_val=False) maps the bound outside the '
+          'clip range and biases the top bucket; set preserve_max_val=True.'
+        )
+
+  @property
+  def quantized(self) -> bool:
+    return self.numerics.quantizes
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DotGeneralRaw:
+  """One quantized dot: how its lhs and rhs operands are quantized.
+
+  Attributes:
+    lhs: quantization of the lhs operand (in dlhs/drhs: the gradient g).
+    rhs: quantization of the rhs operand (in dlhs/drhs: the residual).
+    use_fwd_quant: backward passes only. Reuse the forward quantization of
+      the residual operand (its forward scale is folded into g) instead of
+      quantizing the float residual again; `rhs` is then unused. With
+      unquantized numerics this makes the gradient that of the fake-quant
+      forward (g . dequant(Y)).
+    accumulator: 'auto' (int32 for int x int, else float32), 'int32' (both
+      operands integer) or 'float32'.
+  """
+
+  lhs: TensorConfig = dataclasses.field(default_factory=TensorConfig)
+  rhs: TensorConfig = dataclasses.field(default_factory=TensorConfig)
+  use_fwd_quant: bool = False
+  accumulator: str = 'auto'
+
+  def __post_init__(self):
+    _check_type('DotGeneralRaw', 'lhs', self.lhs, TensorConfig)
+    _check_type('DotGeneralRaw', 'rhs', self.rhs, TensorConfig)
+    if not isinstance(self.use_fwd_quant, bool):
+      raise TypeError(
+        f'DotGeneralRaw.use_fwd_quant must be a bool, got '
+        f'{self.use_fwd_quant!r}.'
+      )
+    if self.accumulator not in _ACCUMULATORS:
+      raise ValueError(
+        f'DotGeneralRaw.accumulator must be one of {_ACCUMULATORS}, got '
+        f'{self.accumulator!r}.'
+      )
+    if self.accumulator == 'int32':
+      for side in ('lhs', 'rhs'):
+        n = getattr(self, side).numerics
+        if side == 'rhs' and self.use_fwd_quant:
+          continue
+        if not (n.quantizes and n.kind == 'int'):
+          raise ValueError(
+            f"DotGeneralRaw.accumulator='int32' needs integer numerics on "
+            f'both operands; {side} has {type(n).__name__}. Use '
+            "accumulator='auto' or 'float32'."
+          )
+
+  @property
+  def quantized(self) -> bool:
+    return self.lhs.quantized or (self.rhs.quantized and not self.use_fwd_quant)
+
+
+def _float_raw(**kw) -> DotGeneralRaw:
+  from aqtr.numerics.none import NoNumerics
+
+  t = TensorConfig(numerics=NoNumerics())
+  return DotGeneralRaw(lhs=t, rhs=t, **kw)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DotGeneralConfig:
+  """Quantization of a dot_general's forward pass and both gradients.
+
+  Attributes:
+    fwd: the forward dot `lhs . rhs`.
+    dlhs: the lhs-gradient dot `g . rhs`.
+    drhs: the rhs-gradient dot `g . lhs`.
+
+  Example:
+    >>> DotGeneralConfig().fwd.lhs.numerics.bits
+    8
+  """
+
+  fwd: DotGeneralRaw = dataclasses.field(default_factory=DotGeneralRaw)
+  dlhs: DotGeneralRaw = dataclasses.field(
+    default_factory=lambda: DotGeneralRaw(use_fwd_quant=True)
+  )
+  drhs: DotGeneralRaw = dataclasses.field(
+    default_factory=lambda: DotGeneralRaw(use_fwd_quant=True)
+  )
+
+  def __post_init__(self):
+    for name in ('fwd', 'dlhs', 'drhs'):
+      _check_type('DotGeneralConfig', name, getattr(self, name), DotGeneralRaw)
+    if self.fwd.use_fwd_quant:
+      raise ValueError(
+        'DotGeneralConfig.fwd.use_fwd_quant must be False: only the backward '
+        'passes (dlhs, drhs) can reuse the forward quantization.'
+      )
+
+  @property
+  def is_float(self) -> bool:
+    """True when no pass quantizes anything (the config equals lax)."""
+    fwd_q = self.fwd.lhs.quantized or self.fwd.rhs.quantized
+    return not (fwd_q or self.dlhs.quantized or self.drhs.quantized)
+
+
+def float_config() -> DotGeneralConfig:
+  """The all-float config (equals `lax.dot_general` bit for bit)."""
+  return DotGeneralConfig(
+    fwd=_float_raw(), dlhs=_float_raw(), drhs=_float_raw()
+  )

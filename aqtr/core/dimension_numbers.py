@@ -1,0 +1,202 @@
+"""Axes bookkeeping: canonical operand layouts and dot dimension numbers.
+
+Every quantized dot runs on canonical 3-D operands. An operand with batch
+axes `b`, free (remaining) axes `f` and contraction axes `c` is brought to
+
+  'fk': [B, F, K] = x.transpose(b + f + c).reshape(prod b, prod f, prod c)
+  'kf': [B, K, F] = x.transpose(b + c + f).reshape(prod b, prod c, prod f)
+
+On XLA:CPU an int8 dot takes the fast kernel only when its lhs contracts its
+last axis, so the lhs of every dot is 'fk' and the rhs is either form. The
+dot output `[B, M, N]` is a plain reshape of `lax.dot_general`'s output
+layout `[batch..., lhs free..., rhs free...]`.
+
+Example:
+  >>> lay = OperandLayout(shape=(4, 3, 5), batch=(), contract=(1,))
+  >>> lay.canonical_shape('fk')
+  (1, 20, 3)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+
+DimensionNumbers = tuple[
+  tuple[tuple[int, ...], tuple[int, ...]],
+  tuple[tuple[int, ...], tuple[int, ...]],
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class OperandLayout:
+  """Where the batch, free and contraction axes of one operand are.
+
+  Attributes:
+    shape: the operand's shape.
+    batch: batch axes, in dot order.
+    contract: contraction axes, in dot order.
+  """
+
+  shape: tuple[int, ...]
+  batch: tuple[int, ...] = ()
+  contract: tuple[int, ...] = ()
+
+  @property
+  def free(self) -> tuple[int, ...]:
+    used = set(self.batch) | set(self.contract)
+    return tuple(a for a in range(len(self.shape)) if a not in used)
+
+  def _size(self, axes: Sequence[int]) -> int:
+    return math.prod(self.shape[a] for a in axes)
+
+  @property
+  def b(self) -> int:
+    return self._size(self.batch)
+
+  @property
+  def f(self) -> int:
+    return self._size(self.free)
+
+  @property
+  def k(self) -> int:
+    return self._size(self.contract)
+
+  def perm(self, form: str) -> tuple[int, ...]:
+    if form == 'fk':
+      return self.batch + self.free + self.contract
+    if form == 'kf':
+      return self.batch + self.contract + self.free
+    raise ValueError(f"form must be 'fk' or 'kf', got {form!r}")
+
+  def canonical_shape(self, form: str) -> tuple[int, int, int]:
+    return (self.b, self.f, self.k) if form == 'fk' else (self.b, self.k, self.f)
+
+  def natural_form(self) -> str:
+    """'kf' when the contraction axes already precede the free axes."""
+    kf = self.perm('kf')
+    return 'kf' if kf == tuple(sorted(kf)) and self.free else 'fk'
+
+  def to_canonical(self, x: jax.Array, form: str) -> jax.Array:
+    perm = self.perm(form)
+    if perm != tuple(range(len(perm))):
+      x = x.transpose(perm)
+    return x.reshape(self.canonical_shape(form))
+
+  def from_canonical(self, x3: jax.Array, form: str) -> jax.Array:
+    perm = self.perm(form)
+    x = x3.reshape(tuple(self.shape[a] for a in perm))
+    if perm != tuple(range(len(perm))):
+      x = x.transpose(np.argsort(perm))
+    return x
+
+
+def _axes(value, rank: int, field: str) -> tuple[int, ...]:
+  try:
+    axes = tuple(int(a) for a in value)
+  except TypeError:
+    raise ValueError(f'{field} must be a sequence of ints, got {value!r}.')
+  out = []
+  for a in axes:
+    if not -rank <= a < rank:
+      raise ValueError(
+        f'{field} has axis {a}, out of range for an operand of rank {rank} '
+        f'(allowed {-rank}..{rank - 1}).'
+      )
+    out.append(a % rank)
+  if len(set(out)) != len(out):
+    raise ValueError(f'{field} repeats an axis: {value!r}.')
+  return tuple(out)
+
+
+def normalize(
+  lhs_shape: Sequence[int],
+  rhs_shape: Sequence[int],
+  dimension_numbers,
+) -> DimensionNumbers:
+  """Validates `dimension_numbers` for the shapes; returns them normalized.
+
+  Raises:
+    ValueError: naming the offending field and the allowed values.
+  """
+  try:
+    (lc, rc), (lb, rb) = dimension_numbers
+  except (TypeError, ValueError):
+    raise ValueError(
+      'dimension_numbers must be ((lhs_contracting, rhs_contracting), '
+      f'(lhs_batch, rhs_batch)), got {dimension_numbers!r}.'
+    ) from None
+  nl, nr = len(lhs_shape), len(rhs_shape)
+  lc = _axes(lc, nl, 'lhs_contracting_dimensions')
+  rc = _axes(rc, nr, 'rhs_contracting_dimensions')
+  lb = _axes(lb, nl, 'lhs_batch_dimensions')
+  rb = _axes(rb, nr, 'rhs_batch_dimensions')
+  if len(lc) != len(rc):
+    raise ValueError(
+      f'lhs_contracting_dimensions {lc} and rhs_contracting_dimensions {rc} '
+      'must have the same length.'
+    )
+  if len(lb) != len(rb):
+    raise ValueError(
+      f'lhs_batch_dimensions {lb} and rhs_batch_dimensions {rb} must have '
+      'the same length.'
+    )
+  if set(lc) & set(lb) or set(rc) & set(rb):
+    raise ValueError('an axis cannot be both a batch and a contraction axis.')
+  for name, la, ra in (('contracting', lc, rc), ('batch', lb, rb)):
+    for i, j in zip(la, ra, strict=True):
+      if lhs_shape[i] != rhs_shape[j]:
+        raise ValueError(
+          f'{name} dimensions do not match: lhs axis {i} has size '
+          f'{lhs_shape[i]}, rhs axis {j} has size {rhs_shape[j]} '
+          f'(lhs shape {tuple(lhs_shape)}, rhs shape {tuple(rhs_shape)}).'
+        )
+  return (lc, rc), (lb, rb)
+
+
+@dataclasses.dataclass(frozen=True)
+class DotLayout:
+  """The layouts of both operands and the output of one dot_general."""
+
+  lhs: OperandLayout
+  rhs: OperandLayout
+
+  @classmethod
+  def create(cls, lhs_shape, rhs_shape, dimension_numbers) -> DotLayout:
+    (lc, rc), (lb, rb) = normalize(lhs_shape, rhs_shape, dimension_numbers)
+    return cls(
+      lhs=OperandLayout(tuple(lhs_shape), lb, lc),
+      rhs=OperandLayout(tuple(rhs_shape), rb, rc),
+    )
+
+  @property
+  def out_shape(self) -> tuple[int, ...]:
+    s = self.lhs.shape
+    r = self.rhs.shape
+    return (
+      tuple(s[a] for a in self.lhs.batch)
+      + tuple(s[a] for a in self.lhs.free)
+      + tuple(r[a] for a in self.rhs.free)
+    )
+
+  @property
+  def out(self) -> OperandLayout:
+    """The output [batch, lhs free, rhs free] seen as an operand whose
+    'contraction' axes are the rhs free axes (the dlhs pass's lhs)."""
+    nb, nf = len(self.lhs.batch), len(self.lhs.free)
+    rank = len(self.out_shape)
+    return OperandLayout(
+      self.out_shape, tuple(range(nb)), tuple(range(nb + nf, rank))
+    )
+
+  @property
+  def out_t(self) -> OperandLayout:
+    """The output seen with the lhs free axes contracted (drhs's operand)."""
+    nb, nf = len(self.lhs.batch), len(self.lhs.free)
+    return OperandLayout(
+      self.out_shape, tuple(range(nb)), tuple(range(nb, nb + nf))
+    )

@@ -1,0 +1,78 @@
+"""QTensor: a quantized tensor (stored values + scale) as a pytree."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from aqtr.core.dimension_numbers import OperandLayout
+
+# The view axes of a quantized operand (see aqtr.tilings.base):
+#   'fk': [batch, tile, free, k]     'kf': [batch, tile, k, free]
+ROLE_AXES = {
+  'fk': {'batch': 0, 'tile': 1, 'free': 2, 'k': 3},
+  'kf': {'batch': 0, 'tile': 1, 'k': 2, 'free': 3},
+}
+
+
+def to_view(x3: jax.Array, form: str, tile: int | None) -> jax.Array:
+  """Canonical [B, F, K] / [B, K, F] -> tiled view [B, T, F, t] / [B, T, t, F]."""
+  b, d1, d2 = x3.shape
+  k = d2 if form == 'fk' else d1
+  t = tile or k
+  n = k // t
+  if form == 'kf':
+    return x3.reshape(b, n, t, d2)
+  x4 = x3.reshape(b, d1, n, t)
+  return x4.transpose(0, 2, 1, 3) if n > 1 else x4.reshape(b, 1, d1, t)
+
+
+def from_view(x4: jax.Array, form: str) -> jax.Array:
+  """Inverse of `to_view`."""
+  b, n, d1, d2 = x4.shape
+  if form == 'kf':
+    return x4.reshape(b, n * d1, d2)
+  if n > 1:
+    x4 = x4.transpose(0, 2, 1, 3)
+  return x4.reshape(b, d1, n * d2)
+
+
+@dataclasses.dataclass(frozen=True)
+class QTensor:
+  """Stored values and scale of a quantized tensor: `x ~ qvalue * scale`.
+
+  `qvalue` is held in the dot's tiled view (see `ROLE_AXES`) and `scale`
+  broadcasts against it; `dequant()` returns the original layout.
+
+  Attributes:
+    qvalue: int8/int4/fp8 values (float when not quantized), tiled view.
+    scale: float32 scale broadcastable to `qvalue` (None: not quantized).
+    layout: the original operand layout (static).
+    form: 'fk' or 'kf' (static).
+
+  Example:
+    >>> import jax.numpy as jnp, aqtr
+    >>> qt = aqtr.quantize(jnp.array([[1.0, -2.0]]), aqtr.TensorConfig())
+    >>> qt.qvalue.dtype, qt.dequant().shape
+    (dtype('int8'), (1, 2))
+  """
+
+  qvalue: jax.Array
+  scale: jax.Array | None
+  layout: OperandLayout
+  form: str = 'fk'
+
+  def dequant(self, dtype=jnp.float32) -> jax.Array:
+    """`qvalue * scale` in the original layout and `dtype`."""
+    v = self.qvalue.astype(jnp.float32)
+    if self.scale is not None:
+      v = v * self.scale
+    x3 = from_view(v, self.form)
+    return self.layout.from_canonical(x3, self.form).astype(dtype)
+
+
+jax.tree_util.register_dataclass(
+  QTensor, data_fields=['qvalue', 'scale'], meta_fields=['layout', 'form']
+)

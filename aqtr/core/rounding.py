@@ -1,0 +1,99 @@
+"""Rounding modes: round-to-nearest-even and stochastic rounding."""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Rounding(abc.ABC):
+  """How the scaled tensor is rounded; stochastic modes draw noise."""
+
+  stochastic: ClassVar[bool] = False
+
+  @abc.abstractmethod
+  def noise(self, key: jax.Array | None, shape: tuple[int, ...]):
+    """Additive rounding noise of `shape` (None for deterministic modes)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class NearestEven(Rounding):
+  """Round to nearest, ties to even (the default).
+
+  Example:
+    >>> NearestEven().noise(None, (2,)) is None
+    True
+  """
+
+  def noise(self, key, shape):
+    return None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Stochastic(Rounding):
+  """Stochastic rounding (Gupta et al. 2015, arXiv 1502.02551).
+
+  Math: `q = round(v + u)`, `u ~ U[-1/2, 1/2)` from an explicit PRNG key, so
+  `E[q] = v` for v inside the clip range. Noise is drawn once per group of
+  `noise_sharing_axes` (axes of the operand as the user sees it; for a
+  gradient operand, the axes of the dot output) and broadcast along them.
+
+  Attributes:
+    noise_sharing_axes: axes along which one noise value is shared.
+
+  Example:
+    >>> import jax
+    >>> Stochastic().noise(jax.random.key(0), (2, 3)).shape
+    (2, 3)
+  """
+
+  noise_sharing_axes: tuple[int, ...] = ()
+  stochastic = True
+
+  def __post_init__(self):
+    axes = self.noise_sharing_axes
+    if not isinstance(axes, tuple) or not all(
+      isinstance(a, int) and not isinstance(a, bool) for a in axes
+    ):
+      raise TypeError(
+        'Stochastic.noise_sharing_axes must be a tuple of ints, got '
+        f'{axes!r}.'
+      )
+
+  def noise(self, key, shape):
+    if key is None:
+      raise ValueError(
+        'Stochastic rounding needs a PRNG key: pass key=jax.random.key(...) '
+        'to aqtr.dot_general / aqtr.einsum / aqtr.quantize.'
+      )
+    rank = len(shape)
+    for a in self.noise_sharing_axes:
+      if not -rank <= a < rank:
+        raise ValueError(
+          f'Stochastic.noise_sharing_axes has axis {a}, out of range for an '
+          f'operand of rank {rank}.'
+        )
+    shared = {a % rank for a in self.noise_sharing_axes} if rank else set()
+    small = tuple(1 if i in shared else d for i, d in enumerate(shape))
+    u = jax.random.uniform(key, small, jnp.float32, -0.5, 0.5)
+    return jnp.broadcast_to(u, shape)
+
+
+def as_typed_key(key):
+  """Accepts typed keys and raw uint32 `PRNGKey`s; returns a typed key."""
+  if key is None:
+    return None
+  key = jnp.asarray(key) if not isinstance(key, jax.Array) else key
+  if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+    return key
+  if key.dtype != jnp.uint32 or key.shape[-1:] != (2,):
+    raise TypeError(
+      'key must be a typed key (jax.random.key) or a raw uint32[2] PRNGKey, '
+      f'got dtype {key.dtype} shape {key.shape}.'
+    )
+  return jax.random.wrap_key_data(key)

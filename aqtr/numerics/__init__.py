@@ -1,0 +1,17 @@
+"""Registry `numerics`: number formats (int symmetric, fp8, none)."""
+
+from aqtr.numerics.base import Numerics, get, names, register, registry
+from aqtr.numerics.fp8 import Fp8
+from aqtr.numerics.int_symmetric import IntSymmetric
+from aqtr.numerics.none import NoNumerics
+
+__all__ = [
+  'Fp8',
+  'IntSymmetric',
+  'NoNumerics',
+  'Numerics',
+  'get',
+  'names',
+  'register',
+  'registry',
+]
