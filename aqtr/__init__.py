@@ -9,7 +9,7 @@ Example:
 
 from aqtr import calibrations, freezers, numerics, presets, tilings
 from aqtr.core.config import DotGeneralConfig, DotGeneralRaw, TensorConfig
-from aqtr.core.dot_general import dot_general
+from aqtr.core.dot_general import dot_general, quantize_operand
 from aqtr.core.einsum import einsum
 from aqtr.core.qtensor import QTensor
 from aqtr.core.quantizer import fake_quant, quantize
@@ -38,5 +38,6 @@ __all__ = [
   'numerics',
   'presets',
   'quantize',
+  'quantize_operand',
   'tilings',
 ]

@@ -37,7 +37,7 @@ from jax import lax
 
 from aqtr.core.config import DotGeneralConfig, DotGeneralRaw, TensorConfig
 from aqtr.core.dimension_numbers import DotLayout
-from aqtr.core.qtensor import from_view, to_view
+from aqtr.core.qtensor import QTensor, from_view, to_view
 from aqtr.core.quantizer import check_float, quantize_view
 from aqtr.core.rounding import as_typed_key
 
@@ -79,6 +79,8 @@ class _Shapes:
 
   lhs: jax.ShapeDtypeStruct
   rhs: jax.ShapeDtypeStruct
+  given_l: bool = False
+  given_r: bool = False
 
 
 jax.tree_util.register_static(_Shapes)
@@ -214,29 +216,75 @@ def _dequant(q: _Q, layout, dtype):
   return layout.from_canonical(from_view(v, q.form), q.form).astype(dtype)
 
 
+def _shape_dtype(x):
+  if isinstance(x, QTensor):
+    return jax.ShapeDtypeStruct(x.layout.shape, x.scale.dtype)
+  return jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+
+def _given(x: QTensor, raw_side: TensorConfig, layout, form, tile, name):
+  """A stored QTensor as a forward operand, checked against the config."""
+  n = raw_side.numerics
+  b, f, k = layout.b, layout.f, layout.k
+  t = tile or k
+  view = (b, k // t, f, t) if form == 'fk' else (b, k // t, t, f)
+  problems = []
+  if not raw_side.quantized:
+    problems.append(f'config.fwd.{name} is not quantized')
+  elif jnp.dtype(x.qvalue.dtype) != jnp.dtype(n.dtype):
+    problems.append(
+      f'qvalue dtype {x.qvalue.dtype} != config numerics dtype {n.dtype}'
+    )
+  if x.layout != layout or x.form != form:
+    problems.append(
+      f'layout {x.layout}/{x.form} != the dot\'s {layout}/{form}'
+    )
+  if tuple(x.qvalue.shape) != view:
+    problems.append(f'qvalue shape {x.qvalue.shape} != expected {view}')
+  if x.scale is None or jnp.ndim(x.scale) != 4:
+    problems.append('scale missing or not in the tiled view')
+  if problems:
+    raise ValueError(
+      f'the QTensor given as {name} does not match this dot and config: '
+      + '; '.join(problems)
+      + '. Quantize it with aqtr.quantize_operand(x, dimension_numbers, '
+      'config, operand=...) using the same config and dimension numbers.'
+    )
+  return _Q(x.qvalue, x.scale, None, form)
+
+
 def _fwd(lhs, rhs, key, dn, cfg: DotGeneralConfig, precision, preferred):
-  lay = DotLayout.create(lhs.shape, rhs.shape, dn)
-  out_dtype = preferred or jnp.result_type(lhs, rhs)
+  lsd, rsd = _shape_dtype(lhs), _shape_dtype(rhs)
+  lay = DotLayout.create(lsd.shape, rsd.shape, dn)
+  floats = [x.dtype for x in (lhs, rhs) if not isinstance(x, QTensor)]
+  out_dtype = preferred or (jnp.result_type(*floats) if floats else
+                            jnp.dtype(jnp.float32))
   kf, kl, kr = _keys(key, 3)
   fwd = cfg.fwd
-  rform = lay.rhs.natural_form()
+  given_l, given_r = isinstance(lhs, QTensor), isinstance(rhs, QTensor)
+  rform = rhs.form if given_r else lay.rhs.natural_form()
   qlt = None
-  if not (fwd.lhs.quantized or fwd.rhs.quantized):
+  if not (fwd.lhs.quantized or fwd.rhs.quantized or given_l or given_r):
     out = lax.dot_general(
       lhs, rhs, dn, precision=precision, preferred_element_type=preferred
     )
     ql = qr = None
   else:
     k1, k2 = _keys(kf, 2)
-    a = _Operand(
+    a = None if given_l else _Operand(
       lay.lhs.to_canonical(lhs, 'fk'), 'fk', fwd.lhs,
       _canon_noise(fwd.lhs, k1, lay.lhs, 'fk'),
     )
-    b = _Operand(
+    b = None if given_r else _Operand(
       lay.rhs.to_canonical(rhs, rform), rform, fwd.rhs,
       _canon_noise(fwd.rhs, k2, lay.rhs, rform),
     )
-    out3, ql, qr = _pass(a, b, fwd, precision)
+    tile = _tile_cfg(fwd, lay.lhs.k)
+    ql = (_given(lhs, fwd.lhs, lay.lhs, 'fk', tile, 'lhs') if given_l
+          else _prepare(a, tile))
+    qr = (_given(rhs, fwd.rhs, lay.rhs, rform, tile, 'rhs') if given_r
+          else _prepare(b, tile))
+    out3 = _contract(ql, qr, fwd, precision)
     out = out3.reshape(lay.out_shape).astype(out_dtype)
     if ql.s is None:
       ql = None
@@ -245,6 +293,7 @@ def _fwd(lhs, rhs, key, dn, cfg: DotGeneralConfig, precision, preferred):
     # drhs on a [K, N] weight contracts q_L^T [K, M]: write it now.
     if (
       ql is not None
+      and not given_r
       and rform == 'kf'
       and cfg.drhs.use_fwd_quant
       and cfg.drhs.lhs.quantized
@@ -253,8 +302,9 @@ def _fwd(lhs, rhs, key, dn, cfg: DotGeneralConfig, precision, preferred):
         lax.optimization_barrier(ql.q.transpose(0, 1, 3, 2)),
         ql.s.transpose(0, 1, 3, 2), None, 'kf',
       )
-  reuse_l = ql is not None and cfg.drhs.use_fwd_quant
-  reuse_r = qr is not None and cfg.dlhs.use_fwd_quant
+  # A stored QTensor has no float form: its gradient partner always reuses it.
+  reuse_l = ql is not None and (cfg.drhs.use_fwd_quant or given_l)
+  reuse_r = qr is not None and (cfg.dlhs.use_fwd_quant or given_r)
   res = (
     None if reuse_l else lhs,
     None if reuse_r else rhs,
@@ -265,12 +315,14 @@ def _fwd(lhs, rhs, key, dn, cfg: DotGeneralConfig, precision, preferred):
     None if qr is None else _mask(qr, lay.rhs, rform),
     kl,
     kr,
-    _Shapes(
-      jax.ShapeDtypeStruct(lhs.shape, lhs.dtype),
-      jax.ShapeDtypeStruct(rhs.shape, rhs.dtype),
-    ),
+    _Shapes(lsd, rsd, given_l, given_r),
   )
   return out, res
+
+
+def _tile_cfg(raw: DotGeneralRaw, k: int) -> int | None:
+  ops = [_Operand(None, 'fk', raw.lhs), _Operand(None, 'fk', raw.rhs)]
+  return _tile(ops, k)
 
 
 def _canon_noise(cfg, key, layout, form):
@@ -293,13 +345,18 @@ def _bwd(dn, cfg: DotGeneralConfig, precision, preferred, res, g):
   lhs, rhs, ql, qr, qlt, mask_l, mask_r, kl, kr, shapes = res
   lay = DotLayout.create(shapes.lhs.shape, shapes.rhs.shape, dn)
   ctx = _Ctx(lay, cfg, precision, preferred, shapes, g)
-  dl = _dlhs(ctx, lhs, rhs, qr, kl)
-  dr = _drhs(ctx, lhs, rhs, ql, qlt, kr)
-  if mask_l is not None:
-    dl = jnp.where(mask_l, dl, jnp.zeros_like(dl))
-  if mask_r is not None:
-    dr = jnp.where(mask_r, dr, jnp.zeros_like(dr))
-  return dl.astype(shapes.lhs.dtype), dr.astype(shapes.rhs.dtype), None
+  dl = dr = None  # No gradient reaches a stored QTensor operand.
+  if not shapes.given_l:
+    dl = _dlhs(ctx, lhs, rhs, qr, kl)
+    if mask_l is not None:
+      dl = jnp.where(mask_l, dl, jnp.zeros_like(dl))
+    dl = dl.astype(shapes.lhs.dtype)
+  if not shapes.given_r:
+    dr = _drhs(ctx, lhs, rhs, ql, qlt, kr)
+    if mask_r is not None:
+      dr = jnp.where(mask_r, dr, jnp.zeros_like(dr))
+    dr = dr.astype(shapes.rhs.dtype)
+  return dl, dr, None
 
 
 @dataclasses.dataclass
@@ -434,7 +491,9 @@ def dot_general(
   """Drop-in for `jax.lax.dot_general` quantized as `config` says.
 
   Args:
-    lhs, rhs: float operands.
+    lhs, rhs: float operands; either may instead be a QTensor made by
+      `quantize_operand` with the same config and dimension numbers (serving
+      frozen weights: no float copy needed; no gradient reaches it).
     dimension_numbers: ((lhs_contract, rhs_contract), (lhs_batch, rhs_batch)).
     config: a DotGeneralConfig; None (or an all-float config) is exactly
       `lax.dot_general`, values and gradients.
@@ -457,15 +516,28 @@ def dot_general(
     raise TypeError(
       f'config must be an aqtr.DotGeneralConfig or None, got {config!r}.'
     )
-  if config is None or config.is_float:
+  given = [isinstance(x, QTensor) for x in (lhs, rhs)]
+  if any(given) and config is None:
+    raise ValueError(
+      'a QTensor operand needs the config it was quantized with: pass '
+      'config=...'
+    )
+  if not any(given) and (config is None or config.is_float):
     return lax.dot_general(
       lhs, rhs, dimension_numbers, precision=precision,
       preferred_element_type=preferred_element_type,
     )
-  lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
-  check_float(lhs, 'lhs')
-  check_float(rhs, 'rhs')
-  dn = _dn(DotLayout.create(lhs.shape, rhs.shape, dimension_numbers))
+  if not given[0]:
+    lhs = jnp.asarray(lhs)
+    check_float(lhs, 'lhs')
+  if not given[1]:
+    rhs = jnp.asarray(rhs)
+    check_float(rhs, 'rhs')
+  dn = _dn(
+    DotLayout.create(
+      _shape_dtype(lhs).shape, _shape_dtype(rhs).shape, dimension_numbers
+    )
+  )
   if _needs_key(config):
     if key is None:
       raise ValueError(
@@ -478,3 +550,69 @@ def dot_general(
     else jnp.dtype(preferred_element_type)
   )
   return _qdot_jit(lhs, rhs, key, dn, config, precision, preferred)
+
+
+def quantize_operand(
+  x: jax.Array,
+  dimension_numbers,
+  config: DotGeneralConfig,
+  *,
+  operand: str = 'rhs',
+  other_shape=None,
+  key: jax.Array | None = None,
+) -> QTensor:
+  """Quantizes one operand exactly as the forward pass of `config` would.
+
+  The result can be stored (e.g. frozen int8 weights) and passed to
+  `dot_general` in place of the float operand: the output is bit-identical
+  to running the float operand through the same config.
+
+  Args:
+    x: the float operand.
+    dimension_numbers: of the dot it will be used in.
+    config: the DotGeneralConfig of that dot (its fwd.<operand> applies).
+    operand: 'lhs' or 'rhs'.
+    other_shape: shape of the other operand; default: inferred as needed
+      (only the contraction/batch sizes matter, taken from `x`).
+    key: PRNG key if the forward rounding is stochastic.
+
+  Example:
+    >>> import jax.numpy as jnp, aqtr
+    >>> dn = (((1,), (0,)), ((), ()))
+    >>> w = aqtr.quantize_operand(jnp.ones((8, 2)), dn, aqtr.presets.int8())
+    >>> aqtr.dot_general(jnp.ones((4, 8)), w, dn, aqtr.presets.int8())[0]
+    Array([8., 8.], dtype=float32)
+  """
+  if operand not in ('lhs', 'rhs'):
+    raise ValueError(f"operand must be 'lhs' or 'rhs', got {operand!r}.")
+  if not isinstance(config, DotGeneralConfig):
+    raise TypeError(f'config must be an aqtr.DotGeneralConfig, got {config!r}.')
+  x = jnp.asarray(x)
+  check_float(x, 'x')
+  (lc, rc), (lb, rb) = dimension_numbers
+  mine, theirs = ((lc, lb), (rc, rb)) if operand == 'lhs' else ((rc, rb),
+                                                               (lc, lb))
+  if other_shape is None:  # A stand-in partner with matching sizes.
+    nd = len(theirs[0]) + len(theirs[1])
+    other_shape = [1] * max(nd, 1 + max((*theirs[0], *theirs[1], -1)))
+    for a, b in zip((*mine[0], *mine[1]), (*theirs[0], *theirs[1]),
+                    strict=True):
+      other_shape[b] = x.shape[a]
+  shapes = (x.shape, other_shape) if operand == 'lhs' else (other_shape,
+                                                             x.shape)
+  lay = DotLayout.create(*shapes, dimension_numbers)
+  side = getattr(lay, operand)
+  cfg = getattr(config.fwd, operand)
+  if not cfg.quantized:
+    raise ValueError(
+      f'config.fwd.{operand} is not quantized; nothing to freeze.'
+    )
+  form = 'fk' if operand == 'lhs' else side.natural_form()
+  tile = _tile_cfg(config.fwd, side.k)
+  key = as_typed_key(key)
+  if key is not None:
+    key = _keys(_keys(key, 3)[0], 2)[0 if operand == 'lhs' else 1]
+  op = _Operand(side.to_canonical(x, form), form, cfg,
+                _canon_noise(cfg, key, side, form))
+  q = _prepare(op, tile)
+  return QTensor(q.q, q.s, side, form)

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from aqtr.core.config import DotGeneralConfig
 from aqtr.core.dot_general import dot_general
+from aqtr.core.qtensor import QTensor
 
 
 def _expand(spec: str, rank: int, ell: str, field: str) -> str:
@@ -71,6 +72,39 @@ def parse(subscripts: str, lhs_rank: int, rhs_rank: int):
   return ls, rs, os
 
 
+def _ndim(x) -> int:
+  return len(x.layout.shape) if isinstance(x, QTensor) else x.ndim
+
+
+def _dn(ls: str, rs: str, os: str):
+  batch = [c for c in ls if c in rs and c in os]
+  contract = [c for c in ls if c in rs and c not in os]
+  return (
+    (tuple(ls.index(c) for c in contract), tuple(rs.index(c) for c in contract)),
+    (tuple(ls.index(c) for c in batch), tuple(rs.index(c) for c in batch)),
+  )
+
+
+def dimension_numbers(subscripts: str, lhs_rank: int, rhs_rank: int):
+  """The dot_general dimension numbers `einsum(subscripts, ...)` uses.
+
+  Use it with `aqtr.quantize_operand` to freeze an einsum operand.
+
+  Example:
+    >>> dimension_numbers('btd,df->btf', 3, 2)
+    (((2,), (0,)), ((), ()))
+  """
+  ls, rs, os = parse(subscripts, lhs_rank, rhs_rank)
+  if any(c not in rs and c not in os for c in ls) or any(
+    c not in ls and c not in os for c in rs
+  ):
+    raise ValueError(
+      f'einsum {subscripts!r} sums an axis before the dot; its operands do '
+      'not map onto one dot_general.'
+    )
+  return _dn(ls, rs, os)
+
+
 def einsum(
   subscripts: str,
   lhs: jax.Array,
@@ -89,29 +123,34 @@ def einsum(
     >>> aqtr.einsum('btd,df->btf', x, w, config=aqtr.presets.int8()).shape
     (2, 3, 5)
   """
-  if config is None or (
-    isinstance(config, DotGeneralConfig) and config.is_float
+  given = isinstance(lhs, QTensor) or isinstance(rhs, QTensor)
+  if not given and (
+    config is None
+    or (isinstance(config, DotGeneralConfig) and config.is_float)
   ):
     return jnp.einsum(
       subscripts, lhs, rhs, precision=precision,
       preferred_element_type=preferred_element_type,
     )
-  lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
-  ls, rs, os = parse(subscripts, lhs.ndim, rhs.ndim)
+  lhs, rhs = (x if isinstance(x, QTensor) else jnp.asarray(x)
+              for x in (lhs, rhs))
+  ls, rs, os = parse(subscripts, _ndim(lhs), _ndim(rhs))
   lonly = [i for i, c in enumerate(ls) if c not in rs and c not in os]
   ronly = [i for i, c in enumerate(rs) if c not in ls and c not in os]
+  for only, x, name in ((lonly, lhs, 'lhs'), (ronly, rhs, 'rhs')):
+    if only and isinstance(x, QTensor):
+      raise ValueError(
+        f'einsum {subscripts!r} sums axes of the QTensor {name} before the '
+        'dot; quantize the summed operand instead.'
+      )
   if lonly:
     lhs = lhs.sum(axis=tuple(lonly))
     ls = ''.join(c for i, c in enumerate(ls) if i not in lonly)
   if ronly:
     rhs = rhs.sum(axis=tuple(ronly))
     rs = ''.join(c for i, c in enumerate(rs) if i not in ronly)
+  dn = _dn(ls, rs, os)
   batch = [c for c in ls if c in rs and c in os]
-  contract = [c for c in ls if c in rs and c not in os]
-  dn = (
-    (tuple(ls.index(c) for c in contract), tuple(rs.index(c) for c in contract)),
-    (tuple(ls.index(c) for c in batch), tuple(rs.index(c) for c in batch)),
-  )
   out = dot_general(
     lhs, rhs, dn, config, key=key, precision=precision,
     preferred_element_type=preferred_element_type,
