@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import math
 from typing import ClassVar
 
 import jax
@@ -39,7 +40,8 @@ class Stochastic(Rounding):
   """Stochastic rounding (Gupta et al. 2015, arXiv 1502.02551).
 
   Math: `q = round(v + u)`, `u ~ U[-1/2, 1/2)` from an explicit PRNG key, so
-  `E[q] = v` for v inside the clip range. Noise is drawn once per group of
+  `E[q] = v` for v inside the clip range (u is drawn on a 2^16-point grid,
+  see `uniform16`). Noise is drawn once per group of
   `noise_sharing_axes` (axes of the operand as the user sees it; for a
   gradient operand, the axes of the dot output) and broadcast along them.
 
@@ -80,8 +82,22 @@ class Stochastic(Rounding):
         )
     shared = {a % rank for a in self.noise_sharing_axes} if rank else set()
     small = tuple(1 if i in shared else d for i, d in enumerate(shape))
-    u = jax.random.uniform(key, small, jnp.float32, -0.5, 0.5)
-    return jnp.broadcast_to(u, shape)
+    return jnp.broadcast_to(uniform16(key, small), shape)
+
+
+def uniform16(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+  """Uniform noise on the 2^16-point grid `(j + 1/2) / 2^16 - 1/2`.
+
+  Each 32-bit word from the key's generator gives two values, which halves
+  the generator's cost against `jax.random.uniform` (the dominant cost of
+  stochastic rounding on CPU). The mean is exactly 0; the grid bounds the
+  rounding bias of any value to 2^-17 of a quantization step.
+  """
+  n = math.prod(shape)
+  words = jax.random.bits(key, ((n + 1) // 2,), jnp.uint32)
+  halves = jnp.concatenate([words & 0xFFFF, words >> 16])[:n]
+  u = (halves.astype(jnp.float32) + 0.5) * (1.0 / 65536) - 0.5
+  return u.reshape(shape)
 
 
 def as_typed_key(key):
