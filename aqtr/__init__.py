@@ -7,8 +7,20 @@ Example:
   (4, 2)
 """
 
-from aqtr import calibrations, freezers, numerics, presets, tilings
+from aqtr import (
+  calibrations,
+  fiddle,
+  fiddlers,
+  freezers,
+  numerics,
+  presets,
+  selectors,
+  tags,
+  tilings,
+  validation,
+)
 from aqtr.core.config import DotGeneralConfig, DotGeneralRaw, TensorConfig
+from aqtr.core.conv import conv_general_dilated
 from aqtr.core.dot_general import dot_general, quantize_operand
 from aqtr.core.einsum import einsum
 from aqtr.core.qtensor import QTensor
@@ -31,13 +43,19 @@ __all__ = [
   'TensorConfig',
   'UnknownNameError',
   'calibrations',
+  'conv_general_dilated',
   'dot_general',
   'einsum',
   'fake_quant',
+  'fiddle',
+  'fiddlers',
   'freezers',
   'numerics',
   'presets',
   'quantize',
   'quantize_operand',
+  'selectors',
+  'tags',
   'tilings',
+  'validation',
 ]

@@ -14,6 +14,7 @@ from __future__ import annotations
 from aqtr.calibrations.absmax import AbsMax
 from aqtr.core.config import DotGeneralConfig, DotGeneralRaw, TensorConfig
 from aqtr.core.rounding import NearestEven, Rounding, Stochastic
+from aqtr.freezers.base import NoFreezer
 from aqtr.numerics.base import Numerics
 from aqtr.numerics.fp8 import Fp8
 from aqtr.numerics.int_symmetric import IntSymmetric
@@ -37,6 +38,7 @@ def _t(numerics: Numerics, rounding: Rounding | None = None) -> TensorConfig:
     calibration=AbsMax(clip_scale=1.0, po2_scale=False),
     tiling=PerChannel(),
     rounding=rounding or NearestEven(),
+    freezer=NoFreezer(),
   )
 
 

@@ -13,10 +13,12 @@ from __future__ import annotations
 import abc
 import dataclasses
 from collections.abc import Sequence
+from typing import Annotated
 
 import jax
 import jax.numpy as jnp
 
+from aqtr import tags
 from aqtr.core.registry import Registry
 
 
@@ -29,7 +31,7 @@ class Calibration(abc.ABC):
       Then fake quant and the real integer dot agree bit for bit.
   """
 
-  po2_scale: bool = False
+  po2_scale: Annotated[bool, tags.Po2Scale] = False
 
   @abc.abstractmethod
   def calibrate(self, x: jax.Array, axes: Sequence[int]) -> jax.Array:

@@ -22,10 +22,13 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+from typing import Annotated
 
+from aqtr import tags
 from aqtr.calibrations.absmax import AbsMax
 from aqtr.calibrations.base import Calibration
 from aqtr.core.rounding import NearestEven, Rounding
+from aqtr.freezers.base import Freezer, NoFreezer
 from aqtr.numerics.base import Numerics
 from aqtr.numerics.int_symmetric import IntSymmetric
 from aqtr.tilings.base import Tiling
@@ -54,18 +57,30 @@ class TensorConfig:
     calibration: how the bound of each scale group is found.
     tiling: which elements share a scale.
     rounding: NearestEven() or Stochastic(...) (needs a key at call time).
+    freezer: what a Flax model stores of this operand for serving
+      (registry 'freezers'; only config.fwd operands are frozen).
   """
 
-  numerics: Numerics = dataclasses.field(default_factory=IntSymmetric)
-  calibration: Calibration = dataclasses.field(default_factory=AbsMax)
-  tiling: Tiling = dataclasses.field(default_factory=PerChannel)
-  rounding: Rounding = dataclasses.field(default_factory=NearestEven)
+  numerics: Annotated[Numerics, tags.Numerics] = dataclasses.field(
+    default_factory=IntSymmetric
+  )
+  calibration: Annotated[Calibration, tags.Calibration] = dataclasses.field(
+    default_factory=AbsMax
+  )
+  tiling: Annotated[Tiling, tags.Tiling] = dataclasses.field(
+    default_factory=PerChannel
+  )
+  rounding: Annotated[Rounding, tags.Rounding] = dataclasses.field(
+    default_factory=NearestEven
+  )
+  freezer: Freezer = dataclasses.field(default_factory=NoFreezer)
 
   def __post_init__(self):
     _check_type('TensorConfig', 'numerics', self.numerics, Numerics)
     _check_type('TensorConfig', 'calibration', self.calibration, Calibration)
     _check_type('TensorConfig', 'tiling', self.tiling, Tiling)
     _check_type('TensorConfig', 'rounding', self.rounding, Rounding)
+    _check_type('TensorConfig', 'freezer', self.freezer, Freezer)
     n = self.numerics
     if self.rounding.stochastic and n.quantizes:
       if not n.supports_stochastic_rounding:
@@ -103,8 +118,8 @@ class DotGeneralRaw:
 
   lhs: TensorConfig = dataclasses.field(default_factory=TensorConfig)
   rhs: TensorConfig = dataclasses.field(default_factory=TensorConfig)
-  use_fwd_quant: bool = False
-  accumulator: str = 'auto'
+  use_fwd_quant: Annotated[bool, tags.UseFwdQuant] = False
+  accumulator: Annotated[str, tags.Accumulator] = 'auto'
 
   def __post_init__(self):
     _check_type('DotGeneralRaw', 'lhs', self.lhs, TensorConfig)

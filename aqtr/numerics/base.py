@@ -67,6 +67,16 @@ class Numerics(abc.ABC):
     return None
 
 
+# v = x / (bound / max_value) lands up to a couple of ulps above max_value
+# for the element that defines the bound; that element is not clipped.
+_CLIP_SLACK = 1.0 + 2.0**-20
+
+
+def within_range(v: jax.Array, max_value: float) -> jax.Array:
+  """The clip-gradient mask `1[|v| <= max_value]`, tolerant to that rounding."""
+  return jnp.abs(v) <= max_value * _CLIP_SLACK
+
+
 registry: Registry = Registry('numerics', Numerics)
 register = registry.register
 get = registry.get

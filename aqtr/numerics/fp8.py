@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Annotated
 
 import jax
 import jax.numpy as jnp
 
-from aqtr.numerics.base import Numerics, register
+from aqtr import tags
+from aqtr.numerics.base import Numerics, register, within_range
 
 _DTYPES = ('float8_e4m3fn', 'float8_e5m2')
 
@@ -31,7 +33,7 @@ class Fp8(Numerics):
   """
 
   dtype_name: str = 'float8_e4m3fn'
-  clip_gradient: bool = False
+  clip_gradient: Annotated[bool, tags.ClipGradient] = False
 
   def __post_init__(self):
     if self.dtype_name not in _DTYPES:
@@ -56,4 +58,4 @@ class Fp8(Numerics):
   def grad_mask(self, v: jax.Array) -> jax.Array | None:
     if not self.clip_gradient:
       return None
-    return jnp.abs(v) <= self.max_value
+    return within_range(v, self.max_value)

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Annotated
 
 import jax
 import jax.numpy as jnp
 
-from aqtr.numerics.base import Numerics, register
+from aqtr import tags
+from aqtr.numerics.base import Numerics, register, within_range
 
 _STORAGE = ('int8', 'int4')
 
@@ -41,10 +43,10 @@ class IntSymmetric(Numerics):
     127.0
   """
 
-  bits: int = 8
+  bits: Annotated[int, tags.Bits] = 8
   preserve_zero: bool = True
   preserve_max_val: bool = True
-  clip_gradient: bool = False
+  clip_gradient: Annotated[bool, tags.ClipGradient] = False
   storage: str = 'int8'
 
   supports_stochastic_rounding = True
@@ -52,10 +54,17 @@ class IntSymmetric(Numerics):
 
   def __post_init__(self):
     if isinstance(self.bits, bool) or not isinstance(self.bits, int):
-      raise TypeError(f'IntSymmetric.bits must be an int, got {self.bits!r}.')
+      raise TypeError(
+        f'IntSymmetric.bits must be an int in 1..8, got {self.bits!r}.'
+      )
     if not 1 <= self.bits <= 8:
       raise ValueError(
         f'IntSymmetric.bits must be in 1..8, got {self.bits}.'
+      )
+    if self.bits == 1 and self.preserve_zero:
+      raise ValueError(
+        'IntSymmetric.bits=1 needs preserve_zero=False (the binary grid '
+        '+-s/2); with preserve_zero=True the 1-bit grid is {0}.'
       )
     if self.storage not in _STORAGE:
       raise ValueError(
@@ -110,4 +119,4 @@ class IntSymmetric(Numerics):
   def grad_mask(self, v: jax.Array) -> jax.Array | None:
     if not self.clip_gradient:
       return None
-    return jnp.abs(v) <= self.max_value
+    return within_range(v, self.max_value)

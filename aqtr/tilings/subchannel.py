@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 from aqtr.tilings.base import Tiling, register
 
@@ -17,8 +18,9 @@ class SubChannel(Tiling):
   batch axis of the integer dot, each partial product is rescaled by its
   tiles' scales and the partials are summed in f32:
     out = sum_j (q_L[.., j, :] . q_R[.., j, :]) * s_L[j] * s_R[j]^T.
-  With one contraction axis this is tiling that axis. Give exactly one of
-  `tile_size` and `tile_count` (the other 0). The partner operand of a tiled
+  With one contraction axis this is tiling that axis. Give at most one of
+  `tile_size` and `tile_count` (the other 0); with neither, tiles hold
+  `DEFAULT_TILE_SIZE` (128) elements. The partner operand of a tiled
   operand is split with the same tiles (its scale may still be shared
   across them).
 
@@ -37,21 +39,22 @@ class SubChannel(Tiling):
   tile_count: int = 0
 
   shared = frozenset({'k'})
+  DEFAULT_TILE_SIZE: ClassVar[int] = 128
 
   def __post_init__(self):
     for name in ('tile_size', 'tile_count'):
       v = getattr(self, name)
       if isinstance(v, bool) or not isinstance(v, int) or v < 0:
         raise ValueError(f'SubChannel.{name} must be an int >= 0, got {v!r}.')
-    if (self.tile_size > 0) == (self.tile_count > 0):
+    if self.tile_size > 0 and self.tile_count > 0:
       raise ValueError(
-        'SubChannel needs exactly one of tile_size and tile_count > 0, got '
+        'SubChannel takes at most one of tile_size and tile_count > 0, got '
         f'tile_size={self.tile_size}, tile_count={self.tile_count}.'
       )
 
   def tile(self, k: int) -> int | None:
-    size = self.tile_size
     count = self.tile_count
+    size = self.tile_size or (0 if count else self.DEFAULT_TILE_SIZE)
     if size:
       if k % size:
         raise ValueError(
