@@ -57,7 +57,11 @@ def parse(subscripts: str, lhs_rank: int, rhs_rank: int):
   ls = _expand(parts[0], lhs_rank, ell, 'lhs subscripts')
   rs = _expand(parts[1], rhs_rank, ell, 'rhs subscripts')
   if arrow:
-    n_ell = max(lhs_rank - (len(parts[0]) - 3), rhs_rank - (len(parts[1]) - 3))
+    n_ell = max(
+      (r - (len(p) - 3) for p, r in zip(parts, (lhs_rank, rhs_rank))
+       if '...' in p),
+      default=0,
+    )
     os = out.replace('...', ell[len(ell) - n_ell:]) if '...' in out else out
   else:
     counts = {c: (ls + rs).count(c) for c in ls + rs}

@@ -57,7 +57,8 @@ class Registry(Generic[T]):
           f'{self.family}.register({name!r}): {cls!r} must subclass '
           f'{self.base.__module__}.{self.base.__qualname__}.'
         )
-      params = getattr(cls, '__dataclass_params__', None)
+      # Own params only: an undecorated subclass inherits its parent's.
+      params = cls.__dict__.get('__dataclass_params__')
       kw_only = params is not None and all(
         f.kw_only for f in dataclasses.fields(cls) if f.init
       )

@@ -1,0 +1,85 @@
+"""Multi-head dot-product attention with every contraction injectable.
+
+Six contractions, each its own op: the Q, K, V and output projections
+(`Linear` children, ops tagged `WeightOp`) and the two activation-activation
+einsums (tagged `ActivationOp`):
+
+  qk_einsum   logits = einsum('btnh,bsnh->bnts', q, k)
+  pv_einsum   out    = einsum('bnts,bsnh->btnh', probs, v)
+
+Example:
+  >>> import jax, jax.numpy as jnp
+  >>> from aqtr.pax.linear import Linear
+  >>> att = Attention(num_heads=2, q_proj=Linear(features=8),
+  ...                 k_proj=Linear(features=8), v_proj=Linear(features=8),
+  ...                 o_proj=Linear(features=4))
+  >>> x = jnp.ones((1, 3, 4))
+  >>> params = jax.eval_shape(att.init, jax.random.key(0), x)
+  >>> jax.eval_shape(att.apply, params, x).shape
+  (1, 3, 4)
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from aqtr.pax import ops, tags
+from aqtr.pax.linear import Linear
+
+__all__ = ['Attention']
+
+
+class Attention(nn.Module):
+  """Multi-head self-attention, causal by default.
+
+  The projections map d -> num_heads * head_dim (Q, K, V) and back to d
+  (output); head_dim is the projection size over num_heads. Queries are
+  scaled by head_dim^-1/2; the softmax runs in float32.
+
+  Attributes:
+    q_proj, k_proj, v_proj: input projections.
+    o_proj: output projection.
+    num_heads: number of heads (divides the projection size).
+    qk_einsum: op of the logits einsum (tagged `ActivationOp`).
+    pv_einsum: op of the weighted-values einsum (tagged `ActivationOp`).
+    causal: mask future positions.
+  """
+
+  q_proj: Linear
+  k_proj: Linear
+  v_proj: Linear
+  o_proj: Linear
+  num_heads: int = 1
+  qk_einsum: Annotated[ops.EinsumOp | None, tags.ActivationOp] = None
+  pv_einsum: Annotated[ops.EinsumOp | None, tags.ActivationOp] = None
+  causal: bool = True
+
+  def _heads(self, x: jax.Array) -> jax.Array:
+    b, t, f = x.shape
+    if f % self.num_heads:
+      raise ValueError(
+        f'Attention: projection size {f} is not divisible by num_heads='
+        f'{self.num_heads}.'
+      )
+    return x.reshape(b, t, self.num_heads, f // self.num_heads)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    """[batch, time, d] -> [batch, time, d]."""
+    q = self._heads(self.q_proj(x))
+    k = self._heads(self.k_proj(x))
+    v = self._heads(self.v_proj(x))
+    q = q * jnp.asarray(q.shape[-1] ** -0.5, q.dtype)
+    logits = ops.einsum(self.qk_einsum, 'btnh,bsnh->bnts', q, k)
+    logits = logits.astype(jnp.float32)
+    if self.causal:
+      t = x.shape[1]
+      mask = jnp.tril(jnp.ones((t, t), bool))[None, None]
+      logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+    out = ops.einsum(self.pv_einsum, 'bnts,bsnh->btnh', probs, v)
+    b, t = out.shape[:2]
+    return self.o_proj(out.reshape(b, t, -1))

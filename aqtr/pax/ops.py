@@ -1,0 +1,284 @@
+"""Injectable contraction ops: the one seam between layers and quantization.
+
+Every tensor contraction of an `aqtr.pax` layer goes through an op module
+held in a field of the layer (`Linear.einsum`, `Attention.qk_einsum`, ...).
+An op has no parameters; its `config` decides the arithmetic:
+
+  config=None                  float (`jnp.einsum` / `lax.dot_general` /
+                               `lax.conv_general_dilated` exactly)
+  config=DotGeneralConfig(...) quantized by `aqtr.einsum` / `dot_general` /
+                               `conv_general_dilated`
+
+so quantizing a model means setting `config` on op nodes of its Fiddle
+config (`aqtr.pax.inject`), and the parameter tree never changes. A field
+left unset (None) is the float op.
+
+Stochastic rounding needs a PRNG key: an op whose config asks for it draws
+one from the linen rng stream `rng_stream` (default 'quant'), so apply the
+model with `rngs={'quant': key}`. Ops without stochastic rounding never
+touch the stream.
+
+Example:
+  >>> import jax, jax.numpy as jnp, aqtr
+  >>> op = EinsumOp(config=aqtr.presets.int8())
+  >>> x, w = jnp.ones((2, 8)), jnp.ones((8, 3))
+  >>> op.apply({}, 'md,df->mf', x, w).shape
+  (2, 3)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import types
+import typing
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+import aqtr
+from aqtr.core.config import DotGeneralConfig, TensorConfig
+
+__all__ = [
+  'ConvOp',
+  'DotGeneralOp',
+  'EinsumOp',
+  'Op',
+  'conv',
+  'einsum',
+  'needs_key',
+  'op_fields',
+]
+
+
+def needs_key(config: Any) -> bool:
+  """Whether `config` quantizes some operand with stochastic rounding.
+
+  Walks any tree of frozen dataclasses (DotGeneralConfig or a future conv
+  config) looking for a quantized TensorConfig with stochastic rounding.
+
+  Args:
+    config: a config dataclass, or None.
+
+  Returns:
+    True when applying the op needs a PRNG key.
+
+  Example:
+    >>> import aqtr
+    >>> needs_key(aqtr.presets.int8())
+    False
+    >>> needs_key(aqtr.presets.fully_quantized(8, 8, True))
+    True
+  """
+  if isinstance(config, TensorConfig):
+    return config.quantized and config.rounding.stochastic
+  if dataclasses.is_dataclass(config) and not isinstance(config, type):
+    return any(
+      needs_key(getattr(config, f.name)) for f in dataclasses.fields(config)
+    )
+  return False
+
+
+def _is_float(config: Any) -> bool:
+  return config is None or (
+    isinstance(config, DotGeneralConfig) and config.is_float
+  )
+
+
+class Op(nn.Module):
+  """Base of the injectable ops (no parameters, only a config).
+
+  Attributes:
+    config: a DotGeneralConfig, or None for the float op.
+    rng_stream: linen rng stream of the stochastic-rounding key.
+  """
+
+  config: DotGeneralConfig | None = None
+  rng_stream: str = 'quant'
+
+  def _key(self) -> jax.Array | None:
+    if not needs_key(self.config):
+      return None
+    if not self.has_rng(self.rng_stream):
+      where = '/'.join(self.path) or type(self).__name__
+      raise ValueError(
+        f'{where}: its config uses stochastic rounding and needs a PRNG '
+        f'key from the rng stream {self.rng_stream!r}; apply the model with '
+        f"rngs={{'{self.rng_stream}': jax.random.key(step)}}."
+      )
+    return self.make_rng(self.rng_stream)
+
+
+class EinsumOp(Op):
+  """Two-operand einsum; `aqtr.einsum(eqn, lhs, rhs, config=config)`.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> EinsumOp().apply({}, 'k,k->', jnp.ones(3), jnp.ones(3)).tolist()
+    3.0
+  """
+
+  def __call__(self, eqn: str, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
+    return aqtr.einsum(eqn, lhs, rhs, config=self.config, key=self._key())
+
+
+class DotGeneralOp(Op):
+  """`lax.dot_general` drop-in; `aqtr.dot_general(..., config)`.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> dn = (((1,), (0,)), ((), ()))
+    >>> DotGeneralOp().apply({}, jnp.ones((2, 3)), jnp.ones((3, 4)), dn).shape
+    (2, 4)
+  """
+
+  def __call__(
+    self,
+    lhs: jax.Array,
+    rhs: jax.Array,
+    dimension_numbers: Any,
+    precision: Any = None,
+    preferred_element_type: Any = None,
+  ) -> jax.Array:
+    return aqtr.dot_general(
+      lhs,
+      rhs,
+      dimension_numbers,
+      self.config,
+      key=self._key(),
+      precision=precision,
+      preferred_element_type=preferred_element_type,
+    )
+
+
+def einsum(op: EinsumOp | None, eqn: str, lhs: jax.Array, rhs: jax.Array):
+  """Runs `op(eqn, lhs, rhs)`, or the float `jnp.einsum` when `op` is None.
+
+  Layers call their op fields through this, so an unset field is the float
+  op.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> einsum(None, 'k,k->', jnp.ones(3), jnp.ones(3)).tolist()
+    3.0
+  """
+  if op is None:
+    return jnp.einsum(eqn, lhs, rhs)
+  return op(eqn, lhs, rhs)
+
+
+def conv(op: ConvOp | None, lhs: jax.Array, rhs: jax.Array, *args, **kwargs):
+  """Runs `op(lhs, rhs, ...)`, or `lax.conv_general_dilated` when None.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> x, k = jnp.ones((1, 3, 3, 1)), jnp.ones((3, 3, 1, 1))
+    >>> conv(None, x, k, (1, 1), 'VALID',
+    ...      dimension_numbers=('NHWC', 'HWIO', 'NHWC')).ravel().tolist()
+    [9.0]
+  """
+  if op is None:
+    return lax.conv_general_dilated(lhs, rhs, *args, **kwargs)
+  return op(lhs, rhs, *args, **kwargs)
+
+
+def _quantized_conv():
+  fn = getattr(aqtr, 'conv_general_dilated', None)
+  if fn is None:
+    try:
+      from aqtr.core.conv import conv_general_dilated as fn
+    except ImportError:
+      raise NotImplementedError(
+        'aqtr has no quantized conv_general_dilated yet; leave ConvOp.config '
+        'None (float) for now.'
+      ) from None
+  return fn
+
+
+class ConvOp(Op):
+  """`lax.conv_general_dilated` drop-in, quantized when `config` is set.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> x, k = jnp.ones((1, 4, 4, 2)), jnp.ones((3, 3, 2, 5))
+    >>> dn = ('NHWC', 'HWIO', 'NHWC')
+    >>> ConvOp().apply({}, x, k, (1, 1), 'SAME', dimension_numbers=dn).shape
+    (1, 4, 4, 5)
+  """
+
+  def __call__(
+    self,
+    lhs: jax.Array,
+    rhs: jax.Array,
+    window_strides: Any,
+    padding: Any,
+    lhs_dilation: Any = None,
+    rhs_dilation: Any = None,
+    dimension_numbers: Any = None,
+    feature_group_count: int = 1,
+    batch_group_count: int = 1,
+    precision: Any = None,
+    preferred_element_type: Any = None,
+  ) -> jax.Array:
+    args = (
+      lhs,
+      rhs,
+      window_strides,
+      padding,
+      lhs_dilation,
+      rhs_dilation,
+      dimension_numbers,
+      feature_group_count,
+      batch_group_count,
+      precision,
+      preferred_element_type,
+    )
+    if _is_float(self.config):
+      return lax.conv_general_dilated(*args)
+    return _quantized_conv()(*args, config=self.config, key=self._key())
+
+
+def _op_class(hint: Any) -> type[Op] | None:
+  """The Op subclass named by a field annotation, if any."""
+  if typing.get_origin(hint) is typing.Annotated:
+    hint = typing.get_args(hint)[0]
+  if typing.get_origin(hint) in (typing.Union, types.UnionType):
+    found = [_op_class(h) for h in typing.get_args(hint)]
+    found = [c for c in found if c is not None]
+    return found[0] if len(found) == 1 else None
+  if isinstance(hint, type) and issubclass(hint, Op):
+    return hint
+  return None
+
+
+@functools.cache
+def op_fields(cls: type) -> dict[str, type[Op]]:
+  """The op fields of a layer class: field name -> op class.
+
+  A field is an op field when its annotation names an `Op` subclass
+  (possibly inside `Annotated[...]` and `| None`).
+
+  Args:
+    cls: a layer class (any class with type hints).
+
+  Returns:
+    Field names mapped to the op class they hold, in definition order.
+
+  Example:
+    >>> import aqtr.pax
+    >>> op_fields(aqtr.pax.Attention)['qk_einsum'].__name__
+    'EinsumOp'
+  """
+  try:
+    hints = typing.get_type_hints(cls, include_extras=True)
+  except Exception:  # noqa: BLE001 (unresolvable hints: no op fields)
+    return {}
+  out = {}
+  for name, hint in hints.items():
+    op = _op_class(hint)
+    if op is not None:
+      out[name] = op
+  return out

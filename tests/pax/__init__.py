@@ -1,0 +1,1 @@
+"""Tests of aqtr.pax (Pax-style layers and selector injection)."""
