@@ -32,6 +32,7 @@ class AbsMax(Calibration):
   clip_scale: float = 1.0
 
   def __post_init__(self):
+    super().__post_init__()
     c = self.clip_scale
     if isinstance(c, bool) or not isinstance(c, int | float):
       raise TypeError(f'AbsMax.clip_scale must be a float, got {c!r}.')

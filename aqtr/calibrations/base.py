@@ -33,6 +33,13 @@ class Calibration(abc.ABC):
 
   po2_scale: Annotated[bool, tags.Po2Scale] = False
 
+  def __post_init__(self):
+    if not isinstance(self.po2_scale, bool):
+      raise TypeError(
+        f'{type(self).__name__}.po2_scale must be a bool, got '
+        f'{self.po2_scale!r}.'
+      )
+
   @abc.abstractmethod
   def calibrate(self, x: jax.Array, axes: Sequence[int]) -> jax.Array:
     """The bound per scale group: `x` reduced over `axes`, keepdims.

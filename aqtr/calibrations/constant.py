@@ -32,6 +32,7 @@ class Constant(Calibration):
   bound: float = 1.0
 
   def __post_init__(self):
+    super().__post_init__()
     b = self.bound
     if isinstance(b, bool) or not isinstance(b, int | float):
       raise TypeError(f'Constant.bound must be a float, got {b!r}.')

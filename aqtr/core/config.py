@@ -190,6 +190,15 @@ class DotGeneralConfig:
       )
 
   @property
+  def needs_key(self) -> bool:
+    """True when some quantized operand rounds stochastically."""
+    return any(
+      t.quantized and t.rounding.stochastic
+      for raw in (self.fwd, self.dlhs, self.drhs)
+      for t in (raw.lhs, raw.rhs)
+    )
+
+  @property
   def is_float(self) -> bool:
     """True when no pass quantizes anything (the config equals lax)."""
     fwd_q = self.fwd.lhs.quantized or self.fwd.rhs.quantized

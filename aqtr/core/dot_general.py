@@ -470,14 +470,6 @@ _qdot.defvjp(_fwd, _bwd)
 _qdot_jit = jax.jit(_qdot, static_argnums=(3, 4, 5, 6))
 
 
-def _needs_key(cfg: DotGeneralConfig) -> bool:
-  return any(
-    t.quantized and t.rounding.stochastic
-    for raw in (cfg.fwd, cfg.dlhs, cfg.drhs)
-    for t in (raw.lhs, raw.rhs)
-  )
-
-
 def dot_general(
   lhs: jax.Array,
   rhs: jax.Array,
@@ -538,13 +530,13 @@ def dot_general(
       _shape_dtype(lhs).shape, _shape_dtype(rhs).shape, dimension_numbers
     )
   )
-  if _needs_key(config):
+  if config.needs_key:
     if key is None:
       raise ValueError(
         'config uses stochastic rounding and needs a PRNG key: pass '
         'key=jax.random.key(seed) (a raw jax.random.PRNGKey works too).'
       )
-  key = as_typed_key(key) if _needs_key(config) else None
+  key = as_typed_key(key) if config.needs_key else None
   preferred = (
     None if preferred_element_type is None
     else jnp.dtype(preferred_element_type)

@@ -36,6 +36,10 @@ class Fp8(Numerics):
   clip_gradient: Annotated[bool, tags.ClipGradient] = False
 
   def __post_init__(self):
+    if not isinstance(self.clip_gradient, bool):
+      raise TypeError(
+        f'Fp8.clip_gradient must be a bool, got {self.clip_gradient!r}.'
+      )
     if self.dtype_name not in _DTYPES:
       raise ValueError(
         f'Fp8.dtype_name must be one of {_DTYPES}, got {self.dtype_name!r}.'

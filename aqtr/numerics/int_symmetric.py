@@ -66,6 +66,11 @@ class IntSymmetric(Numerics):
         'IntSymmetric.bits=1 needs preserve_zero=False (the binary grid '
         '+-s/2); with preserve_zero=True the 1-bit grid is {0}.'
       )
+    for name in ('preserve_zero', 'preserve_max_val', 'clip_gradient'):
+      if not isinstance(getattr(self, name), bool):
+        raise TypeError(
+          f'IntSymmetric.{name} must be a bool, got {getattr(self, name)!r}.'
+        )
     if self.storage not in _STORAGE:
       raise ValueError(
         f'IntSymmetric.storage must be one of {_STORAGE}, got '
