@@ -1,0 +1,21 @@
+"""The main job: quantized vs float training on offline data.
+
+Run it with `aqtr-train` or `python -m aqtr.train` (see `__main__` for the
+flags). From Python:
+
+  >>> from aqtr.train import experiment, job
+  >>> cfg = experiment.tiny()
+  >>> rows = job.run(cfg, 'out')  # doctest: +SKIP
+
+Modules: `experiment` (the config and named variants), `models` (Pax-style
+templates + injection), `tasks` (data and metric), `loop` (one run),
+`serving` (convert, orbax, serve == train), `report` (outputs), `job` (all
+runs). Needs the `train` extra (flax, optax, orbax, matplotlib, rich, and
+scikit-learn for the digits task). Not imported by `import aqtr`.
+"""
+
+from aqtr.train import experiment, job
+from aqtr.train.experiment import Experiment
+from aqtr.train.job import run
+
+__all__ = ['Experiment', 'experiment', 'job', 'run']

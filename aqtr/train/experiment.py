@@ -1,0 +1,248 @@
+"""The experiment config of the main job and its named variants.
+
+`Experiment` holds everything a comparison needs except where to write:
+task, model template, which runs, optimizer and schedule, data settings.
+It is configured with Fiddle: `--config=config:NAME` picks one of the
+functions below (they return `fdl.Config(Experiment)`), `set:` changes a
+field, `fiddler:` applies a function of this module (`custom`, or the
+registry-name fiddlers of `aqtr.fiddlers` on the `custom` run's tree).
+
+Named configs (float + int8 + fp8 runs each; wall times measured on a
+shared 2-core CPU under heavy load, an idle machine is faster):
+
+  default  byte-level transformer LM on the stdlib corpus, 2 layers,
+           d_model 128, 250 steps of 16 x 64 bytes  (~3.5 min loaded)
+  tiny     the same at toy size, 40 steps (tests; ~40 s loaded)
+  digits   MLP 64-256-256-10 on scikit-learn's digits, 300 steps (~40 s)
+  long     the default model, 2000 steps of 32 x 64 bytes (estimate:
+           ~30-60 min on 2 CPU cores)
+  large    4 layers, d_model 256, seq 256, batch 32, 2000 steps (estimate:
+           hours on CPU; meant for a GPU)
+
+Example:
+  >>> from aqtr.train import experiment
+  >>> cfg = experiment.tiny()
+  >>> cfg.steps, cfg.runs
+  (40, ('float', 'int8', 'fp8'))
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any
+
+import fiddle as fdl
+
+import aqtr
+from aqtr import fiddle as aqtr_fiddle
+from aqtr.data import stdlib
+from aqtr.train import models
+
+try:  # Registry-name fiddlers, usable on the `custom` run's tree.
+  from aqtr.fiddlers import (  # noqa: F401 (resolved by the flags)
+    set_fields,
+    set_tag,
+    use,
+    use_calibration,
+    use_numerics,
+    use_rounding,
+    use_tiling,
+  )
+except ImportError:  # pragma: no cover (older checkouts)
+  pass
+
+__all__ = [
+  'TASKS',
+  'Experiment',
+  'custom',
+  'default',
+  'digits',
+  'large',
+  'long',
+  'split',
+  'tiny',
+]
+
+TASKS = ('lm', 'digits')
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Experiment:
+  """One comparison: the same model, data and seed under several configs.
+
+  Attributes:
+    task: 'lm' (byte-level stdlib LM, reports bits per byte/char) or
+      'digits' (MLP classifier, reports accuracy).
+    model: the float model template (a Fiddle config, see
+      `aqtr.train.models`); None: the task's default model.
+    runs: preset names of `aqtr.presets` to run, in order ('float' first
+      gives the speed baseline).
+    custom: a user-chosen DotGeneralConfig (Fiddle tree), run last under
+      the name 'custom'; None: no custom run.
+    steps: optimizer steps per run.
+    batch_size: sequences (lm) or images (digits) per step.
+    seq_len: bytes per sequence (lm).
+    learning_rate: peak Adam learning rate (linear warmup, cosine decay).
+    warmup_steps: warmup length.
+    weight_decay: AdamW decay.
+    grad_clip: global gradient norm clip.
+    eval_every: evaluate on the validation set every this many steps.
+    eval_batches: validation batches per evaluation (lm).
+    log_every: record the train loss every this many steps.
+    seed: parameters, data order and stochastic rounding keys.
+    max_corpus_bytes: train text read from the stdlib (lm).
+    val_percent: share of stdlib files held out (lm).
+  """
+
+  task: str = 'lm'
+  model: Any = None
+  runs: tuple[str, ...] = ('float', 'int8', 'fp8')
+  custom: aqtr.DotGeneralConfig | None = None
+  steps: int = 250
+  batch_size: int = 16
+  seq_len: int = 64
+  learning_rate: float = 3e-3
+  warmup_steps: int = 20
+  weight_decay: float = 0.0
+  grad_clip: float = 1.0
+  eval_every: int = 50
+  eval_batches: int = 8
+  log_every: int = 10
+  seed: int = 0
+  max_corpus_bytes: int = 2_000_000
+  val_percent: int = 10
+
+  def __post_init__(self):
+    if self.task not in TASKS:
+      raise ValueError(f'task must be one of {TASKS}, got {self.task!r}.')
+    for name in self.runs:
+      if name not in aqtr.presets.__all__:
+        raise ValueError(
+          f'runs: unknown preset {name!r}; presets: '
+          f'{", ".join(aqtr.presets.__all__)} (a config of your own goes '
+          'in `custom`, e.g. --config="fiddler:custom(\'int8\')").'
+        )
+    if len(set(self.runs)) != len(self.runs):
+      raise ValueError(f'runs has duplicates: {self.runs}.')
+    if not self.runs and self.custom is None:
+      raise ValueError('nothing to run: runs is empty and custom is None.')
+    for name in (
+      'steps',
+      'batch_size',
+      'seq_len',
+      'eval_every',
+      'eval_batches',
+      'log_every',
+    ):
+      if getattr(self, name) < 1:
+        raise ValueError(f'{name} must be >= 1, got {getattr(self, name)}.')
+
+  @property
+  def run_names(self) -> tuple[str, ...]:
+    """Names of the runs in order, 'custom' last when set."""
+    return self.runs + (('custom',) if self.custom is not None else ())
+
+
+def _lm(**model: Any) -> fdl.Config:
+  # The position table's size follows Experiment.seq_len, see `split`.
+  return models.lm(vocab_size=stdlib.VOCAB_SIZE, seq_len=1, **model)
+
+
+def default() -> fdl.Config:
+  """The bare command's experiment: the stdlib byte LM, float/int8/fp8."""
+  return fdl.Config(
+    Experiment,
+    model=_lm(d_model=128, num_layers=2, num_heads=4),
+  )
+
+
+def tiny() -> fdl.Config:
+  """A toy LM for tests and smoke runs (~20 s on 2 cores)."""
+  return fdl.Config(
+    Experiment,
+    model=_lm(d_model=32, num_layers=1, num_heads=2),
+    steps=40,
+    batch_size=8,
+    seq_len=32,
+    learning_rate=1e-2,
+    warmup_steps=5,
+    eval_every=20,
+    eval_batches=4,
+    log_every=5,
+    max_corpus_bytes=200_000,
+  )
+
+
+def digits() -> fdl.Config:
+  """MLP on scikit-learn's 8x8 digits; reports validation accuracy."""
+  return fdl.Config(
+    Experiment,
+    task='digits',
+    model=models.mlp(num_classes=10, hidden=(256, 256)),
+    steps=300,
+    batch_size=64,
+    learning_rate=3e-3,
+    eval_every=50,
+  )
+
+
+def long() -> fdl.Config:
+  """The default experiment trained 8x longer on 2x larger batches."""
+  cfg = default()
+  cfg.steps, cfg.batch_size, cfg.eval_every, cfg.log_every = 2000, 32, 250, 25
+  cfg.warmup_steps, cfg.max_corpus_bytes = 100, None
+  return cfg
+
+
+def large() -> fdl.Config:
+  """A bigger LM run for a GPU or a long CPU session."""
+  return fdl.Config(
+    Experiment,
+    model=_lm(d_model=256, num_layers=4, num_heads=8),
+    steps=2000,
+    batch_size=32,
+    seq_len=256,
+    learning_rate=1e-3,
+    warmup_steps=100,
+    eval_every=250,
+    eval_batches=16,
+    log_every=25,
+    max_corpus_bytes=None,
+  )
+
+
+def custom(
+  cfg: fdl.Config, preset: str = 'int8', *args: Any, **kwargs: Any
+) -> None:
+  """Fiddler: adds the run 'custom' with `aqtr.presets.<preset>(*args)`.
+
+  The tree is fully expanded, so later `set:custom.fwd.lhs.numerics.bits=4`
+  or `fiddler:use_rounding('custom\\.d.hs\\.lhs', 'stochastic')` reach it.
+
+  Example:
+    >>> cfg = tiny()
+    >>> custom(cfg, 'fully_quantized', fwd_bits=4)
+    >>> cfg.custom.fwd.lhs.numerics.bits
+    4
+  """
+  cfg.custom = aqtr_fiddle.config(preset, *args, **kwargs)
+
+
+def split(cfg: fdl.Config) -> tuple[Experiment, Any, Any]:
+  """Builds the experiment, keeping the model template unbuilt.
+
+  Args:
+    cfg: `fdl.Config(Experiment)`.
+
+  Returns:
+    (experiment, model template, custom DotGeneralConfig or None). The
+    template is a copy; an LM's `max_len` is set to `seq_len`.
+  """
+  exp = aqtr_fiddle.build(fdl.copy_with(cfg, model=None))
+  template = copy.deepcopy(cfg.model)
+  if template is None:
+    template = models.mlp(10) if exp.task == 'digits' else _lm()
+  if exp.task == 'lm' and 'max_len' in fdl.ordered_arguments(template):
+    template.max_len = exp.seq_len
+  return dataclasses.replace(exp, model=template), template, exp.custom

@@ -1,0 +1,213 @@
+"""Training one run: optax Adam, jitted step, periodic evaluation.
+
+Every run of an experiment starts from the same parameters (same init key;
+the quantized model has the float model's parameter tree) and sees the same
+batches (`Task.batches()` from the same seed). Compile time is measured
+ahead of time (`jit(...).lower(...).compile()`); steps/s counts training
+steps only (no compile, no evaluation).
+
+Example:
+  >>> import aqtr
+  >>> from aqtr.train import experiment, loop, tasks
+  >>> cfg = experiment.tiny()
+  >>> cfg.steps = 2
+  >>> exp, template, _ = experiment.split(cfg)
+  >>> r = loop.train('int8', aqtr.presets.int8(), exp, tasks.make(exp),
+  ...                template, show_progress=False)  # doctest: +SKIP
+  >>> r.step  # doctest: +SKIP
+  2
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import aqtr
+import aqtr.pax
+from aqtr.train import models, progress
+from aqtr.train.experiment import Experiment
+from aqtr.train.tasks import Task, cross_entropy, evaluate_logits
+
+__all__ = ['RunResult', 'init_params', 'optimizer', 'train']
+
+Record = dict[str, Any]
+
+
+@dataclasses.dataclass
+class RunResult:
+  """What a run leaves: trained float params, metrics, timings."""
+
+  name: str
+  config: aqtr.DotGeneralConfig
+  injected: Any
+  report: Any
+  params: Any
+  step: int
+  train_loss: float
+  final: dict[str, float]
+  history: list[Record]
+  steps_per_s: float
+  compile_s: float
+  train_s: float
+  logits_fn: Callable[[Any, np.ndarray], jax.Array]  # eval batches' shape
+
+
+def optimizer(exp: Experiment) -> optax.GradientTransformation:
+  """Clipped AdamW with linear warmup and cosine decay to 10%."""
+  warmup = min(exp.warmup_steps, exp.steps // 2)
+  schedule = optax.warmup_cosine_decay_schedule(
+    0.0,
+    exp.learning_rate,
+    warmup,
+    max(exp.steps, warmup + 1),
+    end_value=0.1 * exp.learning_rate,
+  )
+  return optax.chain(
+    optax.clip_by_global_norm(exp.grad_clip),
+    optax.adamw(schedule, weight_decay=exp.weight_decay),
+  )
+
+
+def init_params(template: Any, task: Task, seed: int) -> Any:
+  """Initial params of the float model (the same tree for every config)."""
+  module = models.build(template)
+  x = jnp.asarray(next(task.batches())[0])
+  return jax.jit(module.init)(jax.random.key(seed), x)['params']
+
+
+def _rngs(config, seed: int, step) -> dict[str, jax.Array] | None:
+  """Stochastic rounding keys (the 'quant' stream), only when used."""
+  if not aqtr.pax.needs_key(config):
+    return None
+  return {'quant': jax.random.fold_in(jax.random.key(seed + 1), step)}
+
+
+def train(
+  name: str,
+  config: aqtr.DotGeneralConfig,
+  exp: Experiment,
+  task: Task,
+  template: Any,
+  *,
+  params: Any = None,
+  on_record: Callable[[Record], None] | None = None,
+  show_progress: bool = True,
+) -> RunResult:
+  """Trains the model of `template` quantized by `config`.
+
+  Args:
+    name: the run's name (records and progress bar).
+    config: injected into every projection of the model.
+    exp: steps, optimizer and evaluation settings.
+    task: data and metric.
+    template: the float model template.
+    params: initial params (copied; default: `init_params`).
+    on_record: called with each metrics record as it is made.
+    show_progress: draw the progress bar.
+
+  Returns:
+    A RunResult with the trained (float) params and the metrics.
+  """
+  injected, report = models.inject(template, config)
+  module = models.build(injected)
+  emit = on_record or (lambda r: None)
+  batches = task.batches()
+  x0, y0 = next(task.batches())
+  if params is None:
+    params = init_params(template, task, exp.seed)
+  params = jax.tree.map(jnp.copy, params)  # The step donates its buffers.
+  tx = optimizer(exp)
+  opt_state = tx.init(params)
+
+  def step_fn(params, opt_state, x, y, step):
+    def loss_fn(p):
+      logits = module.apply(
+        {'params': p}, x, rngs=_rngs(config, exp.seed, step)
+      )
+      return cross_entropy(logits, y)
+
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  def logits_fn(params, x):
+    return module.apply({'params': params}, x, rngs=_rngs(config, exp.seed, 0))
+
+  history: list[Record] = []
+  losses, window, train_s = [], [], 0.0
+  with progress.Bar(name, exp.steps, task.unit, show_progress) as bar:
+    bar.status('compiling')
+    t0 = time.perf_counter()
+    step_c = (
+      jax.jit(step_fn, donate_argnums=(0, 1))
+      .lower(params, opt_state, x0, y0, jnp.int32(0))
+      .compile()
+    )
+    eval_c = jax.jit(logits_fn).lower(params, task.eval_set[0][0]).compile()
+    compile_s = time.perf_counter() - t0
+
+    def evaluate(step):
+      rec = evaluate_logits(
+        lambda x: eval_c(params, x), task.eval_set, task.metric
+      )
+      rec = {'run': name, 'step': step, **rec}
+      history.append(rec)
+      emit(rec)
+      return rec
+
+    final = evaluate(0)
+    t = time.perf_counter()
+    for i in range(1, exp.steps + 1):
+      x, y = next(batches)
+      params, opt_state, loss = step_c(params, opt_state, x, y, jnp.int32(i))
+      window.append(loss)
+      log = i % exp.log_every == 0 or i == exp.steps
+      ev = i % exp.eval_every == 0 or i == exp.steps
+      if not (log or ev):
+        continue
+      jax.block_until_ready(loss)
+      train_s += time.perf_counter() - t
+      if log:
+        losses.append(float(np.mean(jax.device_get(window))))
+        window = []
+        rec = {
+          'run': name,
+          'step': i,
+          'train_loss': losses[-1],
+          'steps_per_s': i / train_s,
+          'time_s': train_s,
+        }
+        history.append(rec)
+        emit(rec)
+        bar.update(
+          i,
+          loss=losses[-1],
+          steps_per_s=i / train_s,
+          items_per_s=i * task.items_per_batch / train_s,
+        )
+      if ev:
+        final = evaluate(i)
+      t = time.perf_counter()
+  return RunResult(
+    name=name,
+    config=config,
+    injected=injected,
+    report=report,
+    params=params,
+    step=exp.steps,
+    train_loss=losses[-1],
+    final=final,
+    history=history,
+    steps_per_s=exp.steps / train_s,
+    compile_s=compile_s,
+    train_s=train_s,
+    logits_fn=eval_c,
+  )

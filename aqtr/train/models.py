@@ -1,0 +1,169 @@
+"""Models of the main job: Pax-style templates, quantized by injection.
+
+A model is a Fiddle template of an `aqtr.pax` layer (float: every op field
+unset). A run quantizes it without editing any layer code: `inject` gives
+every weight contraction (ops tagged `aqtr.pax.tags.WeightOp`: attention
+Q/K/V/O projections, feed-forward, logits; the weight is the rhs operand)
+the run's DotGeneralConfig, through `aqtr.pax.inject`. Attention's
+activation x activation einsums (QK^T, PV) stay float. The parameter tree
+does not depend on the config, so every run starts from the same params.
+
+`serving_template` turns an injected template into the same model whose
+quantized weight ops are `aqtr.flax.linen.Einsum` ops in a freezer mode
+(CONVERT / SERVE) with the 'weights' freezer on the rhs: the model that
+`aqtr.flax.linen.convert` freezes and that serves from int8/fp8 weights.
+
+Example:
+  >>> import aqtr
+  >>> from aqtr.train import models
+  >>> t = models.lm(vocab_size=256, seq_len=16, d_model=32, num_layers=1,
+  ...               num_heads=2)
+  >>> cfg, report = models.inject(t, aqtr.presets.int8())
+  >>> len(report.quantized_paths())
+  7
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import fiddle as fdl
+import flax.linen as nn
+import jax
+from fiddle import selectors
+
+import aqtr
+import aqtr.flax.linen as aqtr_linen
+import aqtr.pax
+from aqtr import fiddle as aqtr_fiddle
+from aqtr import freezers
+from aqtr.freezers import Mode
+
+__all__ = [
+  'build',
+  'has_frozen_weights',
+  'inject',
+  'lm',
+  'mlp',
+  'relu',
+  'serving_template',
+]
+
+Config = aqtr.DotGeneralConfig | None
+
+
+def lm(
+  vocab_size: int,
+  seq_len: int,
+  d_model: int = 128,
+  num_layers: int = 2,
+  num_heads: int = 4,
+  mlp_ratio: int = 4,
+) -> fdl.Config:
+  """Decoder-only transformer LM template (`aqtr.pax.TransformerLm`).
+
+  Untied embedding and softmax (the logits weight is then a plain weight
+  that serving freezes), pre-LayerNorm blocks, GELU feed-forward.
+
+  Args:
+    vocab_size: number of tokens.
+    seq_len: longest sequence (learned positions).
+    d_model: model width.
+    num_layers: transformer blocks.
+    num_heads: attention heads.
+    mlp_ratio: feed-forward hidden size / d_model.
+  """
+  return aqtr.pax.templates.transformer_lm(
+    vocab_size,
+    d_model,
+    num_layers,
+    num_heads,
+    mlp_ratio * d_model,
+    max_len=seq_len,
+    tied=False,
+    norm_kind='layer',
+  )
+
+
+def relu(x: jax.Array) -> jax.Array:
+  """`jax.nn.relu` as a plain function (Fiddle can serialize a reference)."""
+  return jax.nn.relu(x)
+
+
+def mlp(num_classes: int, hidden: tuple[int, ...] = (256, 256)) -> fdl.Config:
+  """MLP classifier template (`aqtr.pax.Mlp`, ReLU)."""
+  return aqtr.pax.templates.mlp_classifier(
+    num_classes, tuple(hidden), activation=relu
+  )
+
+
+def _is_float(config: Config) -> bool:
+  return config is None or config.is_float
+
+
+def inject(
+  template: fdl.Config, config: Config
+) -> tuple[fdl.Config, aqtr.pax.InjectionReport]:
+  """A copy of `template` with `config` on every weight contraction.
+
+  Args:
+    template: a float model template.
+    config: the run's DotGeneralConfig (None or float: the float model).
+
+  Returns:
+    (injected template, `aqtr.pax.InjectionReport`); `template` is left
+    unchanged.
+  """
+  rules = (
+    []
+    if _is_float(config)
+    else [aqtr.pax.Rule(config, tag=aqtr.pax.tags.WeightOp, name='weights')]
+  )
+  return aqtr.pax.inject(template, rules)
+
+
+def build(template: fdl.Config) -> nn.Module:
+  """The linen module of a template."""
+  return fdl.build(template)
+
+
+def _frozen_config(config: Any) -> Config:
+  if isinstance(config, fdl.Buildable):
+    config = aqtr_fiddle.build(config)
+  if _is_float(config) or not config.fwd.rhs.quantized:
+    return None
+  return freezers.configure(config, rhs='weights')
+
+
+def serving_template(injected: fdl.Config, mode: Mode) -> fdl.Config:
+  """The injected model with its weight-quantized ops in a freezer `mode`.
+
+  Every `EinsumOp` whose config quantizes the forward rhs (the weight)
+  becomes `aqtr.flax.linen.Einsum(config=<with the 'weights' freezer on
+  rhs>, mode=mode)`; other ops are unchanged. Same parameter tree.
+
+  Args:
+    injected: a template returned by `inject`.
+    mode: `Mode.CONVERT` (freeze) or `Mode.SERVE` (run from frozen values).
+
+  Returns:
+    A new template; `injected` is unchanged.
+  """
+  cfg = copy.deepcopy(injected)
+  for node in selectors.select(cfg, aqtr.pax.EinsumOp):
+    frozen = _frozen_config(node.__arguments__.get('config'))
+    if frozen is None:
+      continue
+    stream = node.__arguments__.get('rng_stream', 'quant')
+    fdl.update_callable(node, aqtr_linen.Einsum, drop_invalid_args=True)
+    node.config, node.mode, node.rng_name = frozen, mode, stream
+  return cfg
+
+
+def has_frozen_weights(injected: fdl.Config) -> bool:
+  """Whether some op of `injected` quantizes its weight (rhs) operand."""
+  return any(
+    _frozen_config(node.__arguments__.get('config')) is not None
+    for node in selectors.select(injected, aqtr.pax.EinsumOp)
+  )
