@@ -338,7 +338,8 @@ def _float_grad(lhs, rhs, dn, precision, preferred, g, wrt: int):
       *args, dn, precision=precision, preferred_element_type=preferred
     )
 
-  return jax.vjp(f, lhs if wrt == 0 else rhs)[1](g)[0]
+  x = lhs if wrt == 0 else rhs
+  return jax.linear_transpose(f, x)(g)[0]
 
 
 def _bwd(dn, cfg: DotGeneralConfig, precision, preferred, res, g):
@@ -514,7 +515,12 @@ def dot_general(
       'a QTensor operand needs the config it was quantized with: pass '
       'config=...'
     )
-  if not any(given) and (config is None or config.is_float):
+  empty = any(
+    not isinstance(x, QTensor) and jnp.size(x) == 0 for x in (lhs, rhs)
+  )
+  # Zero-size operands: nothing to quantize; lax gives the (empty or zero)
+  # result and gradients.
+  if not any(given) and (config is None or config.is_float or empty):
     return lax.dot_general(
       lhs, rhs, dimension_numbers, precision=precision,
       preferred_element_type=preferred_element_type,

@@ -1,0 +1,169 @@
+"""Tests for aqtr.presets: explicit, hashable trees that mean what they say."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import aqtr
+from aqtr import calibrations, numerics, presets, tilings
+
+NAMES = sorted(presets.__all__)
+PASSES = ('fwd', 'dlhs', 'drhs')
+
+
+def _walk(node, path='cfg'):
+  """(path, value) of every dataclass field in the tree, recursively."""
+  for f in dataclasses.fields(node):
+    value = getattr(node, f.name)
+    yield f'{path}.{f.name}', value
+    if dataclasses.is_dataclass(value):
+      yield from _walk(value, f'{path}.{f.name}')
+
+
+def _int_bits(t: aqtr.TensorConfig):
+  n = t.numerics
+  return n.bits if isinstance(n, numerics.IntSymmetric) else None
+
+
+@pytest.mark.parametrize('name', NAMES)
+def test_presets_are_explicit_hashable_trees(name):
+  cfg = getattr(presets, name)()
+  assert isinstance(cfg, aqtr.DotGeneralConfig)
+  leaves = list(_walk(cfg))
+  nones = [path for path, value in leaves if value is None]
+  assert not nones, f'{name}: None at {nones}'
+  for path, value in leaves:
+    if path.count('.') == 3:  # cfg.<pass>.<side>.<algorithm>
+      assert dataclasses.is_dataclass(value), path
+  assert hash(cfg) == hash(getattr(presets, name)())
+  assert cfg == getattr(presets, name)()
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    cfg.fwd = cfg.dlhs
+
+
+def test_presets_are_all_different():
+  cfgs = [getattr(presets, n)() for n in NAMES if n != 'fully_quantized']
+  assert len(set(cfgs)) == len(cfgs)
+  assert presets.fully_quantized() == presets.int8()
+
+
+def test_float():
+  cfg = presets.float()
+  assert cfg.is_float
+  for p in PASSES:
+    raw = getattr(cfg, p)
+    assert not raw.lhs.quantized and not raw.rhs.quantized
+
+
+def test_int8():
+  cfg = presets.int8()
+  for p in PASSES:
+    raw = getattr(cfg, p)
+    assert _int_bits(raw.lhs) == 8
+    assert raw.lhs.tiling == tilings.PerChannel()
+    assert isinstance(raw.lhs.calibration, calibrations.AbsMax)
+    assert raw.lhs.rounding == aqtr.NearestEven()
+  assert _int_bits(cfg.fwd.rhs) == 8
+  assert cfg.dlhs.use_fwd_quant and cfg.drhs.use_fwd_quant
+
+
+def test_int8_fwd_has_float_backward():
+  cfg = presets.int8_fwd()
+  assert _int_bits(cfg.fwd.lhs) == _int_bits(cfg.fwd.rhs) == 8
+  assert not cfg.dlhs.quantized and not cfg.drhs.quantized
+  assert cfg == presets.fully_quantized(8, None)
+
+
+def test_fully_quantized_bits_and_stochastic_rounding():
+  cfg = presets.fully_quantized(fwd_bits=4, bwd_bits=6)
+  assert _int_bits(cfg.fwd.lhs) == _int_bits(cfg.fwd.rhs) == 4
+  assert _int_bits(cfg.dlhs.lhs) == _int_bits(cfg.drhs.lhs) == 6
+  sr = presets.fully_quantized(8, 8, stochastic_rounding=True)
+  # stochastic rounding on the gradient operand only, as in AQT
+  assert sr.dlhs.lhs.rounding.stochastic and sr.drhs.lhs.rounding.stochastic
+  assert not sr.fwd.lhs.rounding.stochastic
+  assert not sr.fwd.rhs.rounding.stochastic
+  # the residual reuses the forward quantization: no second rounding
+  assert sr.dlhs.use_fwd_quant and sr.drhs.use_fwd_quant
+  # and the bound maps inside the clip range (unbiased top bucket)
+  assert sr.dlhs.lhs.numerics.preserve_max_val
+
+
+def test_fully_quantized_float_forward():
+  cfg = presets.fully_quantized(fwd_bits=None, bwd_bits=8)
+  assert not cfg.fwd.lhs.quantized and not cfg.fwd.rhs.quantized
+  assert cfg.dlhs.lhs.quantized
+
+
+@pytest.mark.parametrize(
+  'kwargs',
+  [
+    dict(fwd_bits=0),
+    dict(fwd_bits=9),
+    dict(bwd_bits=0),
+    dict(bwd_bits=16),
+  ],
+)
+def test_bits_out_of_range_raise(kwargs):
+  with pytest.raises(ValueError, match=r'bits must be in 1\.\.8'):
+    presets.fully_quantized(**kwargs)
+
+
+def test_stochastic_rounding_needs_backward_bits():
+  with pytest.raises(ValueError, match='bwd_bits'):
+    presets.fully_quantized(8, None, stochastic_rounding=True)
+
+
+@pytest.mark.parametrize(
+  'name,bits,dtype',
+  [('int8_weight_only', 8, jnp.int8), ('int4_weight_only', 4, jnp.int4)],
+)
+def test_weight_only(name, bits, dtype):
+  cfg = getattr(presets, name)()
+  assert not cfg.fwd.lhs.quantized
+  assert _int_bits(cfg.fwd.rhs) == bits
+  assert cfg.fwd.rhs.numerics.dtype == dtype
+  assert not cfg.dlhs.quantized and not cfg.drhs.quantized
+
+
+def test_fp8():
+  cfg = presets.fp8()
+  e4, e5 = 'float8_e4m3fn', 'float8_e5m2'
+  assert cfg.fwd.lhs.numerics.dtype_name == e4
+  assert cfg.fwd.rhs.numerics.dtype_name == e4
+  assert cfg.dlhs.lhs.numerics.dtype_name == e5
+  assert cfg.drhs.lhs.numerics.dtype_name == e5
+
+
+def test_every_preset_runs_forward_and_backward():
+  x = jnp.asarray(np.random.default_rng(0).standard_normal((4, 32)))
+  w = jnp.asarray(np.random.default_rng(1).standard_normal((32, 8)))
+  dn = (((1,), (0,)), ((), ()))
+  cfgs = {n: getattr(presets, n)() for n in NAMES}
+  cfgs['sr'] = presets.fully_quantized(8, 8, stochastic_rounding=True)
+
+  @jax.jit
+  def run(x, w):
+    out = {}
+    for name, cfg in cfgs.items():
+
+      def loss(x, w, cfg=cfg):
+        y = aqtr.dot_general(x, w, dn, cfg, key=jax.random.key(0))
+        return jnp.sum(y * y), y
+
+      (_, y), grads = jax.value_and_grad(loss, (0, 1), has_aux=True)(x, w)
+      out[name] = (y, *grads)
+    return out
+
+  ref = np.asarray(x) @ np.asarray(w)
+  for name, (y, dx, dw) in run(x, w).items():
+    assert y.shape == (4, 8) and dx.shape == x.shape and dw.shape == w.shape
+    for a in (y, dx, dw):
+      assert np.isfinite(np.asarray(a)).all(), name
+    err = np.linalg.norm(np.asarray(y) - ref) / np.linalg.norm(ref)
+    assert err < (0.2 if name == 'int4_weight_only' else 0.07), (name, err)
