@@ -4,10 +4,24 @@ from aqtr.freezers.base import (
   Freezer,
   Mode,
   NoFreezer,
+  configure,
   get,
   names,
   register,
   registry,
 )
+from aqtr.freezers.calibration import CalibrationFreezer
+from aqtr.freezers.weights import WeightsFreezer
 
-__all__ = ['Freezer', 'Mode', 'NoFreezer', 'get', 'names', 'register', 'registry']
+__all__ = [
+  'CalibrationFreezer',
+  'Freezer',
+  'Mode',
+  'NoFreezer',
+  'WeightsFreezer',
+  'configure',
+  'get',
+  'names',
+  'register',
+  'registry',
+]

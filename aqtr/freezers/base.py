@@ -32,6 +32,8 @@ class Freezer(abc.ABC):
 
   # Which QTensor parts are stored in CONVERT and read in SERVE.
   frozen_parts: ClassVar[tuple[str, ...]] = ()
+  # Whether the freezer keeps running statistics in CALIBRATE.
+  collects: ClassVar[bool] = False
 
   @abc.abstractmethod
   def stores(self, mode: Mode) -> tuple[str, ...]:
@@ -58,3 +60,43 @@ register = registry.register
 get = registry.get
 names = registry.names
 register('none')(NoFreezer)
+
+
+def _as_freezer(value, side: str) -> Freezer | None:
+  if value is None or isinstance(value, Freezer):
+    return value
+  if isinstance(value, str):
+    return get(value)()
+  raise TypeError(
+    f'{side} must be a Freezer, a registered freezer name '
+    f'({", ".join(names())}) or None, got {value!r}.'
+  )
+
+
+def configure(config, *, lhs=None, rhs=None):
+  """Returns `config` with the freezers of its forward operands set.
+
+  Only the forward operands (`config.fwd.lhs`, `config.fwd.rhs`) are frozen:
+  serving runs the forward pass only.
+
+  Args:
+    config: an aqtr.DotGeneralConfig.
+    lhs, rhs: a Freezer, a registry name ('none', 'calibration',
+      'weights') or None to keep the operand's freezer.
+
+  Returns:
+    The new config (configs are frozen; `config` is unchanged).
+
+  Example:
+    >>> import aqtr
+    >>> cfg = configure(aqtr.presets.int8(), rhs='weights')
+    >>> cfg.fwd.rhs.freezer.registered_name
+    'weights'
+  """
+  fwd = config.fwd
+  for side, value in (('lhs', lhs), ('rhs', rhs)):
+    f = _as_freezer(value, side)
+    if f is not None:
+      t = dataclasses.replace(getattr(fwd, side), freezer=f)
+      fwd = dataclasses.replace(fwd, **{side: t})
+  return dataclasses.replace(config, fwd=fwd)

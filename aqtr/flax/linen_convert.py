@@ -1,0 +1,205 @@
+"""Linen serving conversion: frozen values in, float kernels out.
+
+`convert` runs a model whose aqtr ops are in Mode.CONVERT once and builds
+the serving variables: the collection 'aqtr' (int qvalues + scales, static
+bounds) and 'params' in which every frozen float kernel is a `Removed`
+placeholder. Re-exported by `aqtr.flax.linen`.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax import struct
+from flax.core import meta
+
+from aqtr.flax import common
+from aqtr.freezers import lifecycle
+
+FROZEN = common.FROZEN
+STATS = common.STATS
+
+HOW_CONVERT = (
+  'Produce them with aqtr.flax.linen.convert(model, variables, '
+  "*sample_inputs), where the model's ops are in Mode.CONVERT, and apply "
+  'the serving variables it returns.'
+)
+HOW_CALIBRATE = (
+  'Apply the model with its ops in Mode.CALIBRATE on sample batches first, '
+  f"with mutable=['{STATS}'], and pass the updated '{STATS}' collection "
+  'to convert.'
+)
+
+
+class Removed(struct.PyTreeNode, meta.AxisMetadata):
+  """A float kernel dropped for serving: no array, reads as zeros.
+
+  It stands in the 'params' tree where a kernel was frozen, so the stock
+  layer's `self.param('kernel', ...)` still finds a value of the right shape
+  (flax unboxes it); the quantized op ignores it in SERVE and XLA removes
+  the zeros under jit.
+
+  Attributes:
+    shape, dtype: of the removed kernel.
+  """
+
+  shape: tuple[int, ...] = struct.field(pytree_node=False, default=())
+  dtype: Any = struct.field(pytree_node=False, default=jnp.float32)
+
+  def unbox(self) -> jax.Array:
+    return jnp.zeros(self.shape, self.dtype)
+
+  def replace_boxed(self, val):
+    return val
+
+  def add_axis(self, index, params):
+    return self
+
+  def remove_axis(self, index, params):
+    return self
+
+
+def convert(model: nn.Module, variables, *args, method=None, **kwargs):
+  """Trained variables -> serving variables (int qvalues + scales only).
+
+  Runs `model` (its ops in Mode.CONVERT) once on sample inputs: every op
+  writes its frozen values into the collection 'aqtr'; the float kernel of
+  each layer whose op froze its rhs ('weights' freezer) is replaced by a
+  `Removed` placeholder; 'aqtr_stats' is dropped. Apply the result to the
+  same model with its ops in Mode.SERVE; the float kernels are never read.
+
+  Math: frozen = quantize_operand(kernel) of the op's forward config, so
+  SERVE equals TRAIN bit for bit (and `calibration` operands use the
+  running mean of CALIBRATE).
+
+  Args:
+    model: the model with its quantized ops in Mode.CONVERT.
+    variables: {'params': ..., ['aqtr_stats': ...], ...} from training and
+      calibration.
+    *args, method, **kwargs: sample inputs, as for `model.apply`.
+
+  Returns:
+    The serving variables: 'params' without frozen kernels, 'aqtr', and
+    any other collections (e.g. 'batch_stats') unchanged.
+
+  Example:
+    >>> import functools, jax, jax.numpy as jnp, flax.linen as nn, aqtr
+    >>> from aqtr.flax.linen import DotGeneral, Mode
+    >>> cfg = aqtr.freezers.configure(aqtr.presets.int8(), rhs='weights')
+    >>> make = lambda mode: nn.Dense(3, dot_general_cls=functools.partial(
+    ...   DotGeneral, config=cfg, mode=mode))
+    >>> x = jnp.ones((2, 4))
+    >>> v = make(Mode.TRAIN).init(jax.random.key(0), x)
+    >>> s = convert(make(Mode.CONVERT), v, x)
+    >>> s['aqtr']['DotGeneral_0'][lifecycle.entry_name(cfg)]['rhs'][
+    ...   'qvalue'].dtype, type(s['params']['kernel']).__name__
+    (dtype('int8'), 'Removed')
+    >>> bool((make(Mode.SERVE).apply(s, x) == make(Mode.TRAIN).apply(v, x)
+    ...       ).all())
+    True
+  """
+  variables = dict(_unfreeze(variables))
+  variables.pop(FROZEN, None)
+  _check_counts(variables.get(STATS, {}))
+
+  def run(v):  # jitted: eager op-by-op dispatch compiles every primitive
+    return model.apply(v, *args, mutable=[FROZEN], method=method, **kwargs)[1]
+
+  new = jax.jit(run)(variables)
+  frozen = _unfreeze(new).get(FROZEN, {})
+  if not frozen:
+    raise ValueError(
+      "convert: no op wrote frozen values. Are the model's aqtr ops in "
+      'Mode.CONVERT, and do their configs freeze an operand (e.g. '
+      "aqtr.freezers.configure(config, rhs='weights'))?"
+    )
+  serving = {k: v for k, v in variables.items() if k != STATS}
+  serving[FROZEN] = frozen
+  serving['params'] = _remove_kernels(variables.get('params', {}), frozen)
+  return serving
+
+
+def _check_counts(stats, path=()):
+  """CALIBRATE statistics that were created but never updated: an error."""
+  if isinstance(stats, dict):
+    count = stats.get('count')
+    if count is not None and not isinstance(count, dict):
+      if not isinstance(count, jax.core.Tracer) and int(count) == 0:
+        raise ValueError(
+          f'convert: the CALIBRATE statistics at /{"/".join(path)} have '
+          f'count 0. {HOW_CALIBRATE}'
+        )
+    for k, v in stats.items():
+      _check_counts(v, path + (k,))
+
+
+def _unfreeze(tree):
+  if hasattr(tree, 'unfreeze'):
+    return tree.unfreeze()
+  if isinstance(tree, dict):
+    return {k: _unfreeze(v) for k, v in tree.items()}
+  return tree
+
+
+def _frozen_rhs(frozen, path=()):
+  """Yields (op path, frozen rhs part) for every op that froze its rhs."""
+  for k, v in frozen.items():
+    if str(k).startswith(lifecycle.PREFIX) and isinstance(v, dict):
+      if isinstance(v.get('rhs'), dict) and 'qvalue' in v['rhs']:
+        yield path, v['rhs']
+    elif isinstance(v, dict):
+      yield from _frozen_rhs(v, path + (k,))
+
+
+def _remove_kernels(params, frozen):
+  params = _unfreeze(params)
+  for op_path, part in _frozen_rhs(frozen):
+    node = params
+    for k in op_path[:-1]:
+      node = node.get(k, {}) if isinstance(node, dict) else {}
+    kernel = node.get('kernel') if isinstance(node, dict) else None
+    if kernel is not None and not isinstance(kernel, Removed):
+      kernel = meta.unbox(kernel)
+    if kernel is None or isinstance(kernel, Removed):
+      warnings.warn(
+        f'convert: the op at /{"/".join(op_path)} froze its rhs, but its '
+        "parent has no 'kernel' parameter; nothing was removed there.",
+        stacklevel=3,
+      )
+      continue
+    if jnp.size(kernel) != jnp.size(part['qvalue']):
+      raise ValueError(
+        f'convert: the op at /{"/".join(op_path)} froze an rhs of '
+        f"{jnp.size(part['qvalue'])} values but its parent's kernel has "
+        f'{jnp.size(kernel)}; the rhs is not the kernel.'
+      )
+    node['kernel'] = Removed(
+      shape=tuple(jnp.shape(kernel)), dtype=jnp.dtype(kernel.dtype)
+    )
+  return params
+
+
+def report(serving) -> common.Report:
+  """Bytes of the removed float kernels, their frozen values, the tree.
+
+  Example:
+    >>> report({'params': {'kernel': Removed(shape=(4, 3))}}).float_kernel_bytes
+    48
+  """
+  removed, frozen_k = 0, 0
+  is_removed = lambda x: isinstance(x, Removed)  # noqa: E731
+  for x in jax.tree_util.tree_leaves(
+    serving.get('params', {}), is_leaf=is_removed
+  ):
+    if is_removed(x):
+      removed += common.removed_bytes(x.shape, x.dtype)
+  for _, part in _frozen_rhs(serving.get(FROZEN, {})):
+    frozen_k += common.nbytes(part)
+  return common.Report(removed, frozen_k, common.nbytes(serving))
+
+
+__all__ = ['FROZEN', 'STATS', 'Removed', 'convert', 'report']

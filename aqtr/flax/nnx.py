@@ -1,0 +1,440 @@
+"""Flax nnx adapters: quantized ops for Linear, LinearGeneral, Einsum, Conv.
+
+Give each layer its own op instance (the op holds the layer's frozen values
+and statistics; nnx's `dot_general_cls` builds a fresh op per call, which
+cannot keep state, so pass `dot_general=`):
+
+  nnx.Linear(4, 8, dot_general=DotGeneral(cfg), rngs=rngs)
+  nnx.LinearGeneral(4, (2, 8), dot_general=DotGeneral(cfg), rngs=rngs)
+  nnx.Einsum('btd,df->btf', (4, 8), einsum_op=Einsum(cfg), rngs=rngs)
+  nnx.Conv(3, 16, (3, 3), conv_general_dilated=ConvGeneralDilated(cfg),
+           rngs=rngs)
+
+nnx passes `out_sharding=` to injected ops; they accept it (a sharding
+constraint on the output). Modes as in `aqtr.flax.linen` (the math is in
+`aqtr.freezers.lifecycle`): `set_mode(model, Mode.CALIBRATE)` makes the ops
+keep `Stats` variables; `convert(model, *sample_inputs)` writes `Frozen`
+variables, switches the ops to SERVE and replaces each frozen float kernel
+by a `Removed` variable (no array; reads as zeros of its shape, dropped by
+XLA under jit). `nnx.state(model)` is then the serving state.
+
+Stochastic rounding: pass `rngs=nnx.Rngs(quant=seed)` to the op; it is
+required only when the config rounds stochastically.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from flax.nnx import variablelib
+from jax import lax
+
+from aqtr.core import conv as conv_lib
+from aqtr.core.config import DotGeneralConfig
+from aqtr.flax import common
+from aqtr.freezers import Mode, lifecycle
+
+_HOW_CONVERT = (
+  'Produce them with aqtr.flax.nnx.convert(model, *sample_inputs) on the '
+  'trained model (it switches the ops to Mode.SERVE).'
+)
+_HOW_CALIBRATE = (
+  'Run aqtr.flax.nnx.set_mode(model, Mode.CALIBRATE) and call the model on '
+  'sample batches first.'
+)
+
+
+class Frozen(nnx.Variable):
+  """Frozen serving values of an aqtr op: {side: {qvalue, scale | bound}}."""
+
+
+class Stats(nnx.Variable):
+  """CALIBRATE statistics of one operand of an aqtr op: {mean, count}."""
+
+
+class Removed(nnx.Variable):
+  """A float kernel dropped for serving: no array, reads as zeros.
+
+  The stock layer still reads `self.kernel[...]`; the quantized op ignores
+  it in SERVE and XLA removes the zeros under jit. Metadata `kernel_shape`,
+  `kernel_dtype` keep the removed kernel's shape and dtype.
+  """
+
+  def get_value(self, *, index=variablelib.MISSING):
+    v = jnp.zeros(
+      self.get_metadata('kernel_shape'), self.get_metadata('kernel_dtype')
+    )
+    return v if index is variablelib.MISSING else v[index]
+
+
+class _Op(nnx.Module):
+  """Shared state and mode machinery of the nnx ops.
+
+  Args:
+    config: the DotGeneralConfig; None is the plain lax / jnp op.
+    mode: an aqtr.Mode (change it with `set_mode`).
+    rngs: nnx.Rngs with the stream `rng_name`, used only when the config
+      rounds stochastically.
+    rng_name: the stream's name.
+  """
+
+  def __init__(
+    self,
+    config: DotGeneralConfig | None = None,
+    *,
+    mode: Mode = Mode.TRAIN,
+    rngs: nnx.Rngs | None = None,
+    rng_name: str = common.RNG,
+  ):
+    if config is not None:
+      lifecycle.validate(config)
+    common.check_mode(mode)
+    self.config = config
+    self.mode = mode
+    self.rng_name = rng_name
+    self.rngs = rngs
+
+  def _where(self) -> str:
+    return f'{type(self).__name__} (nnx)'
+
+  def _key(self, cfg: DotGeneralConfig, mode: Mode):
+    use = lifecycle.key_use(cfg, mode)
+    if use is None:
+      return None
+    if self.rngs is not None:
+      try:
+        return self.rngs[self.rng_name]()
+      except KeyError:
+        pass
+    if use == 'dummy':
+      return jax.random.key(0)
+    raise ValueError(
+      f'{self._where()}: the config rounds stochastically and needs PRNG '
+      f'keys: build the op with rngs=nnx.Rngs({self.rng_name}=seed).'
+    )
+
+  def frozen_entries(self) -> dict:
+    """{entry name: frozen values} held by this op."""
+    return {
+      k: v.get_value() for k, v in vars(self).items() if isinstance(v, Frozen)
+    }
+
+  def _clear(self, kind) -> None:
+    for k in [k for k, v in vars(self).items() if isinstance(v, kind)]:
+      delattr(self, k)
+
+  def _dot(self, lhs, rhs, dn, precision, preferred):
+    cfg, mode = self.config, self.mode
+    common.check_mode(mode)
+    frozen = stats = None
+    if lifecycle.freezers(cfg):
+      if mode is Mode.SERVE:
+        frozen = lifecycle.find_frozen(
+          self.frozen_entries(),
+          cfg,
+          self._where(),
+          'Frozen variables',
+          _HOW_CONVERT,
+        )
+      elif mode in (Mode.CALIBRATE, Mode.CONVERT):
+        stats = {
+          k[len('stats_') :]: v.get_value()
+          for k, v in vars(self).items()
+          if isinstance(v, Stats)
+        }
+    r = lifecycle.run(
+      mode,
+      lhs,
+      rhs,
+      dn,
+      cfg,
+      frozen=frozen,
+      stats=stats,
+      key=self._key(cfg, mode),
+      precision=precision,
+      preferred_element_type=preferred,
+      where=self._where(),
+      how_stats=_HOW_CALIBRATE,
+    )
+    for side, value in (r.stats or {}).items():
+      name = f'stats_{side}'
+      if isinstance(getattr(self, name, None), Stats):
+        getattr(self, name).set_value(value)
+      else:
+        setattr(self, name, Stats(value))
+    if r.frozen is not None:
+      self._clear(Frozen)
+      setattr(self, lifecycle.entry_name(cfg), Frozen(r.frozen))
+    return r.out
+
+
+class DotGeneral(_Op):
+  """`lax.dot_general` for `nnx.Linear` / `nnx.LinearGeneral(dot_general=)`.
+
+  The kernel is the dot's rhs: `config.fwd.rhs` quantizes (and freezes) it.
+
+  Example:
+    >>> import jax.numpy as jnp, aqtr
+    >>> from flax import nnx
+    >>> layer = nnx.Linear(4, 3, dot_general=DotGeneral(aqtr.presets.int8()),
+    ...                    rngs=nnx.Rngs(0))
+    >>> layer(jnp.ones((2, 4))).shape
+    (2, 3)
+  """
+
+  def __call__(
+    self,
+    lhs,
+    rhs,
+    dimension_numbers,
+    precision=None,
+    preferred_element_type=None,
+    out_sharding=None,
+  ):
+    if common.is_float(self.config):
+      return lax.dot_general(
+        lhs,
+        rhs,
+        dimension_numbers,
+        precision=precision,
+        preferred_element_type=preferred_element_type,
+        out_sharding=out_sharding,
+      )
+    out = self._dot(
+      lhs, rhs, dimension_numbers, precision, preferred_element_type
+    )
+    return common.constrain(out, out_sharding)
+
+
+class Einsum(_Op):
+  """Two-operand `jnp.einsum` for `nnx.Einsum(einsum_op=)`.
+
+  Example:
+    >>> import jax.numpy as jnp, aqtr
+    >>> from flax import nnx
+    >>> layer = nnx.Einsum('btd,df->btf', (4, 5), (5,),
+    ...                    einsum_op=Einsum(aqtr.presets.int8()),
+    ...                    rngs=nnx.Rngs(0))
+    >>> layer(jnp.ones((2, 3, 4))).shape
+    (2, 3, 5)
+  """
+
+  def __call__(
+    self,
+    subscripts,
+    lhs,
+    rhs,
+    precision=None,
+    preferred_element_type=None,
+    out_sharding=None,
+    optimize=None,
+  ):
+    del optimize  # One dot: nothing to optimize.
+    if common.is_float(self.config):
+      return jnp.einsum(
+        subscripts,
+        lhs,
+        rhs,
+        precision=precision,
+        preferred_element_type=preferred_element_type,
+        out_sharding=out_sharding,
+      )
+    dn, perm = common.einsum_plan(subscripts, jnp.ndim(lhs), jnp.ndim(rhs))
+    out = self._dot(lhs, rhs, dn, precision, preferred_element_type)
+    if perm is not None:
+      out = out.transpose(perm)
+    return common.constrain(out, out_sharding)
+
+
+class ConvGeneralDilated(_Op):
+  """`lax.conv_general_dilated` for `nnx.Conv(conv_general_dilated=)`.
+
+  im2col + one quantized dot: forward and both gradients are quantized.
+
+  Example:
+    >>> import jax.numpy as jnp, aqtr
+    >>> from flax import nnx
+    >>> op = ConvGeneralDilated(aqtr.presets.int8())
+    >>> layer = nnx.Conv(2, 4, (3, 3), conv_general_dilated=op,
+    ...                  rngs=nnx.Rngs(0))
+    >>> layer(jnp.ones((1, 6, 6, 2))).shape
+    (1, 6, 6, 4)
+  """
+
+  def __call__(
+    self,
+    lhs,
+    rhs,
+    window_strides,
+    padding,
+    lhs_dilation=None,
+    rhs_dilation=None,
+    dimension_numbers=None,
+    feature_group_count=1,
+    batch_group_count=1,
+    precision=None,
+    preferred_element_type=None,
+    out_sharding=None,
+  ):
+    if common.is_float(self.config):
+      return lax.conv_general_dilated(
+        lhs,
+        rhs,
+        window_strides,
+        padding,
+        lhs_dilation,
+        rhs_dilation,
+        dimension_numbers,
+        feature_group_count,
+        batch_group_count,
+        precision,
+        preferred_element_type,
+        out_sharding=out_sharding,
+      )
+    p = conv_lib.plan(
+      jnp.shape(lhs),
+      jnp.shape(rhs),
+      window_strides,
+      padding,
+      lhs_dilation,
+      rhs_dilation,
+      dimension_numbers,
+      feature_group_count,
+      batch_group_count,
+    )
+    out = self._dot(
+      p.patches(lhs),
+      p.kernel(rhs),
+      p.dimension_numbers,
+      precision,
+      preferred_element_type,
+    )
+    return common.constrain(p.output(out), out_sharding)
+
+
+def ops(model: nnx.Module) -> list[tuple[tuple, _Op]]:
+  """(path, op) of every aqtr op in `model` (each shared op once)."""
+  return [(p, m) for p, m in nnx.iter_modules(model) if isinstance(m, _Op)]
+
+
+def set_mode(model: nnx.Module, mode: Mode) -> nnx.Module:
+  """Sets the mode of every aqtr op in `model` (in place); returns it."""
+  common.check_mode(mode)
+  for _, op in ops(model):
+    op.mode = mode
+  return model
+
+
+def convert(model: nnx.Module, *args, **kwargs) -> nnx.Module:
+  """Freezes `model` in place for serving and returns it.
+
+  Calls `model(*args, **kwargs)` once with the ops in Mode.CONVERT (each op
+  stores `Frozen` values: quantize_operand of 'weights' operands, the
+  CALIBRATE mean of 'calibration' operands), drops the `Stats`, switches the
+  ops to Mode.SERVE and replaces the `kernel` of each layer whose op froze
+  its rhs by a `Removed` variable. SERVE output equals TRAIN's bit for bit.
+
+  Example:
+    >>> import jax.numpy as jnp, aqtr
+    >>> from flax import nnx
+    >>> cfg = aqtr.freezers.configure(aqtr.presets.int8(), rhs='weights')
+    >>> m = nnx.Linear(4, 3, dot_general=DotGeneral(cfg), rngs=nnx.Rngs(0))
+    >>> x = jnp.ones((2, 4))
+    >>> y = m(x)
+    >>> m = convert(m, x)
+    >>> type(m.kernel).__name__, bool((m(x) == y).all())
+    ('Removed', True)
+  """
+  found = ops(model)
+  before = [op.mode for _, op in found]
+  try:
+    for _, op in found:
+      op._clear(Frozen)
+      op.mode = Mode.CONVERT
+      for k, v in vars(op).items():
+        count = v.get_value()['count'] if isinstance(v, Stats) else None
+        if count is None or isinstance(count, jax.core.Tracer):
+          continue
+        if int(count) == 0:
+          raise ValueError(
+            f'convert: the CALIBRATE statistics {k} have count 0. '
+            f'{_HOW_CALIBRATE}'
+          )
+    # Jitted: eager op-by-op dispatch would compile every primitive.
+    nnx.jit(lambda m: m(*args, **kwargs))(model)
+  except BaseException:
+    for (_, op), mode in zip(found, before, strict=True):
+      op.mode = mode
+    raise
+  for _, op in found:
+    op.mode = Mode.SERVE
+    op._clear(Stats)
+  if not any(op.frozen_entries() for _, op in found):
+    raise ValueError(
+      'convert: no op wrote frozen values. Does the model hold aqtr.flax.nnx '
+      'ops whose configs freeze an operand (aqtr.freezers.configure(config, '
+      "rhs='weights'))?"
+    )
+  for _, parent in nnx.iter_modules(model):
+    for child in list(vars(parent).values()):
+      if isinstance(child, _Op):
+        _remove_kernel(parent, child)
+  return model
+
+
+def _frozen_rhs(op: _Op):
+  for entry in op.frozen_entries().values():
+    part = entry.get('rhs') if isinstance(entry, dict) else None
+    if isinstance(part, dict) and 'qvalue' in part:
+      return part
+  return None
+
+
+def _remove_kernel(parent, op: _Op) -> None:
+  part = _frozen_rhs(op)
+  kernel = getattr(parent, 'kernel', None)
+  if part is None or not isinstance(kernel, nnx.Variable):
+    return
+  if isinstance(kernel, Removed):
+    return
+  value = kernel.get_value()
+  if jnp.size(value) != jnp.size(part['qvalue']):
+    raise ValueError(
+      f"convert: {type(parent).__name__}'s op froze an rhs of "
+      f'{jnp.size(part["qvalue"])} values but its kernel has '
+      f'{jnp.size(value)}; the rhs is not the kernel.'
+    )
+  parent.kernel = Removed(
+    None, kernel_shape=tuple(value.shape), kernel_dtype=jnp.dtype(value.dtype)
+  )
+
+
+def report(model: nnx.Module) -> common.Report:
+  """Bytes of the removed float kernels, their frozen values, the state."""
+  removed = frozen_k = 0
+  for _, m in nnx.iter_modules(model):
+    k = getattr(m, 'kernel', None)
+    if isinstance(k, Removed):
+      removed += common.removed_bytes(
+        k.get_metadata('kernel_shape'), k.get_metadata('kernel_dtype')
+      )
+    if isinstance(m, _Op):
+      part = _frozen_rhs(m)
+      frozen_k += 0 if part is None else common.nbytes(part)
+  return common.Report(removed, frozen_k, common.nbytes(nnx.state(model)))
+
+
+__all__ = [
+  'ConvGeneralDilated',
+  'DotGeneral',
+  'Einsum',
+  'Frozen',
+  'Mode',
+  'Removed',
+  'Stats',
+  'convert',
+  'ops',
+  'report',
+  'set_mode',
+]

@@ -1,0 +1,102 @@
+"""Static ranges: freeze an operand's calibration bound, not its values."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from aqtr.freezers.base import Freezer, Mode, register
+
+
+@register('calibration')
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CalibrationFreezer(Freezer):
+  """Static-range quantization: the bound is calibrated once, then frozen.
+
+  Math. In CALIBRATE each call t computes the operand's own calibration
+  (e.g. AbsMax) over the static group G: the whole tensor, or with
+  `per_channel` each index of the operand's free axes (reduced over its
+  batch and contraction axes). It keeps the running mean
+
+    m_T = (1/T) sum_{t<=T} bound_t(x_t),   count = T,
+
+  i.e. the mean of absmax for AbsMax (ALGORITHMS.md, "mean of absmax").
+  CONVERT freezes `bound = m_T`; SERVE quantizes with it and does not look
+  at the data's range again: with `b` constant along the contraction axes,
+
+    dot(x, y) ~ b * dot(x / b, y)  with the operand's calibration = Constant(1)
+
+  which is exact by linearity and keeps gradients correct; values beyond
+  `b` are clipped. TRAIN quantizes on the fly (dynamic ranges).
+
+  Use `per_channel` only for operands whose free axes have a fixed size
+  (weights); activations' free axes are batch and sequence axes.
+
+  Attributes:
+    per_channel: one bound per free-axes index instead of one per tensor.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from aqtr.calibrations import AbsMax
+    >>> f = CalibrationFreezer()
+    >>> s = f.init_stats(())
+    >>> s = f.update_stats(s, f.statistic(jnp.ones((1, 2, 3)), AbsMax()))
+    >>> float(s['mean']), int(s['count'])
+    (1.0, 1)
+  """
+
+  per_channel: bool = False
+
+  frozen_parts = ('bound',)
+  collects = True
+
+  def __post_init__(self):
+    if not isinstance(self.per_channel, bool):
+      raise TypeError(
+        'CalibrationFreezer.per_channel must be a bool, got '
+        f'{self.per_channel!r}.'
+      )
+
+  def stores(self, mode: Mode) -> tuple[str, ...]:
+    if not isinstance(mode, Mode):
+      raise TypeError(f'mode must be an aqtr.freezers.Mode, got {mode!r}.')
+    return self.frozen_parts if mode is Mode.CONVERT else ()
+
+  def statistic(self, x3: jax.Array, calibration) -> jax.Array:
+    """This call's bound over the static groups.
+
+    Args:
+      x3: the operand in canonical [B, F, K] layout (batch, free, contract).
+      calibration: the operand's Calibration.
+
+    Returns:
+      float32 [F] with `per_channel`, else a scalar.
+    """
+    x = jax.lax.stop_gradient(x3).astype(jnp.float32)
+    axes = (0, 2) if self.per_channel else (0, 1, 2)
+    b = calibration.calibrate(x, axes).astype(jnp.float32)
+    return b.reshape(x.shape[1]) if self.per_channel else b.reshape(())
+
+  def stats_shape(self, free_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape of the kept statistic for an operand's free axes."""
+    return tuple(free_shape) if self.per_channel else ()
+
+  def init_stats(self, shape: tuple[int, ...]) -> dict:
+    """Statistics before any CALIBRATE call: mean 0, count 0."""
+    return {
+      'mean': jnp.zeros(shape, jnp.float32),
+      'count': jnp.zeros((), jnp.int32),
+    }
+
+  def update_stats(self, stats: dict, value: jax.Array) -> dict:
+    """One CALIBRATE call: `mean += (value - mean) / (count + 1)`."""
+    count = stats['count'] + 1
+    value = value.reshape(stats['mean'].shape)
+    mean = stats['mean'] + (value - stats['mean']) / count.astype(jnp.float32)
+    return {'mean': mean, 'count': count}
+
+  def frozen(self, stats: dict) -> dict:
+    """The values CONVERT stores: `{'bound': mean}`."""
+    return {'bound': stats['mean']}

@@ -1,0 +1,77 @@
+"""orbax round trips of serving trees: restored serving output identical."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+from flax_cases import LinenCNN, LinenMLP, NnxMLP, bitwise, digits
+
+import aqtr
+import aqtr.flax.checkpoint as ckpt
+import aqtr.flax.linen as ql
+import aqtr.flax.nnx as qn
+from aqtr.freezers import Mode
+
+
+def _cfg(preset=aqtr.presets.int8):
+  return aqtr.freezers.configure(preset(), rhs='weights')
+
+
+def _abstract_serving(model_cls, cfg, x):
+  """The serving tree's structure, without training or real values."""
+  v = jax.eval_shape(model_cls(cfg).init, jax.random.key(0), x)
+  return jax.eval_shape(
+    lambda v: ql.convert(model_cls(cfg, Mode.CONVERT), v, x), v
+  )
+
+
+@pytest.mark.parametrize(
+  'model_cls,preset',
+  [(LinenMLP, aqtr.presets.int8), (LinenCNN, aqtr.presets.int4_weight_only)],
+)
+def test_linen_round_trip(tmp_path, model_cls, preset):
+  cfg = _cfg(preset)
+  x, _ = digits(16)
+  v = jax.jit(model_cls(cfg).init)(jax.random.key(0), x)
+  serving = ql.convert(model_cls(cfg, Mode.CONVERT), v, x)
+  ckpt.save(tmp_path / 'serving', serving)
+  restored = ckpt.restore(
+    tmp_path / 'serving', _abstract_serving(model_cls, cfg, x)
+  )
+  assert jax.tree.structure(restored) == jax.tree.structure(serving)
+  jax.tree.map(bitwise, restored, serving)
+  jax.tree.map(
+    lambda a, b: a.dtype == b.dtype or pytest.fail(), restored, serving
+  )
+  serve = jax.jit(model_cls(cfg, Mode.SERVE).apply)
+  bitwise(serve(restored, x), serve(serving, x))
+
+
+def test_nnx_round_trip(tmp_path):
+  cfg = _cfg()
+  x, _ = digits(16)
+  m = qn.convert(NnxMLP(cfg, nnx.Rngs(0)), x)
+  ckpt.save(tmp_path / 'serving', nnx.state(m))
+  abstract = nnx.eval_shape(lambda: qn.convert(NnxMLP(cfg, nnx.Rngs(1)), x))
+  graphdef, target = nnx.split(abstract)
+  restored = nnx.merge(graphdef, ckpt.restore(tmp_path / 'serving', target))
+  forward = nnx.jit(lambda m, x: m(x))
+  bitwise(forward(restored, x), forward(m, x))
+
+
+def test_restoring_under_another_config_is_reported(tmp_path):
+  x, _ = digits(16)
+  cfg = _cfg()
+  v = jax.jit(LinenMLP(cfg).init)(jax.random.key(0), x)
+  ckpt.save(tmp_path / 's', ql.convert(LinenMLP(cfg, Mode.CONVERT), v, x))
+  other = _abstract_serving(LinenMLP, _cfg(aqtr.presets.int8_weight_only), x)
+  with pytest.raises(ValueError, match='different forward quantization'):
+    ckpt.restore(tmp_path / 's', other)
+  with pytest.raises(ValueError, match='does not match the target'):
+    ckpt.restore(tmp_path / 's', {'w': jnp.zeros(2)})
+  with pytest.raises(ValueError):  # an existing directory is not replaced
+    ckpt.save(tmp_path / 's', {'w': jnp.zeros(2)})
+  ckpt.save(tmp_path / 's', {'w': jnp.ones(2)}, force=True)
+  bitwise(ckpt.restore(tmp_path / 's', {'w': jnp.zeros(2)})['w'], jnp.ones(2))
