@@ -21,8 +21,9 @@ from aqtr import (
 )
 from aqtr.core.config import DotGeneralConfig, DotGeneralRaw, TensorConfig
 from aqtr.core.conv import conv_general_dilated
-from aqtr.core.dot_general import dot_general, quantize_operand
+from aqtr.core.dot_general import dot_general
 from aqtr.core.einsum import einsum
+from aqtr.core.operand import quantize_operand
 from aqtr.core.qtensor import QTensor
 from aqtr.core.quantizer import fake_quant, quantize
 from aqtr.core.registry import Registry, UnknownNameError

@@ -16,8 +16,14 @@ from jax import lax
 
 import aqtr
 
-PRESETS = ('float', 'int8', 'int8_fwd', 'fp8', 'int8_weight_only',
-           'int4_weight_only')
+PRESETS = (
+  'float',
+  'int8',
+  'int8_fwd',
+  'fp8',
+  'int8_weight_only',
+  'int4_weight_only',
+)
 
 
 def _rel(a, b) -> float:
@@ -39,8 +45,9 @@ def run(m: int = 256, k: int = 512, n: int = 256, seed: int = 0) -> list[dict]:
     f = jax.jit(lambda a, b, cfg=cfg: aqtr.dot_general(a, b, dn, cfg))
     out, vjp = jax.vjp(f, x, w)
     dx, dw = vjp(g)
-    rows.append(dict(preset=name, out=_rel(out, ref), dx=_rel(dx, rdx),
-                     dw=_rel(dw, rdw)))
+    rows.append(
+      dict(preset=name, out=_rel(out, ref), dx=_rel(dx, rdx), dw=_rel(dw, rdw))
+    )
   return rows
 
 
@@ -54,12 +61,12 @@ def main(argv=None) -> None:
   print(f'x[{a.m}x{a.k}] . w[{a.k}x{a.n}], relative error vs float32')
   print(f'{"preset":<18}{"out":>10}{"d lhs":>10}{"d rhs":>10}')
   for r in run(a.m, a.k, a.n, a.seed):
-    print(f'{r["preset"]:<18}{r["out"]:>10.4f}{r["dx"]:>10.4f}'
-          f'{r["dw"]:>10.4f}')
+    print(f'{r["preset"]:<18}{r["out"]:>10.4f}{r["dx"]:>10.4f}{r["dw"]:>10.4f}')
   jaxpr = jax.make_jaxpr(
-    lambda x, w: aqtr.dot_general(x, w, (((1,), (0,)), ((), ())),
-                                  aqtr.presets.int8()))(
-    jnp.ones((8, 16)), jnp.ones((16, 4)))
+    lambda x, w: aqtr.dot_general(
+      x, w, (((1,), (0,)), ((), ())), aqtr.presets.int8()
+    )
+  )(jnp.ones((8, 16)), jnp.ones((16, 4)))
   print('int8 dot in the jaxpr:', 'i8[' in str(jaxpr) and 'i32[' in str(jaxpr))
 
 

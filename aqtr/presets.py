@@ -48,7 +48,10 @@ def _none() -> TensorConfig:
 
 def _int(bits: int, **kw) -> Numerics:
   return IntSymmetric(
-    bits=bits, preserve_zero=True, preserve_max_val=True, clip_gradient=False,
+    bits=bits,
+    preserve_zero=True,
+    preserve_max_val=True,
+    clip_gradient=False,
     **kw,
   )
 

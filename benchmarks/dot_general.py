@@ -54,13 +54,21 @@ def _qwix(name: str) -> Callable | None:
   except ImportError:
     return None
   kinds = {
-    'int8': dict(lhs_qtype='int8', rhs_qtype='int8', dlhs_grad_qtype='int8',
-                 drhs_grad_qtype='int8'),
-    'int8_fwd': dict(lhs_qtype='int8', rhs_qtype='int8',
-                     use_original_residuals=True),
-    'fp8': dict(lhs_qtype=jnp.float8_e4m3fn, rhs_qtype=jnp.float8_e4m3fn,
-                dlhs_grad_qtype=jnp.float8_e5m2,
-                drhs_grad_qtype=jnp.float8_e5m2),
+    'int8': dict(
+      lhs_qtype='int8',
+      rhs_qtype='int8',
+      dlhs_grad_qtype='int8',
+      drhs_grad_qtype='int8',
+    ),
+    'int8_fwd': dict(
+      lhs_qtype='int8', rhs_qtype='int8', use_original_residuals=True
+    ),
+    'fp8': dict(
+      lhs_qtype=jnp.float8_e4m3fn,
+      rhs_qtype=jnp.float8_e4m3fn,
+      dlhs_grad_qtype=jnp.float8_e5m2,
+      drhs_grad_qtype=jnp.float8_e5m2,
+    ),
   }
   cfg = dot_general_qt.DotGeneralQtConfig(**kinds[name])
   return lambda x, w: dot_general_qt.dot_general_qt(x, w, DN, cfg)
@@ -81,9 +89,11 @@ def _compile(f: Callable, mode: str, args):
   if mode == 'fwd':
     g = jax.jit(f)
   else:
+
     def g(x, w, ct):
       out, vjp = jax.vjp(f, x, w)
       return (out, *vjp(ct))
+
     g = jax.jit(g)
   t = time.perf_counter()
   jax.block_until_ready(g(*args))
@@ -113,29 +123,46 @@ def bench(shape, rounds: int, modes=('fwd', 'fwd+vjp')) -> list[dict]:
         best[name] = min(best[name], time.perf_counter() - t)
     base, cbase = best['lax f32'], compile_s['lax f32']
     for name in fns:
-      rows.append(dict(shape='x'.join(map(str, shape)), mode=mode, impl=name,
-                       ms=best[name] * 1e3, ratio=best[name] / base,
-                       compile_ratio=compile_s[name] / cbase))
+      rows.append(
+        dict(
+          shape='x'.join(map(str, shape)),
+          mode=mode,
+          impl=name,
+          ms=best[name] * 1e3,
+          ratio=best[name] / base,
+          compile_ratio=compile_s[name] / cbase,
+        )
+      )
   return rows
 
 
 def main(argv=None) -> None:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument('--rounds', type=int, default=7)
-  p.add_argument('--shapes', nargs='*',
-                 default=['256x1024x1024', '1024x1024x1024', '2048x2048x2048'])
+  p.add_argument(
+    '--shapes',
+    nargs='*',
+    default=['256x1024x1024', '1024x1024x1024', '2048x2048x2048'],
+  )
   a = p.parse_args(argv)
-  print(f'jax {jax.__version__}, {jax.devices()[0].device_kind}, '
-        f'rounds={a.rounds}; ratio = min time / lax f32 min time')
-  print(f'| {"M x K x N":<15}| {"mode":<8}| {"impl":<16}| {"ms":>8} '
-        f'| {"x f32":>6} | {"compile x":>9} |')
+  print(
+    f'jax {jax.__version__}, {jax.devices()[0].device_kind}, '
+    f'rounds={a.rounds}; ratio = min time / lax f32 min time'
+  )
+  print(
+    f'| {"M x K x N":<15}| {"mode":<8}| {"impl":<16}| {"ms":>8} '
+    f'| {"x f32":>6} | {"compile x":>9} |'
+  )
   print('|' + '---|' * 6)
   for s in a.shapes:
     shape = tuple(int(v) for v in s.split('x'))
     for r in bench(shape, a.rounds):
-      print(f'| {r["shape"]:<15}| {r["mode"]:<8}| {r["impl"]:<16}| '
-            f'{r["ms"]:>8.2f} | {r["ratio"]:>6.2f} | '
-            f'{r["compile_ratio"]:>9.2f} |', flush=True)
+      print(
+        f'| {r["shape"]:<15}| {r["mode"]:<8}| {r["impl"]:<16}| '
+        f'{r["ms"]:>8.2f} | {r["ratio"]:>6.2f} | '
+        f'{r["compile_ratio"]:>9.2f} |',
+        flush=True,
+      )
 
 
 if __name__ == '__main__':

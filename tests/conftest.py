@@ -2,9 +2,7 @@
 
 import os
 
-os.environ.setdefault(
-  'XLA_FLAGS', '--xla_force_host_platform_device_count=8'
-)
+os.environ.setdefault('XLA_FLAGS', '--xla_force_host_platform_device_count=8')
 
 import jax  # noqa: E402
 

@@ -1,6 +1,7 @@
 """Calibrations: the bound a scale group's values are mapped onto.
 
-A calibration's `calibrate` reduces a tensor over the axes that share one scale and returns
+A calibration's `calibrate` reduces a tensor over the axes that share one
+scale and returns
 `bound` with those axes kept (size 1). The quantizer then sets
 `s = bound / numerics.max_value` (bound 0 -> s = 1), optionally rounded up to
 a power of two. Contract (checked for every registered calibration): the

@@ -37,9 +37,7 @@ class Constant(Calibration):
     if isinstance(b, bool) or not isinstance(b, int | float):
       raise TypeError(f'Constant.bound must be a float, got {b!r}.')
     if not (math.isfinite(b) and b > 0):
-      raise ValueError(
-        f'Constant.bound must be finite and > 0, got {b}.'
-      )
+      raise ValueError(f'Constant.bound must be finite and > 0, got {b}.')
 
   def calibrate(self, x: jax.Array, axes: Sequence[int]) -> jax.Array:
     guard = nonfinite_guard(x, axes)

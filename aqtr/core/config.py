@@ -8,9 +8,9 @@
   TensorConfig:   numerics, calibration, tiling, rounding
 
 Every node is a frozen kw-only dataclass with defaults, hence hashable: a
-config is a static argument of `jit` and `custom_vjp`. The defaults are int8
-symmetric, per-channel absmax, round-to-nearest-even. Validation happens at
-construction and names the field and the fix.
+config is a static argument of `jit` and of the engine's VJP. The
+defaults are int8 symmetric, per-channel absmax, round-to-nearest-even.
+Validation happens at construction and names the field and the fix.
 
 Example:
   >>> from aqtr import numerics

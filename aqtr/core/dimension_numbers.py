@@ -74,7 +74,9 @@ class OperandLayout:
     raise ValueError(f"form must be 'fk' or 'kf', got {form!r}")
 
   def canonical_shape(self, form: str) -> tuple[int, int, int]:
-    return (self.b, self.f, self.k) if form == 'fk' else (self.b, self.k, self.f)
+    return (
+      (self.b, self.f, self.k) if form == 'fk' else (self.b, self.k, self.f)
+    )
 
   def natural_form(self) -> str:
     """'kf' when the contraction axes already precede the free axes."""
@@ -99,7 +101,9 @@ def _axes(value, rank: int, field: str) -> tuple[int, ...]:
   try:
     axes = tuple(int(a) for a in value)
   except TypeError:
-    raise ValueError(f'{field} must be a sequence of ints, got {value!r}.')
+    raise ValueError(
+      f'{field} must be a sequence of ints, got {value!r}.'
+    ) from None
   out = []
   for a in axes:
     if not -rank <= a < rank:

@@ -35,42 +35,31 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from aqtr.core.config import DotGeneralConfig, DotGeneralRaw, TensorConfig
+from aqtr.core.config import DotGeneralConfig
 from aqtr.core.dimension_numbers import DotLayout
-from aqtr.core.qtensor import QTensor, from_view, to_view
-from aqtr.core.quantizer import check_float, quantize_view
-from aqtr.core.rounding import as_typed_key
-
-
-@dataclasses.dataclass
-class _Operand:
-  """One operand of a canonical dot.
-
-  x: canonical 3-D array, [B, F, K] ('fk') or [B, K, F] ('kf').
-  cfg: how to quantize it, or None when `x` enters the dot as it is
-    (already quantized with its scale folded elsewhere, or float).
-  noise: rounding noise shaped like x, or None.
-  """
-
-  x: jax.Array
-  form: str
-  cfg: TensorConfig | None = None
-  noise: jax.Array | None = None
-
-
-@dataclasses.dataclass
-class _Q:
-  """A prepared operand: tiled view values, scale (or None), grad mask."""
-
-  q: jax.Array
-  s: jax.Array | None
-  mask: jax.Array | None
-  form: str
-
-
-jax.tree_util.register_dataclass(
-  _Q, data_fields=['q', 's', 'mask'], meta_fields=['form']
+from aqtr.core.passes import (
+  _Q,
+  _as_given,
+  _canon_noise,
+  _contract,
+  _dequant,
+  _flip,
+  _fold,
+  _given,
+  _keys,
+  _mask,
+  _noise,
+  _Operand,
+  _pass,
+  _prepare,
+  _shape_dtype,
+  _tile_cfg,
+  _tiled,
+  _untile,
 )
+from aqtr.core.qtensor import QTensor
+from aqtr.core.quantizer import check_float
+from aqtr.core.rounding import as_typed_key
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,179 +75,13 @@ class _Shapes:
 jax.tree_util.register_static(_Shapes)
 
 
-def _tile(ops: list[_Operand], k: int) -> int | None:
-  tiles = {
-    op.cfg.tiling.tile(k)
-    for op in ops
-    if op.cfg is not None and op.cfg.quantized
-  } - {None}
-  if len(tiles) > 1:
-    raise ValueError(
-      f'the lhs and rhs tilings ask for different tile sizes {sorted(tiles)} '
-      f'along the same contraction of size {k}; use one tile size.'
-    )
-  return tiles.pop() if tiles else None
-
-
-def _prepare(op: _Operand, tile: int | None) -> _Q:
-  x4 = to_view(op.x, op.form, tile)
-  if op.cfg is None or not op.cfg.quantized:
-    return _Q(x4, None, None, op.form)
-  noise = None if op.noise is None else to_view(op.noise, op.form, tile)
-  q, s, mask = quantize_view(x4, op.cfg, op.form, noise)
-  return _Q(q, s, mask, op.form)
-
-
-def _is_int(dtype) -> bool:
-  return jnp.issubdtype(dtype, jnp.integer)
-
-
-def _is_fp8(dtype) -> bool:
-  return jnp.dtype(dtype).itemsize == 1 and jnp.issubdtype(dtype, jnp.floating)
-
-
-def _contract(a: _Q, b: _Q, raw: DotGeneralRaw, precision) -> jax.Array:
-  """sum_tiles (a . b) * s_a * s_b^T -> [B, Fa, Fb] float32."""
-  bsz, n, fa, t = a.q.shape
-  qa = a.q.reshape(bsz * n, fa, t)
-  qb = b.q.reshape((bsz * n,) + b.q.shape[2:])
-  fb = qb.shape[1] if b.form == 'fk' else qb.shape[2]
-  rc = 2 if b.form == 'fk' else 1
-  dn = (((2,), (rc,)), ((0,), (0,)))
-  da, db = qa.dtype, qb.dtype
-  if _is_int(da) and _is_int(db) and raw.accumulator != 'float32':
-    qa, qb = (x.astype(jnp.int8) if x.dtype == jnp.int4 else x for x in (qa, qb))
-    qa, qb = lax.optimization_barrier((qa, qb))
-    out = lax.dot_general(qa, qb, dn, preferred_element_type=jnp.int32)
-    out = out.astype(jnp.float32)
-  elif _is_fp8(da) and _is_fp8(db) and raw.accumulator != 'int32':
-    qa, qb = lax.optimization_barrier((qa, qb))
-    out = lax.dot_general(qa, qb, dn, preferred_element_type=jnp.float32)
-  else:
-    floats = [d for d in (da, db) if not (_is_int(d) or _is_fp8(d))]
-    ct = jnp.result_type(*floats) if floats else jnp.float32
-    out = lax.dot_general(
-      qa.astype(ct),
-      qb.astype(ct),
-      dn,
-      precision=precision,
-      preferred_element_type=jnp.float32,
-    )
-  out = out.reshape(bsz, n, fa, fb)
-  if a.s is not None:
-    out = out * a.s
-  if b.s is not None:
-    out = out * (b.s.transpose(0, 1, 3, 2) if b.form == 'fk' else b.s)
-  return out[:, 0] if n == 1 else out.sum(axis=1)
-
-
-def _pass(a: _Operand, b: _Operand, raw: DotGeneralRaw, precision):
-  """One canonical dot: `a` is [B, Fa, K] ('fk'), `b` either form."""
-  tile = _tile([a, b], a.x.shape[2])
-  qa, qb = _prepare(a, tile), _prepare(b, tile)
-  return _contract(qa, qb, raw, precision), qa, qb
-
-
-def _noise(cfg: TensorConfig, key, shape):
-  if key is None or not (cfg.quantized and cfg.rounding.stochastic):
-    return None
-  return cfg.rounding.noise(key, shape)
-
-
-def _keys(key, n: int):
-  return (None,) * n if key is None else tuple(jax.random.split(key, n))
-
-
-def _fold(g3: jax.Array, q: _Q, axis: int):
-  """Folds the forward scale of `q` into g along g's `axis` (1 or 2).
-
-  Returns g * s as [B * T, ., .] matching q's tiles, and T.
-  """
-  s = q.s[..., 0] if q.form == 'fk' else q.s[:, :, 0, :]  # [B|1, T|1, F]
-  s = s[:, :, None, :] if axis == 2 else s[:, :, :, None]
-  g4 = g3[:, None].astype(jnp.float32) * s
-  bsz, n = g3.shape[0], q.q.shape[1]
-  g4 = jnp.broadcast_to(g4, (bsz, n) + g4.shape[2:])
-  return g4.reshape((bsz * n,) + g4.shape[2:]), n
-
-
-def _tiled(n: int, x: jax.Array | None):
-  if x is None:
-    return None
-  x = jnp.broadcast_to(x[:, None], (x.shape[0], n) + x.shape[1:])
-  return x.reshape((-1,) + x.shape[2:])
-
-
-def _as_given(q: _Q) -> _Operand:
-  """A forward QTensor as an operand of a backward dot (scale folded)."""
-  bsz, n = q.q.shape[:2]
-  return _Operand(q.q.reshape((bsz * n,) + q.q.shape[2:]), q.form)
-
-
-def _flip(form: str) -> str:
-  return 'kf' if form == 'fk' else 'fk'
-
-
-def _untile(x3: jax.Array, n: int, form: str) -> jax.Array:
-  """[B*T, F, t] ('fk') / [B*T, t, F] ('kf') -> canonical [B, F, K] / [B, K, F]."""
-  x4 = x3.reshape((-1, n) + x3.shape[1:])
-  return from_view(x4, form)
-
-
-def _mask(q: _Q | None, layout, form):
-  if q is None or q.mask is None:
-    return None
-  return layout.from_canonical(from_view(q.mask, form), form)
-
-
-def _dequant(q: _Q, layout, dtype):
-  v = q.q.astype(jnp.float32) * q.s
-  return layout.from_canonical(from_view(v, q.form), q.form).astype(dtype)
-
-
-def _shape_dtype(x):
-  if isinstance(x, QTensor):
-    return jax.ShapeDtypeStruct(x.layout.shape, x.scale.dtype)
-  return jax.ShapeDtypeStruct(x.shape, x.dtype)
-
-
-def _given(x: QTensor, raw_side: TensorConfig, layout, form, tile, name):
-  """A stored QTensor as a forward operand, checked against the config."""
-  n = raw_side.numerics
-  b, f, k = layout.b, layout.f, layout.k
-  t = tile or k
-  view = (b, k // t, f, t) if form == 'fk' else (b, k // t, t, f)
-  problems = []
-  if not raw_side.quantized:
-    problems.append(f'config.fwd.{name} is not quantized')
-  elif jnp.dtype(x.qvalue.dtype) != jnp.dtype(n.dtype):
-    problems.append(
-      f'qvalue dtype {x.qvalue.dtype} != config numerics dtype {n.dtype}'
-    )
-  if x.layout != layout or x.form != form:
-    problems.append(
-      f'layout {x.layout}/{x.form} != the dot\'s {layout}/{form}'
-    )
-  if tuple(x.qvalue.shape) != view:
-    problems.append(f'qvalue shape {x.qvalue.shape} != expected {view}')
-  if x.scale is None or jnp.ndim(x.scale) != 4:
-    problems.append('scale missing or not in the tiled view')
-  if problems:
-    raise ValueError(
-      f'the QTensor given as {name} does not match this dot and config: '
-      + '; '.join(problems)
-      + '. Quantize it with aqtr.quantize_operand(x, dimension_numbers, '
-      'config, operand=...) using the same config and dimension numbers.'
-    )
-  return _Q(x.qvalue, x.scale, None, form)
-
-
 def _fwd(lhs, rhs, key, dn, cfg: DotGeneralConfig, precision, preferred):
   lsd, rsd = _shape_dtype(lhs), _shape_dtype(rhs)
   lay = DotLayout.create(lsd.shape, rsd.shape, dn)
   floats = [x.dtype for x in (lhs, rhs) if not isinstance(x, QTensor)]
-  out_dtype = preferred or (jnp.result_type(*floats) if floats else
-                            jnp.dtype(jnp.float32))
+  out_dtype = preferred or (
+    jnp.result_type(*floats) if floats else jnp.dtype(jnp.float32)
+  )
   kf, kl, kr = _keys(key, 3)
   fwd = cfg.fwd
   given_l, given_r = isinstance(lhs, QTensor), isinstance(rhs, QTensor)
@@ -271,19 +94,37 @@ def _fwd(lhs, rhs, key, dn, cfg: DotGeneralConfig, precision, preferred):
     ql = qr = None
   else:
     k1, k2 = _keys(kf, 2)
-    a = None if given_l else _Operand(
-      lay.lhs.to_canonical(lhs, 'fk'), 'fk', fwd.lhs,
-      _canon_noise(fwd.lhs, k1, lay.lhs, 'fk'),
+    a = (
+      None
+      if given_l
+      else _Operand(
+        lay.lhs.to_canonical(lhs, 'fk'),
+        'fk',
+        fwd.lhs,
+        _canon_noise(fwd.lhs, k1, lay.lhs, 'fk'),
+      )
     )
-    b = None if given_r else _Operand(
-      lay.rhs.to_canonical(rhs, rform), rform, fwd.rhs,
-      _canon_noise(fwd.rhs, k2, lay.rhs, rform),
+    b = (
+      None
+      if given_r
+      else _Operand(
+        lay.rhs.to_canonical(rhs, rform),
+        rform,
+        fwd.rhs,
+        _canon_noise(fwd.rhs, k2, lay.rhs, rform),
+      )
     )
     tile = _tile_cfg(fwd, lay.lhs.k)
-    ql = (_given(lhs, fwd.lhs, lay.lhs, 'fk', tile, 'lhs') if given_l
-          else _prepare(a, tile))
-    qr = (_given(rhs, fwd.rhs, lay.rhs, rform, tile, 'rhs') if given_r
-          else _prepare(b, tile))
+    ql = (
+      _given(lhs, fwd.lhs, lay.lhs, 'fk', tile, 'lhs')
+      if given_l
+      else _prepare(a, tile)
+    )
+    qr = (
+      _given(rhs, fwd.rhs, lay.rhs, rform, tile, 'rhs')
+      if given_r
+      else _prepare(b, tile)
+    )
     out3 = _contract(ql, qr, fwd, precision)
     out = out3.reshape(lay.out_shape).astype(out_dtype)
     if ql.s is None:
@@ -300,7 +141,9 @@ def _fwd(lhs, rhs, key, dn, cfg: DotGeneralConfig, precision, preferred):
     ):
       qlt = _Q(
         lax.optimization_barrier(ql.q.transpose(0, 1, 3, 2)),
-        ql.s.transpose(0, 1, 3, 2), None, 'kf',
+        ql.s.transpose(0, 1, 3, 2),
+        None,
+        'kf',
       )
   # A stored QTensor has no float form: its gradient partner always reuses it.
   reuse_l = ql is not None and (cfg.drhs.use_fwd_quant or given_l)
@@ -320,18 +163,9 @@ def _fwd(lhs, rhs, key, dn, cfg: DotGeneralConfig, precision, preferred):
   return out, res
 
 
-def _tile_cfg(raw: DotGeneralRaw, k: int) -> int | None:
-  ops = [_Operand(None, 'fk', raw.lhs), _Operand(None, 'fk', raw.rhs)]
-  return _tile(ops, k)
-
-
-def _canon_noise(cfg, key, layout, form):
-  n = _noise(cfg, key, layout.shape)
-  return None if n is None else layout.to_canonical(n, form)
-
-
 def _float_grad(lhs, rhs, dn, precision, preferred, g, wrt: int):
   """The gradient of lax.dot_general w.r.t. operand `wrt`, as JAX does it."""
+
   def f(x):
     args = (x, rhs) if wrt == 0 else (lhs, x)
     return lax.dot_general(
@@ -399,7 +233,9 @@ def _dlhs(ctx: _Ctx, lhs, rhs, qr, key):
       a = _Operand(g3, 'fk', raw.lhs, n3)
       rf = lay.rhs.natural_form()
       b = _Operand(
-        lay.rhs.to_canonical(rhs, rf), _flip(rf), raw.rhs,
+        lay.rhs.to_canonical(rhs, rf),
+        _flip(rf),
+        raw.rhs,
         _canon_noise(raw.rhs, k2, lay.rhs, rf),
       )
       dl3, _, _ = _pass(a, b, raw, precision)
@@ -434,7 +270,9 @@ def _drhs(ctx: _Ctx, lhs, rhs, ql, qlt, key):
       else:
         a = _Operand(gt, 'fk', raw.lhs, nt)
         b = _Operand(
-          lay.lhs.to_canonical(lhs, 'fk'), 'kf', raw.rhs,
+          lay.lhs.to_canonical(lhs, 'fk'),
+          'kf',
+          raw.rhs,
           _canon_noise(raw.rhs, k2, lay.lhs, 'fk'),
         )
         dr3, _, _ = _pass(a, b, raw, precision)
@@ -450,8 +288,9 @@ def _drhs(ctx: _Ctx, lhs, rhs, ql, qlt, key):
         dr3 = _untile(out, n, 'kf')
       else:
         lt = lay.lhs.to_canonical(lhs, 'kf')
-        a = _Operand(lt, 'fk', raw.rhs, _canon_noise(raw.rhs, k2, lay.lhs,
-                                                      'kf'))
+        a = _Operand(
+          lt, 'fk', raw.rhs, _canon_noise(raw.rhs, k2, lay.lhs, 'kf')
+        )
         b = _Operand(g3, 'kf', raw.lhs, n3)
         dr3, _, _ = _pass(a, b, raw, precision)
     dr = lay.rhs.from_canonical(dr3, rform)
@@ -522,7 +361,10 @@ def dot_general(
   # result and gradients.
   if not any(given) and (config is None or config.is_float or empty):
     return lax.dot_general(
-      lhs, rhs, dimension_numbers, precision=precision,
+      lhs,
+      rhs,
+      dimension_numbers,
+      precision=precision,
       preferred_element_type=preferred_element_type,
     )
   if not given[0]:
@@ -544,73 +386,8 @@ def dot_general(
       )
   key = as_typed_key(key) if config.needs_key else None
   preferred = (
-    None if preferred_element_type is None
+    None
+    if preferred_element_type is None
     else jnp.dtype(preferred_element_type)
   )
   return _qdot_jit(lhs, rhs, key, dn, config, precision, preferred)
-
-
-def quantize_operand(
-  x: jax.Array,
-  dimension_numbers,
-  config: DotGeneralConfig,
-  *,
-  operand: str = 'rhs',
-  other_shape=None,
-  key: jax.Array | None = None,
-) -> QTensor:
-  """Quantizes one operand exactly as the forward pass of `config` would.
-
-  The result can be stored (e.g. frozen int8 weights) and passed to
-  `dot_general` in place of the float operand: the output is bit-identical
-  to running the float operand through the same config.
-
-  Args:
-    x: the float operand.
-    dimension_numbers: of the dot it will be used in.
-    config: the DotGeneralConfig of that dot (its fwd.<operand> applies).
-    operand: 'lhs' or 'rhs'.
-    other_shape: shape of the other operand; default: inferred as needed
-      (only the contraction/batch sizes matter, taken from `x`).
-    key: PRNG key if the forward rounding is stochastic.
-
-  Example:
-    >>> import jax.numpy as jnp, aqtr
-    >>> dn = (((1,), (0,)), ((), ()))
-    >>> w = aqtr.quantize_operand(jnp.ones((8, 2)), dn, aqtr.presets.int8())
-    >>> aqtr.dot_general(jnp.ones((4, 8)), w, dn, aqtr.presets.int8())[0]
-    Array([8., 8.], dtype=float32)
-  """
-  if operand not in ('lhs', 'rhs'):
-    raise ValueError(f"operand must be 'lhs' or 'rhs', got {operand!r}.")
-  if not isinstance(config, DotGeneralConfig):
-    raise TypeError(f'config must be an aqtr.DotGeneralConfig, got {config!r}.')
-  x = jnp.asarray(x)
-  check_float(x, 'x')
-  (lc, rc), (lb, rb) = dimension_numbers
-  mine, theirs = ((lc, lb), (rc, rb)) if operand == 'lhs' else ((rc, rb),
-                                                               (lc, lb))
-  if other_shape is None:  # A stand-in partner with matching sizes.
-    nd = len(theirs[0]) + len(theirs[1])
-    other_shape = [1] * max(nd, 1 + max((*theirs[0], *theirs[1], -1)))
-    for a, b in zip((*mine[0], *mine[1]), (*theirs[0], *theirs[1]),
-                    strict=True):
-      other_shape[b] = x.shape[a]
-  shapes = (x.shape, other_shape) if operand == 'lhs' else (other_shape,
-                                                             x.shape)
-  lay = DotLayout.create(*shapes, dimension_numbers)
-  side = getattr(lay, operand)
-  cfg = getattr(config.fwd, operand)
-  if not cfg.quantized:
-    raise ValueError(
-      f'config.fwd.{operand} is not quantized; nothing to freeze.'
-    )
-  form = 'fk' if operand == 'lhs' else side.natural_form()
-  tile = _tile_cfg(config.fwd, side.k)
-  key = as_typed_key(key)
-  if key is not None:
-    key = _keys(_keys(key, 3)[0], 2)[0 if operand == 'lhs' else 1]
-  op = _Operand(side.to_canonical(x, form), form, cfg,
-                _canon_noise(cfg, key, side, form))
-  q = _prepare(op, tile)
-  return QTensor(q.q, q.s, side, form)

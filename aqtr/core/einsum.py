@@ -23,8 +23,10 @@ def _expand(spec: str, rank: int, ell: str, field: str) -> str:
   if '...' in spec:
     n = rank - (len(spec) - 3)
     if n < 0:
-      raise ValueError(f'einsum {field} {spec!r} has more letters than rank {rank}.')
-    spec = spec.replace('...', ell[len(ell) - n:] if n else '')
+      raise ValueError(
+        f'einsum {field} {spec!r} has more letters than rank {rank}.'
+      )
+    spec = spec.replace('...', ell[len(ell) - n :] if n else '')
   if not all(c in string.ascii_letters for c in spec):
     raise ValueError(
       f'einsum {field} {spec!r} may only hold letters and one "...".'
@@ -58,11 +60,14 @@ def parse(subscripts: str, lhs_rank: int, rhs_rank: int):
   rs = _expand(parts[1], rhs_rank, ell, 'rhs subscripts')
   if arrow:
     n_ell = max(
-      (r - (len(p) - 3) for p, r in zip(parts, (lhs_rank, rhs_rank))
-       if '...' in p),
+      (
+        r - (len(p) - 3)
+        for p, r in zip(parts, (lhs_rank, rhs_rank), strict=True)
+        if '...' in p
+      ),
       default=0,
     )
-    os = out.replace('...', ell[len(ell) - n_ell:]) if '...' in out else out
+    os = out.replace('...', ell[len(ell) - n_ell :]) if '...' in out else out
   else:
     counts = {c: (ls + rs).count(c) for c in ls + rs}
     lead = ''.join(c for c in ell if c in ls or c in rs)
@@ -84,7 +89,10 @@ def _dn(ls: str, rs: str, os: str):
   batch = [c for c in ls if c in rs and c in os]
   contract = [c for c in ls if c in rs and c not in os]
   return (
-    (tuple(ls.index(c) for c in contract), tuple(rs.index(c) for c in contract)),
+    (
+      tuple(ls.index(c) for c in contract),
+      tuple(rs.index(c) for c in contract),
+    ),
     (tuple(ls.index(c) for c in batch), tuple(rs.index(c) for c in batch)),
   )
 
@@ -129,15 +137,18 @@ def einsum(
   """
   given = isinstance(lhs, QTensor) or isinstance(rhs, QTensor)
   if not given and (
-    config is None
-    or (isinstance(config, DotGeneralConfig) and config.is_float)
+    config is None or (isinstance(config, DotGeneralConfig) and config.is_float)
   ):
     return jnp.einsum(
-      subscripts, lhs, rhs, precision=precision,
+      subscripts,
+      lhs,
+      rhs,
+      precision=precision,
       preferred_element_type=preferred_element_type,
     )
-  lhs, rhs = (x if isinstance(x, QTensor) else jnp.asarray(x)
-              for x in (lhs, rhs))
+  lhs, rhs = (
+    x if isinstance(x, QTensor) else jnp.asarray(x) for x in (lhs, rhs)
+  )
   ls, rs, os = parse(subscripts, _ndim(lhs), _ndim(rhs))
   lonly = [i for i, c in enumerate(ls) if c not in rs and c not in os]
   ronly = [i for i, c in enumerate(rs) if c not in ls and c not in os]
@@ -156,7 +167,12 @@ def einsum(
   dn = _dn(ls, rs, os)
   batch = [c for c in ls if c in rs and c in os]
   out = dot_general(
-    lhs, rhs, dn, config, key=key, precision=precision,
+    lhs,
+    rhs,
+    dn,
+    config,
+    key=key,
+    precision=precision,
     preferred_element_type=preferred_element_type,
   )
   got = (

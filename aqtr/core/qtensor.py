@@ -18,7 +18,7 @@ ROLE_AXES = {
 
 
 def to_view(x3: jax.Array, form: str, tile: int | None) -> jax.Array:
-  """Canonical [B, F, K] / [B, K, F] -> tiled view [B, T, F, t] / [B, T, t, F]."""
+  """Canonical [B, F, K] / [B, K, F] -> view [B, T, F, t] / [B, T, t, F]."""
   b, d1, d2 = x3.shape
   k = d2 if form == 'fk' else d1
   t = tile or k

@@ -51,7 +51,9 @@ def _layout(x, contracting_axes, batch_axes) -> OperandLayout:
   contract = _axes(contracting_axes, rank, 'contracting_axes')
   batch = _axes(batch_axes, rank, 'batch_axes')
   if set(contract) & set(batch):
-    raise ValueError('an axis cannot be both in batch_axes and contracting_axes.')
+    raise ValueError(
+      'an axis cannot be both in batch_axes and contracting_axes.'
+    )
   return OperandLayout(tuple(jnp.shape(x)), batch, contract)
 
 
@@ -100,8 +102,9 @@ def quantize(
     >>> aqtr.quantize(jnp.array([[0.5, -1.0]])).qvalue.ravel().tolist()
     [64, -127]
   """
-  return _quantize(x, config or TensorConfig(), contracting_axes, batch_axes,
-                   key)[0]
+  return _quantize(
+    x, config or TensorConfig(), contracting_axes, batch_axes, key
+  )[0]
 
 
 def fake_quant(

@@ -63,8 +63,7 @@ class Stochastic(Rounding):
       isinstance(a, int) and not isinstance(a, bool) for a in axes
     ):
       raise TypeError(
-        'Stochastic.noise_sharing_axes must be a tuple of ints, got '
-        f'{axes!r}.'
+        f'Stochastic.noise_sharing_axes must be a tuple of ints, got {axes!r}.'
       )
 
   def noise(self, key, shape):

@@ -37,7 +37,8 @@ import jax.numpy as jnp
 from aqtr.calibrations.constant import Constant
 from aqtr.core.config import DotGeneralConfig
 from aqtr.core.dimension_numbers import DotLayout, OperandLayout
-from aqtr.core.dot_general import dot_general, quantize_operand
+from aqtr.core.dot_general import dot_general
+from aqtr.core.operand import quantize_operand
 from aqtr.core.qtensor import QTensor
 from aqtr.freezers.base import Mode, NoFreezer
 from aqtr.freezers.calibration import CalibrationFreezer

@@ -58,9 +58,7 @@ class IntSymmetric(Numerics):
         f'IntSymmetric.bits must be an int in 1..8, got {self.bits!r}.'
       )
     if not 1 <= self.bits <= 8:
-      raise ValueError(
-        f'IntSymmetric.bits must be in 1..8, got {self.bits}.'
-      )
+      raise ValueError(f'IntSymmetric.bits must be in 1..8, got {self.bits}.')
     if self.bits == 1 and self.preserve_zero:
       raise ValueError(
         'IntSymmetric.bits=1 needs preserve_zero=False (the binary grid '
@@ -73,8 +71,7 @@ class IntSymmetric(Numerics):
         )
     if self.storage not in _STORAGE:
       raise ValueError(
-        f'IntSymmetric.storage must be one of {_STORAGE}, got '
-        f'{self.storage!r}.'
+        f'IntSymmetric.storage must be one of {_STORAGE}, got {self.storage!r}.'
       )
     if self.storage == 'int4' and self.max_stored > 7:
       raise ValueError(

@@ -1,0 +1,93 @@
+"""Freezing one operand: quantize it exactly as a dot's forward pass would.
+
+A QTensor made here can replace the float operand of `aqtr.dot_general` /
+`aqtr.einsum` with bit-identical output (serving frozen weights).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from aqtr.core.config import DotGeneralConfig
+from aqtr.core.dimension_numbers import DotLayout
+from aqtr.core.passes import (
+  _canon_noise,
+  _keys,
+  _Operand,
+  _prepare,
+  _tile_cfg,
+)
+from aqtr.core.qtensor import QTensor
+from aqtr.core.quantizer import check_float
+from aqtr.core.rounding import as_typed_key
+
+
+def quantize_operand(
+  x: jax.Array,
+  dimension_numbers,
+  config: DotGeneralConfig,
+  *,
+  operand: str = 'rhs',
+  other_shape=None,
+  key: jax.Array | None = None,
+) -> QTensor:
+  """Quantizes one operand exactly as the forward pass of `config` would.
+
+  The result can be stored (e.g. frozen int8 weights) and passed to
+  `dot_general` in place of the float operand: the output is bit-identical
+  to running the float operand through the same config.
+
+  Args:
+    x: the float operand.
+    dimension_numbers: of the dot it will be used in.
+    config: the DotGeneralConfig of that dot (its fwd.<operand> applies).
+    operand: 'lhs' or 'rhs'.
+    other_shape: shape of the other operand; default: inferred as needed
+      (only the contraction/batch sizes matter, taken from `x`).
+    key: PRNG key if the forward rounding is stochastic.
+
+  Example:
+    >>> import jax.numpy as jnp, aqtr
+    >>> dn = (((1,), (0,)), ((), ()))
+    >>> w = aqtr.quantize_operand(jnp.ones((8, 2)), dn, aqtr.presets.int8())
+    >>> aqtr.dot_general(jnp.ones((4, 8)), w, dn, aqtr.presets.int8())[0]
+    Array([8., 8.], dtype=float32)
+  """
+  if operand not in ('lhs', 'rhs'):
+    raise ValueError(f"operand must be 'lhs' or 'rhs', got {operand!r}.")
+  if not isinstance(config, DotGeneralConfig):
+    raise TypeError(f'config must be an aqtr.DotGeneralConfig, got {config!r}.')
+  x = jnp.asarray(x)
+  check_float(x, 'x')
+  (lc, rc), (lb, rb) = dimension_numbers
+  mine, theirs = (
+    ((lc, lb), (rc, rb)) if operand == 'lhs' else ((rc, rb), (lc, lb))
+  )
+  if other_shape is None:  # A stand-in partner with matching sizes.
+    nd = len(theirs[0]) + len(theirs[1])
+    other_shape = [1] * max(nd, 1 + max((*theirs[0], *theirs[1], -1)))
+    for a, b in zip(
+      (*mine[0], *mine[1]), (*theirs[0], *theirs[1]), strict=True
+    ):
+      other_shape[b] = x.shape[a]
+  shapes = (
+    (x.shape, other_shape) if operand == 'lhs' else (other_shape, x.shape)
+  )
+  lay = DotLayout.create(*shapes, dimension_numbers)
+  side = getattr(lay, operand)
+  cfg = getattr(config.fwd, operand)
+  if not cfg.quantized:
+    raise ValueError(
+      f'config.fwd.{operand} is not quantized; nothing to freeze.'
+    )
+  form = 'fk' if operand == 'lhs' else side.natural_form()
+  tile = _tile_cfg(config.fwd, side.k)
+  key = as_typed_key(key)
+  if key is not None:
+    key = _keys(_keys(key, 3)[0], 2)[0 if operand == 'lhs' else 1]
+  op = _Operand(
+    side.to_canonical(x, form), form, cfg, _canon_noise(cfg, key, side, form)
+  )
+  q = _prepare(op, tile)
+  return QTensor(q.q, q.s, side, form)
