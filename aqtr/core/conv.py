@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -261,7 +262,68 @@ def conv_general_dilated(
     >>> y.shape, float(y[0, 1, 1, 0])
     ((1, 4, 4, 5), 18.0)
   """
-  if config is None or config.is_float:
+
+  def dot(patches, kernel, dn, precision, preferred_element_type):
+    return dot_general(
+      patches,
+      kernel,
+      dn,
+      config,
+      key=key,
+      precision=precision,
+      preferred_element_type=preferred_element_type,
+    )
+
+  return conv_via(
+    dot,
+    config is None or config.is_float,
+    lhs,
+    rhs,
+    window_strides,
+    padding,
+    lhs_dilation,
+    rhs_dilation,
+    dimension_numbers,
+    feature_group_count,
+    batch_group_count,
+    precision,
+    preferred_element_type,
+    out_sharding,
+  )
+
+
+def conv_via(
+  dot: Callable,
+  is_float: bool,
+  lhs,
+  rhs,
+  window_strides,
+  padding,
+  lhs_dilation=None,
+  rhs_dilation=None,
+  dimension_numbers=None,
+  feature_group_count: int = 1,
+  batch_group_count: int = 1,
+  precision=None,
+  preferred_element_type=None,
+  out_sharding=None,
+) -> jax.Array:
+  """A convolution whose patch x kernel product is `dot(...)`.
+
+  The shared body of `conv_general_dilated` and the Flax conv ops (which
+  pass their own dot, e.g. one reading a frozen kernel). With `is_float`
+  it is exactly `lax.conv_general_dilated`.
+
+  Args:
+    dot: `(patches, kernel, dimension_numbers, precision,
+      preferred_element_type) -> out`.
+    is_float: take lax's float convolution instead.
+    lhs, rhs, ...: as in `lax.conv_general_dilated`.
+
+  Returns:
+    The convolution output in `dimension_numbers`' out_spec layout.
+  """
+  if is_float:
     return lax.conv_general_dilated(
       lhs,
       rhs,
@@ -288,19 +350,18 @@ def conv_general_dilated(
     feature_group_count,
     batch_group_count,
   )
-  out = dot_general(
-    p.patches(lhs),
-    p.kernel(rhs),
-    p.dimension_numbers,
-    config,
-    key=key,
-    precision=precision,
-    preferred_element_type=preferred_element_type,
+  out = p.output(
+    dot(
+      p.patches(lhs),
+      p.kernel(rhs),
+      p.dimension_numbers,
+      precision,
+      preferred_element_type,
+    )
   )
-  out = p.output(out)
   if out_sharding is not None:
     out = jax.lax.with_sharding_constraint(out, out_sharding)
   return out
 
 
-__all__ = ['ConvPlan', 'conv_general_dilated', 'plan']
+__all__ = ['ConvPlan', 'conv_general_dilated', 'conv_via', 'plan']

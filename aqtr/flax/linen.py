@@ -247,24 +247,11 @@ class ConvGeneralDilated(_Op):
     preferred_element_type=None,
     out_sharding=None,
   ):
-    if common.is_float(self.config):
-      return lax.conv_general_dilated(
-        lhs,
-        rhs,
-        window_strides,
-        padding,
-        lhs_dilation,
-        rhs_dilation,
-        dimension_numbers,
-        feature_group_count,
-        batch_group_count,
-        precision,
-        preferred_element_type,
-        out_sharding=out_sharding,
-      )
-    p = conv_lib.plan(
-      jnp.shape(lhs),
-      jnp.shape(rhs),
+    return conv_lib.conv_via(
+      self._dot,
+      common.is_float(self.config),
+      lhs,
+      rhs,
       window_strides,
       padding,
       lhs_dilation,
@@ -272,15 +259,10 @@ class ConvGeneralDilated(_Op):
       dimension_numbers,
       feature_group_count,
       batch_group_count,
-    )
-    out = self._dot(
-      p.patches(lhs),
-      p.kernel(rhs),
-      p.dimension_numbers,
       precision,
       preferred_element_type,
+      out_sharding,
     )
-    return common.constrain(p.output(out), out_sharding)
 
 
 class EinsumDense(nn.Einsum):
