@@ -5,8 +5,10 @@ fast); one real subprocess checks that no traceback reaches the terminal.
 """
 
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 from absl import flags
@@ -149,3 +151,37 @@ def test_subprocess_mistake_has_no_traceback(tmp_path):
     'aqtr-train: --config: seq_len must be an int >= 2, got 1.'
   )
   assert not (tmp_path / cli.DEFAULT_ROOT).exists()
+
+
+def test_sigint_leaves_marked_partial_results(tmp_path):
+  out = tmp_path / 'o'
+  proc = subprocess.Popen(
+    [
+      sys.executable,
+      '-m',
+      'aqtr.train',
+      '--config=config:tiny',
+      "--config=set:runs=('float',)",
+      '--noprogress',
+      f'--out_dir={out}',
+    ],
+    stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE,
+    text=True,
+  )
+  try:
+    assert proc.stdout.readline() == f'output: {out}\n'
+    deadline = time.monotonic() + 120
+    while not (out / 'float' / report.INCOMPLETE).exists():
+      assert time.monotonic() < deadline and proc.poll() is None
+      time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+  finally:
+    proc.kill()
+  assert proc.returncode == 130, err
+  assert 'Traceback' not in err and len(err.strip().splitlines()) == 1
+  assert f'partial results in {out}' in err
+  assert (out / report.INCOMPLETE).is_file()
+  assert (out / 'float' / report.INCOMPLETE).is_file()
+  assert not (out / 'summary.md').exists()
