@@ -27,7 +27,13 @@ import os
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
+
+from aqtr import extras
+
+try:
+  import orbax.checkpoint as ocp
+except ImportError as e:
+  raise extras.missing('flax', 'aqtr.flax.checkpoint', e) from e
 
 CHECKSUM_FILE = 'aqtr_checksum.json'
 _FORMAT = 'aqtr.flax.checkpoint/1'
