@@ -31,6 +31,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import numbers
 from collections.abc import Callable
 from typing import Any
 
@@ -99,8 +100,8 @@ _RANGES: dict[str, tuple[type, str, Callable[[Any], bool]]] = {
 def check_field(name: str, value: Any) -> None:
   """Raises ValueError naming `name` unless `value` has its type and range.
 
-  Ints must be Python ints (not bools, not 2.5); floats may be given as
-  ints and must be finite.
+  Ints must be integers (not bools, not 2.5); floats may be given as ints
+  and must be finite.
 
   Example:
     >>> check_field('steps', 'abc')
@@ -111,11 +112,11 @@ def check_field(name: str, value: Any) -> None:
   kind, allowed, test = _RANGES[name]
   if value is None and allowed.endswith('or None'):
     return
+  number = numbers.Integral if kind is int else numbers.Real
+  ok = isinstance(value, number) and not isinstance(value, bool)
   if kind is int:
-    ok = isinstance(value, int) and not isinstance(value, bool)
     what = f'an int {allowed}'
   else:
-    ok = isinstance(value, int | float) and not isinstance(value, bool)
     ok = ok and math.isfinite(value)
     what = f'a finite number {allowed}'
   if not (ok and test(value)):
