@@ -1,8 +1,8 @@
 """One tensor: calibrate -> scale -> numerics -> QTensor; and fake quant.
 
-Math (DESIGN.md section 3): for each scale group G (the view axes the tiling
-shares) `bound = calibration(x_G)`, `s = bound / numerics.max_value` (a bound
-of 0, or one too small to divide by, gives s = 1), optionally
+Math: for each scale group G (the view axes the tiling shares)
+`bound = calibration(x_G)`, `s = bound / numerics.max_value` (a bound of 0,
+or one too small to divide by, gives s = 1), optionally
 `s <- 2^ceil(log2 s)`; `q = numerics.quantize(x / s (+ noise))`. The stored
 scale is `s * numerics.unit`. Quantization is computed in float32.
 """
