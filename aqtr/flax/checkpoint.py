@@ -78,7 +78,7 @@ def _read_digests(path: str) -> dict[str, str]:
     digests = meta['sha256']
     if meta['format'] != _FORMAT or not isinstance(digests, dict):
       raise ValueError(f'format {meta["format"]!r}, expected {_FORMAT!r}')
-  except Exception as e:  # noqa: BLE001 (reported with the path)
+  except Exception as e:  # Reported with the path.
     raise CheckpointError(
       path, f'{CHECKSUM_FILE} is garbled ({_one_line(e, 80)}).'
     ) from e
@@ -155,7 +155,7 @@ def restore(path: str | os.PathLike, target):
   ckpt = ocp.StandardCheckpointer()
   try:
     saved = set(ckpt.metadata(path).item_metadata.tree)
-  except Exception as e:  # noqa: BLE001 (reported with the path)
+  except Exception as e:  # Reported with the path.
     raise CheckpointError(
       path,
       'the orbax metadata cannot be read: the checkpoint is incomplete or '
@@ -168,7 +168,7 @@ def restore(path: str | os.PathLike, target):
   _check_keys(path, saved, set(abstract))
   try:
     out = ckpt.restore(path, abstract)
-  except Exception as e:  # noqa: BLE001 (reported with the path)
+  except Exception as e:  # Reported with the path.
     raise CheckpointError(
       path,
       'the array data cannot be read: truncated or corrupted '

@@ -168,7 +168,7 @@ def config_from_directives(directives: Sequence[str]) -> fdl.Config:
     try:
       flag.parse(directive)
       cfg = flag.value
-    except Exception as e:  # noqa: BLE001 (reported in one line)
+    except Exception as e:  # Reported in one line.
       raise CommandLineError(f'--config={directive}: {_one_line(e)}') from e
   if not _is_experiment(cfg):
     raise CommandLineError(
@@ -182,7 +182,7 @@ def experiment_of(cfg: fdl.Config) -> experiment.Experiment:
   """Builds and validates the experiment; CommandLineError on a bad field."""
   try:
     return experiment.split(cfg)[0]
-  except Exception as e:  # noqa: BLE001 (reported in one line)
+  except Exception as e:  # Reported in one line.
     text = _one_line(e).removeprefix('<root> (Experiment): ')
     raise CommandLineError(f'--config: {text}') from e
 
