@@ -1,0 +1,54 @@
+"""papers.lib: the shared command line, tasks and MLP trainer."""
+
+import pytest
+
+import aqtr
+from papers.int8_training_matches_float import config
+from papers.lib import cli, mlp, tasks
+
+
+def test_cli_takes_aqtr_train_config_flags():
+  cfg, out = cli.parse(
+    config,
+    [
+      'run',
+      '--config=config:small',
+      "--config=set:tasks['teacher'].steps=5",
+      "--config=fiddler:add_run('int6', 'fully_quantized', 6, 6)",
+      '--config=fiddler:use_rounding(r"runs\\[\'int6\'\\]\\.dlhs\\.lhs", '
+      "'stochastic')",
+      '--out_dir=/tmp/x',
+    ],
+  )
+  assert cfg.tasks['teacher'].steps == 5
+  assert cfg.runs['int6'].fwd.lhs.numerics.bits == 6
+  assert type(cfg.runs['int6'].dlhs.lhs.rounding).__name__ == 'Config'
+  assert out == '/tmp/x'
+
+
+def test_cli_defaults_to_full():
+  cfg, out = cli.parse(config, ['run'])
+  assert cfg.tasks['digits'].seeds == (0, 1, 2) and out is None
+
+
+@pytest.mark.parametrize(
+  'kw, match',
+  [
+    ({'name': 'mnist'}, 'Task.name must be one of'),
+    ({'steps': 0}, 'Task.steps must be >= 1'),
+    ({'seeds': ()}, 'Task.seeds'),
+    ({'teacher_dims': (4,)}, 'Task.teacher_dims'),
+  ],
+)
+def test_task_rejects_bad_fields(kw, match):
+  with pytest.raises(ValueError, match=match):
+    tasks.Task(**kw)
+
+
+def test_same_seed_same_result_and_serving_is_exact():
+  task = tasks.Task(
+    name='teacher', hidden=(8,), steps=20, train_size=128, val_size=64
+  )
+  a = mlp.run(task, aqtr.presets.int8(), seed=3)
+  b = mlp.run(task, aqtr.presets.int8(), seed=3)
+  assert a['metric'] == b['metric'] and a['serve_equal']
