@@ -1,5 +1,9 @@
 """papers.lib: the shared command line, tasks and MLP trainer."""
 
+import doctest
+import importlib
+import pathlib
+
 import pytest
 
 import aqtr
@@ -52,3 +56,43 @@ def test_same_seed_same_result_and_serving_is_exact():
   a = mlp.run(task, aqtr.presets.int8(), seed=3)
   b = mlp.run(task, aqtr.presets.int8(), seed=3)
   assert a['metric'] == b['metric'] and a['serve_equal']
+
+
+def test_readme_lists_every_claim_and_done_claims_are_complete():
+  root = pathlib.Path(config.__file__).parents[1]
+  readme = (root / 'README.md').read_text()
+  claims = [p for p in root.iterdir() if p.is_dir() and p.name != 'lib']
+  claims = [p for p in claims if not p.name.startswith(('_', '.'))]
+  assert len(claims) >= 6
+  tests = pathlib.Path(__file__).parent
+  for p in claims:
+    assert f'[{p.name}]({p.name}/README.md)' in readme, p.name
+    text = (p / 'README.md').read_text()
+    assert 'arXiv' in text or 'google/aqt' in text, p.name
+    if (p / 'run.py').exists():  # done: config, outputs, test, command
+      for f in ('config.py', 'results.md', 'results.png'):
+        assert (p / f).exists(), f'{p.name}/{f}'
+      assert (tests / f'test_{p.name}.py').exists(), p.name
+      assert f'python -m papers.{p.name}.run' in text, p.name
+    else:
+      assert '**Status: pending**' in text, p.name
+
+
+_MODULES = [
+  'papers.lib.cli',
+  'papers.lib.compare',
+  'papers.lib.mlp',
+  'papers.lib.plots',
+  'papers.lib.tasks',
+  'papers.four_bit_pareto.config',
+  'papers.four_bit_pareto.sweep',
+  'papers.fp8_formats_and_scaling.config',
+  'papers.int8_training_matches_float.config',
+]
+
+
+@pytest.mark.parametrize('name', _MODULES)
+def test_docstring_examples(name):
+  module = importlib.import_module(name)
+  result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+  assert result.failed == 0, f'{result.failed} doctest(s) failed in {name}'
