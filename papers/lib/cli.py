@@ -5,7 +5,8 @@
 function of it: `full`, `small`), `set:PATH=VALUE`, `fiddler:NAME(ARGS)`
 (its fiddlers, e.g. `add_run`, and `aqtr.fiddlers`'), `config_file:PATH`;
 then `--out_dir` (default: the claim's folder, where README's table and
-plot live) and `--import`.
+plot live), `--import` (user code, e.g. a registered calibration) and
+`--save_config=PATH` (the config as JSON, for `config_file:PATH`).
 
 Example:
   >>> from papers.int8_training_matches_float import config
@@ -50,6 +51,13 @@ def _define(config_module: types.ModuleType, fv: flags.FlagValues) -> dict:
       flag_values=fv,
     ),
     'import': aqtr_flags.DEFINE_imports(flag_values=fv),
+    'save_config': flags.DEFINE_string(
+      'save_config',
+      None,
+      'Also write the config as JSON to this file '
+      '(reread with --config=config_file:PATH).',
+      flag_values=fv,
+    ),
   }
 
 
@@ -59,6 +67,7 @@ def parse(
   """(config, out_dir) from command-line `argv` (argv[0] is the program).
 
   `config:full` applies first when no `config:` / `config_file:` is given.
+  `--save_config=PATH` writes the resulting config as JSON.
   """
   argv = list(argv)
   given = [
@@ -70,11 +79,18 @@ def parse(
   f = _define(config_module, fv)
   fv(argv)
   aqtr_flags.import_modules(f['import'].value)
-  return f['config'].value, f['out_dir'].value
+  cfg = f['config'].value
+  if f['save_config'].value:
+    pathlib.Path(f['save_config'].value).write_text(aqtr_fiddle.dumps(cfg))
+  return cfg, f['out_dir'].value
 
 
 def write(out: pathlib.Path, cfg: fdl.Config, table: str) -> None:
-  """Writes results.md (the table) and config.txt (every leaf)."""
+  """Writes results.md (the table) and config.txt (every leaf).
+
+  With `--save_config`, `main` also writes config.json, which
+  `--config=config_file:PATH` reads back.
+  """
   out.mkdir(parents=True, exist_ok=True)
   (out / 'results.md').write_text(table + '\n')
   (out / 'config.txt').write_text(aqtr_fiddle.to_text(cfg) + '\n')

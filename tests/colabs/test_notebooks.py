@@ -25,7 +25,6 @@ def _execute(path: pathlib.Path, small: bool, timeout: int) -> None:
   env = {
     'AQTR_COLAB_SMALL': '1' if small else '0',
     'XLA_FLAGS': '',
-    'MPLBACKEND': 'Agg',
     'PYTHONPATH': os.pathsep.join(
       [str(ROOT), *filter(None, [os.environ.get('PYTHONPATH')])]
     ),
@@ -57,6 +56,8 @@ def test_there_are_notebooks_and_the_readme_lists_them():
 
 @pytest.mark.parametrize('path', NOTEBOOKS, ids=IDS)
 def test_outputs_are_stripped(path):
+  nbformat = pytest.importorskip('nbformat')
+  nbformat.validate(nbformat.read(path, as_version=4))
   book = json.loads(path.read_text())
   for i, cell in enumerate(book['cells']):
     where = f'{path.name} cell {i}: strip outputs (clear all outputs)'

@@ -30,6 +30,21 @@ def test_cli_takes_aqtr_train_config_flags():
   assert out == '/tmp/x'
 
 
+def test_cli_saves_and_rereads_a_config(tmp_path):
+  path = tmp_path / 'c.json'
+  cfg, _ = cli.parse(
+    config,
+    [
+      'run',
+      '--config=config:small',
+      '--config=set:tasks["digits"].steps=9',
+      f'--save_config={path}',
+    ],
+  )
+  again, _ = cli.parse(config, ['run', f'--config=config_file:{path}'])
+  assert again == cfg and again.tasks['digits'].steps == 9
+
+
 def test_cli_defaults_to_full():
   cfg, out = cli.parse(config, ['run'])
   assert cfg.tasks['digits'].seeds == (0, 1, 2) and out is None
