@@ -104,8 +104,8 @@ def run(
   Returns:
     (rows, curves): one row per run keyed by `columns(exp)` (accuracy in
     %, MSE as is; serving is checked on the first task's first seed: one
-    compile more per run), and the
-    seed-averaged train-loss curve of each (run, task).
+    compile more per run), and the seed-averaged train-loss curve of each
+    (run, task).
   """
   say = progress or (lambda s: None)
   data = {n: tasks.load(t) for n, t in exp.tasks.items()}

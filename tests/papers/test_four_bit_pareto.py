@@ -40,10 +40,11 @@ def test_bits_must_name_every_run():
 @pytest.mark.slow
 def test_full_size_matches_readme(tmp_path):
   rows = run.run(config.full(), tmp_path, echo=False)
-  wins = [
-    r4['accuracy'] > max(r8['accuracy'], r16['accuracy'])
-    for r4, r8, r16 in zip(
-      _at(rows, 'int4'), _at(rows, 'int8'), _at(rows, 'bf16'), strict=True
-    )
-  ]
-  assert sum(wins) >= len(wins) - 1, rows  # all budgets but at most one
+  budgets = list(
+    zip(_at(rows, 'int4'), _at(rows, 'int8'), _at(rows, 'bf16'), strict=True)
+  )
+  for i, (r4, r8, r16) in enumerate(budgets):
+    best_other = max(r8['accuracy'], r16['accuracy'])
+    assert r4['accuracy'] >= best_other - 0.5, (r4, r8, r16)
+    if i < 3:  # below ~0.6 KB accuracy is capacity-bound: clear wins
+      assert r4['accuracy'] > best_other + 2.0, (r4, r8, r16)

@@ -111,3 +111,20 @@ def test_docstring_examples(name):
   module = importlib.import_module(name)
   result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
   assert result.failed == 0, f'{result.failed} doctest(s) failed in {name}'
+
+
+@pytest.mark.parametrize(
+  'claim',
+  [
+    'int8_training_matches_float',
+    'fp8_formats_and_scaling',
+    'four_bit_pareto',
+  ],
+)
+@pytest.mark.parametrize('size', ['full', 'small'])
+def test_configs_build(claim, size):
+  module = importlib.import_module(f'papers.{claim}.config')
+  exp = aqtr.fiddle.build(getattr(module, size)())
+  assert exp.runs and all(
+    isinstance(c, aqtr.DotGeneralConfig) for c in exp.runs.values()
+  )
