@@ -1,6 +1,6 @@
 """Trains the equal-bytes width sweep; writes the table and the Pareto plot.
 
-  python -m papers.four_bit_pareto.run        # ~2 min on 2 cores
+  python -m papers.four_bit_pareto.run        # ~1 min CPU, 3.5 min loaded
   python -m papers.four_bit_pareto.run --config=config:small --out_dir=/tmp/p
 
 Writes results.md, results.png (accuracy vs weight KB, one line per
