@@ -49,6 +49,21 @@ class Calibration(abc.ABC):
     may have a field called `bound`, as `Constant` does.)
     """
 
+  def bound_for(self, x: jax.Array, axes: Sequence[int], numerics) -> jax.Array:
+    """The bound for quantizing `x` with `numerics` (the quantizer's call).
+
+    Defaults to `calibrate(x, axes)`; a calibration that searches over the
+    quantization error (e.g. `Mse`) overrides it to see the numerics.
+    (Named `bound_for`, not `bound`, for the same reason as `calibrate`.)
+
+    Args:
+      x: float tensor.
+      axes: the axes sharing one scale.
+      numerics: the operand's `aqtr.numerics.Numerics`.
+    """
+    del numerics
+    return self.calibrate(x, axes)
+
 
 def nonfinite_guard(x: jax.Array, axes: Sequence[int]) -> jax.Array:
   """0 per group, NaN where the group holds NaN or inf (add to a bound)."""

@@ -1,0 +1,104 @@
+"""MSE-optimal clipping: search the bound that minimizes quantization error."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from aqtr.calibrations.base import Calibration, nonfinite_guard, register
+
+_TINY = float(jnp.finfo(jnp.float32).tiny)
+
+
+@register('mse')
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Mse(Calibration):
+  """bound = argmin over a grid of clip ratios of sum_G (x - fq(x))^2.
+
+  Math (Banner et al. 2019, arXiv 1810.05723; AQT's SNR search): with
+  `m = max_G |x|` and candidate bounds `a = r * m`, each candidate is tried
+  with the operand's own numerics, as the quantizer would apply it,
+    s = a / qmax,   fq_a(x) = s * unit * numerics.quantize(x / s),
+  and the bound with the least `sum_G (x - fq_a(x))^2` is kept (ties keep
+  the larger bound). The ratios are searched in `rounds`: the first tries
+  `r = k / steps`, k = 1..steps; each further round tries `steps + 1`
+  points spanning one step of the previous round on either side of its
+  best, so after 2 rounds the resolution is `2 / steps^2` of max|x|.
+  For N(0, 1) and int symmetric (preserve_zero, preserve_max_val) the
+  optimum is about 1.22 / 1.95 / 2.47 / 3.94 sigma at 2 / 3 / 4 / 8 bits.
+
+  Cost: `steps * rounds` quantize passes over the group (rounding to
+  nearest; power-of-two scales are applied after the search).
+  `calibrate` alone (no numerics known, e.g. a freezer's statistic)
+  returns max|x|, the search's upper end.
+
+  Attributes:
+    steps: candidates per round, int >= 2.
+    rounds: search rounds, int >= 1.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from aqtr.numerics import IntSymmetric
+    >>> x = jnp.array([[1.0] * 15 + [4.0]])  # ternary: best a = 19/16
+    >>> Mse().bound_for(x, (1,), IntSymmetric(bits=2)).tolist()
+    [[1.1875]]
+  """
+
+  steps: int = 32
+  rounds: int = 2
+
+  def __post_init__(self):
+    super().__post_init__()
+    for name, low in (('steps', 2), ('rounds', 1)):
+      v = getattr(self, name)
+      if isinstance(v, bool) or not isinstance(v, int) or v < low:
+        raise ValueError(f'Mse.{name} must be an int >= {low}, got {v!r}.')
+
+  def calibrate(self, x: jax.Array, axes: Sequence[int]) -> jax.Array:
+    return jnp.max(jnp.abs(x), axis=tuple(axes), keepdims=True)
+
+  def bound_for(self, x: jax.Array, axes: Sequence[int], numerics):
+    axes = tuple(axes)
+    m = self.calibrate(x, axes)
+    if not getattr(numerics, 'quantizes', True):
+      return m
+    x32 = x.astype(jnp.float32)
+    m32 = m.astype(jnp.float32)
+    qmax = numerics.max_value
+    unit = numerics.unit
+
+    def error(r):
+      a = r * m32
+      s = jnp.where(a < qmax * _TINY, jnp.float32(1), a / qmax)
+      fq = numerics.quantize(x32 / s).astype(jnp.float32) * (unit * s)
+      d = x32 - fq
+      return jnp.sum(d * d, axis=axes, keepdims=True)
+
+    def search(ratio_of_k, count, best):
+      def body(k, carry):
+        best_r, best_e = carry
+        r = ratio_of_k(k)
+        e = error(r)
+        better = e < best_e
+        return jnp.where(better, r, best_r), jnp.where(better, e, best_e)
+
+      return lax.fori_loop(0, count, body, best)
+
+    one = jnp.ones_like(m32)
+    n = self.steps
+    best = (one, error(one))  # r = 1 first: ties keep the larger bound.
+    best = search(lambda k: one * ((n - 1 - k) / n), n - 1, best)
+    h = 1.0 / n
+    for _ in range(self.rounds - 1):
+      center, step = best[0], 2 * h / n
+      best = search(
+        lambda k, c=center, d=step, h=h: jnp.clip(c + h - k * d, 0, 1),
+        n + 1,
+        best,
+      )
+      h = step
+    return (best[0] * m32).astype(m.dtype) + nonfinite_guard(x, axes)
