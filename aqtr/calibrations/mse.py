@@ -12,6 +12,9 @@ from jax import lax
 from aqtr.calibrations.base import Calibration, nonfinite_guard, register
 
 _TINY = float(jnp.finfo(jnp.float32).tiny)
+# Up to this many elements x candidates, a round runs as one vectorized
+# computation (fast to compile); above it, a loop over the candidates.
+_VECTOR_LIMIT = 1 << 22
 
 
 @register('mse')
@@ -71,34 +74,43 @@ class Mse(Calibration):
     qmax = numerics.max_value
     unit = numerics.unit
 
-    def error(r):
-      a = r * m32
+    def errors(r):  # r: [c, *m.shape] candidate ratios -> [c, *m.shape]
+      a = r * m32[None]
       s = jnp.where(a < qmax * _TINY, jnp.float32(1), a / qmax)
-      fq = numerics.quantize(x32 / s).astype(jnp.float32) * (unit * s)
-      d = x32 - fq
-      return jnp.sum(d * d, axis=axes, keepdims=True)
+      fq = numerics.quantize(x32[None] / s).astype(jnp.float32) * (unit * s)
+      d = x32[None] - fq
+      return jnp.sum(d * d, axis=tuple(i + 1 for i in axes), keepdims=True)
 
-    def search(ratio_of_k, count, best):
+    def pick(rs, best):
+      """Best of the candidates `rs` and `best` (r, err): ties take larger r."""
+      rs = jnp.broadcast_to(rs, (len(rs),) + m32.shape)
+      if len(rs) * x32.size <= _VECTOR_LIMIT:  # All candidates at once.
+        e = errors(rs)
+        emin = jnp.min(e, axis=0)
+        r = jnp.max(jnp.where(e == emin[None], rs, -1.0), axis=0)
+        e = emin
+        better = e < best[1]
+        return jnp.where(better, r, best[0]), jnp.where(better, e, best[1])
+
       def body(k, carry):
-        best_r, best_e = carry
-        r = ratio_of_k(k)
-        e = error(r)
-        better = e < best_e
-        return jnp.where(better, r, best_r), jnp.where(better, e, best_e)
+        r = rs[k]
+        e = errors(r[None])[0]
+        better = e < carry[1]
+        return jnp.where(better, r, carry[0]), jnp.where(better, e, carry[1])
 
-      return lax.fori_loop(0, count, body, best)
+      return lax.fori_loop(0, len(rs), body, best)
 
-    one = jnp.ones_like(m32)
+    def column(v):
+      return v.reshape((len(v),) + (1,) * m32.ndim)
+
     n = self.steps
-    best = (one, error(one))  # r = 1 first: ties keep the larger bound.
-    best = search(lambda k: one * ((n - 1 - k) / n), n - 1, best)
+    best = (jnp.ones_like(m32), jnp.full_like(m32, jnp.inf))
+    # First round r = k/n, k = n..1 (descending: ties keep the larger).
+    best = pick(column(jnp.arange(n, 0, -1, dtype=jnp.float32) / n), best)
     h = 1.0 / n
     for _ in range(self.rounds - 1):
-      center, step = best[0], 2 * h / n
-      best = search(
-        lambda k, c=center, d=step, h=h: jnp.clip(c + h - k * d, 0, 1),
-        n + 1,
-        best,
-      )
-      h = step
+      d = 2 * h / n
+      k = column(jnp.arange(n + 1, dtype=jnp.float32))
+      best = pick(jnp.clip(best[0][None] + h - k * d, 0, 1), best)
+      h = d
     return (best[0] * m32).astype(m.dtype) + nonfinite_guard(x, axes)
