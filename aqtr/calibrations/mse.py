@@ -44,10 +44,12 @@ class Mse(Calibration):
     rounds: search rounds, int >= 1.
 
   Example:
-    >>> import jax.numpy as jnp
+    >>> import jax, jax.numpy as jnp
     >>> from aqtr.numerics import IntSymmetric
     >>> x = jnp.array([[1.0] * 15 + [4.0]])  # ternary: best a = 19/16
-    >>> Mse().bound_for(x, (1,), IntSymmetric(bits=2)).tolist()
+    >>> n = IntSymmetric(bits=2)
+    >>> bound = jax.jit(lambda x: Mse().bound_for(x, (1,), n))
+    >>> bound(x).tolist()
     [[1.1875]]
   """
 

@@ -31,6 +31,8 @@ class Numerics(abc.ABC):
   supports_stochastic_rounding: ClassVar[bool] = False
   # The dot family: 'int' (integer dot, int32 accumulation) or 'float'.
   kind: ClassVar[str] = 'float'
+  # False: rejected on the gradient operand (lhs) of the dlhs/drhs passes.
+  for_gradients: ClassVar[bool] = True
 
   @property
   @abc.abstractmethod
