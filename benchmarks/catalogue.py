@@ -127,12 +127,25 @@ def lm_tensors(steps: int) -> tuple[list, list, str]:
     a = np.asarray(a, np.float32)
     if a.ndim == 3:
       acts.append((a.reshape(-1, a.shape[-1]), 1))
+  # Scales are per row of an activation and per column of a weight, so
+  # tensors sharing that size are concatenated (one compilation each).
+  counts = len(weights), len(acts)
+  weights, acts = _merged(weights, 1), _merged(acts, 0)
   info = (
     f'LM d_model 128, 2 layers, {steps} float steps, val bpc '
-    f'{res.final["bpc"]:.2f}; {len(weights)} weight kernels, '
-    f'{len(acts)} activation tensors'
+    f'{res.final["bpc"]:.2f}; {counts[0]} weight kernels, '
+    f'{counts[1]} activation tensors'
   )
   return weights, acts, info
+
+
+def _merged(tensors: list[tuple[Array, int]], along: int) -> list:
+  """Concatenates tensors of equal contracted size along axis `along`."""
+  groups: dict[int, list[Array]] = {}
+  for x, axis in tensors:
+    groups.setdefault(x.shape[axis], []).append(x)
+  axis = 1 - along
+  return [(np.concatenate(xs, axis=along), axis) for xs in groups.values()]
 
 
 def sqnr_table(data: dict[str, list]) -> list[str]:
