@@ -33,17 +33,18 @@ class Percentile(Calibration):
   `h = (q/100) (n - 1)`, the bound is
   `a[floor h] + (h - floor h) (a[floor h + 1] - a[floor h])` (linear
   interpolation, as numpy's default percentile); q = 100 is absmax.
-  Percentile clipping for quantization: e.g. McKinstry et al. 2019
-  (arXiv 1809.04191); Wu et al. 2020 (arXiv 2004.09602) compare 99.9,
-  99.99 and 99.999. A NaN or inf in a group makes its bound non-finite.
+  Percentile calibration as evaluated by Wu et al. 2020 (arXiv
+  2004.09602; 99.9 to 99.9999). A NaN or inf in a group makes its bound non-finite.
 
-  Cost. `method='sort'` sorts every group: O(n log n) per group, many
-  times an absmax on CPU (benchmarks/catalogue.py times it). `'top_k'` is
-  exact too and only finds the top `n - floor h` values. `'histogram'` is an
+  Cost. `method='sort'` sorts every group, O(n log n); `'top_k'` is exact
+  too and only finds the top `n - floor h` values; `'histogram'` is an
   approximation for large groups: |x| is counted into `bins` equal bins
   on [0, max|x|] (one pass plus a scatter-add) and the two sorted values
   above are replaced by the upper edges of their bins, so it over-estimates
-  the exact bound by at most `max|x| / bins`.
+  the exact bound by at most `max|x| / bins`. Measured on XLA:CPU for
+  groups of 1024 (benchmarks/catalogue.py): sort ~800x the time of an
+  absmax, top_k ~600x, histogram ~80x; per-batch percentiles suit small
+  tensors or a calibration set, not every training step.
 
   Attributes:
     q: the percentile, in (0, 100].
