@@ -34,7 +34,8 @@ class Percentile(Calibration):
   `a[floor h] + (h - floor h) (a[floor h + 1] - a[floor h])` (linear
   interpolation, as numpy's default percentile); q = 100 is absmax.
   Percentile calibration as evaluated by Wu et al. 2020 (arXiv
-  2004.09602; 99.9 to 99.9999). A NaN or inf in a group makes its bound non-finite.
+  2004.09602; 99.9 to 99.9999). A NaN or inf in a group makes its bound
+  non-finite.
 
   Cost. `method='sort'` sorts every group, O(n log n); `'top_k'` is exact
   too and only finds the top `n - floor h` values; `'histogram'` is an
