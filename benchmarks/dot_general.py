@@ -112,6 +112,8 @@ def _qwix(name: str) -> Callable | None:
       drhs_grad_qtype=jnp.float8_e5m2,
     ),
   }
+  if name not in kinds:
+    return None
   cfg = dot_general_qt.DotGeneralQtConfig(**kinds[name])
   return lambda x, w: dot_general_qt.dot_general_qt(x, w, DN, cfg)
 

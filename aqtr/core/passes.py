@@ -61,8 +61,8 @@ def _swap_last(x: jax.Array | None) -> jax.Array | None:
   return None if x is None else x.transpose(0, 1, 3, 2)
 
 
-def transposed_copy(values: jax.Array) -> jax.Array:
-  """`values` [B, T, X, Y] as [B, T, Y, X], written by a plain copy.
+def with_transposed_copy(values: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """`values` [B, T, X, Y], and as [B, T, Y, X] written by a plain copy.
 
   XLA:CPU fuses an elementwise producer (here the quantization) into a
   transposing consumer: one loop of strided scalar loads from the float
@@ -70,7 +70,7 @@ def transposed_copy(values: jax.Array) -> jax.Array:
   `optimization_barrier`s before fusion. A while loop is a fusion boundary
   it keeps: run once (a trip count it cannot fold, from the first value's
   bits), the loop makes `values` a buffer of their own that the transpose
-  then copies.
+  then copies, and that every other consumer reads (no recomputation).
   """
   first = values.reshape(-1)[0]
   if jnp.issubdtype(values.dtype, jnp.integer):  # int4, int8, int16
@@ -79,7 +79,7 @@ def transposed_copy(values: jax.Array) -> jax.Array:
     unsigned = jnp.uint8 if values.dtype.itemsize == 1 else jnp.uint16
     as_int = lax.bitcast_convert_type(first, unsigned).astype(jnp.int32)
   else:
-    return _swap_last(values)
+    return values, _swap_last(values)
   trips = jnp.minimum(1, jnp.abs(as_int) + 1)  # Always 1.
 
   def body(carry):
@@ -87,7 +87,8 @@ def transposed_copy(values: jax.Array) -> jax.Array:
     return i + 1, v, _swap_last(v)
 
   init = (0, values, _swap_last(jnp.zeros_like(values)))
-  return lax.while_loop(lambda c: c[0] < trips, body, init)[2]
+  _, values, values_t = lax.while_loop(lambda c: c[0] < trips, body, init)
+  return values, values_t
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,15 +121,20 @@ class QuantizedOperand:
   def without_mask(self) -> QuantizedOperand:
     return dataclasses.replace(self, mask=None)
 
-  def transposed(self) -> QuantizedOperand:
-    """The same operand in the other form (values: `transposed_copy`)."""
-    return QuantizedOperand(
-      transposed_copy(self.values),
+  def with_transposed(self) -> tuple[QuantizedOperand, QuantizedOperand]:
+    """This operand, and the same in the other form (`with_transposed_copy`).
+
+    Both read one buffer of values; use the first in place of `self`.
+    """
+    values, values_t = with_transposed_copy(self.values)
+    transposed = QuantizedOperand(
+      values_t,
       _swap_last(self.scale),
       _swap_last(self.mask),
       flip(self.form),
       self.dot_dtype,
     )
+    return dataclasses.replace(self, values=values), transposed
 
   def as_partner(self) -> Operand:
     """This operand as the partner of a backward dot, its scale folded away.
@@ -338,9 +344,18 @@ def contract(
 def quantized_dot(
   a: Operand, b: Operand, raw: DotGeneralRaw, precision
 ) -> jax.Array:
-  """One backward dot: quantize `a` ('fk') and `b` as `raw` says; contract."""
-  tile = common_tile([a.config, b.config], a.x.shape[2])
+  """One backward dot: quantize `a` and `b` as `raw` says; contract.
+
+  The lhs `a` may come in either form. A 'kf' lhs [B, K, F] is quantized
+  as it lies and its values then written transposed by a plain copy
+  (`with_transposed_copy`): on XLA:CPU far cheaper than quantizing a
+  transposed float array.
+  """
+  k = a.x.shape[2] if a.form == 'fk' else a.x.shape[1]
+  tile = common_tile([a.config, b.config], k)
   qa, qb = quantize_tiled(a, tile), quantize_tiled(b, tile)
+  if qa.form == 'kf':
+    qa = qa.with_transposed()[1]
   return contract(qa, qb, raw, precision)
 
 
