@@ -73,6 +73,8 @@ def with_transposed_copy(values: jax.Array) -> tuple[jax.Array, jax.Array]:
   bits), the loop makes `values` a buffer of their own that the transpose
   then copies, and that every other consumer reads (no recomputation).
   """
+  if values.size == 0:
+    return values, _swap_last(values)
   first = values.reshape(-1)[0]
   if jnp.issubdtype(values.dtype, jnp.integer):  # int4, int8, int16
     as_int = first.astype(jnp.int32)
