@@ -226,8 +226,9 @@ class ConvGeneralDilated(_Op):
     >>> import functools, jax, jax.numpy as jnp, flax.linen as nn, aqtr
     >>> cv = functools.partial(ConvGeneralDilated, config=aqtr.presets.int8())
     >>> layer = nn.Conv(4, (3, 3), conv_general_dilated_cls=cv)
-    >>> v = layer.init(jax.random.key(0), jnp.ones((1, 6, 6, 2)))
-    >>> layer.apply(v, jnp.ones((1, 6, 6, 2))).shape
+    >>> x = jnp.ones((1, 6, 6, 2))
+    >>> v = jax.eval_shape(layer.init, jax.random.key(0), x)  # shapes only
+    >>> jax.eval_shape(layer.apply, v, x).shape
     (1, 6, 6, 4)
   """
 

@@ -235,12 +235,12 @@ class ConvGeneralDilated(_Op):
   im2col + one quantized dot: forward and both gradients are quantized.
 
   Example:
-    >>> import jax.numpy as jnp, aqtr
+    >>> import jax, jax.numpy as jnp, aqtr
     >>> from flax import nnx
     >>> op = ConvGeneralDilated(aqtr.presets.int8())
     >>> layer = nnx.Conv(2, 4, (3, 3), conv_general_dilated=op,
     ...                  rngs=nnx.Rngs(0))
-    >>> layer(jnp.ones((1, 6, 6, 2))).shape
+    >>> jax.eval_shape(layer, jnp.ones((1, 6, 6, 2))).shape  # shapes only
     (1, 6, 6, 4)
   """
 

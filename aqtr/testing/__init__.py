@@ -13,9 +13,11 @@ wrong. The single checks are in `aqtr.testing.<family>.CHECKS`, e.g. to
 parametrize a pytest test. Not imported by `import aqtr` (it imports fiddle
 and numpy testing helpers); no pytest needed.
 
-Example:
+Example (one check; `check_tiling(tilings.PerTensor, [])` runs them all):
   >>> from aqtr import tilings
-  >>> check_tiling(tilings.PerTensor, [])
+  >>> from aqtr.testing import tilings as contract
+  >>> contract.check_builds(tilings.PerTensor, [])
+  >>> contract.check_bad_fields(tilings.SubChannel, [{'tile_size': -1}])
 """
 
 from aqtr.testing.calibrations import check_calibration

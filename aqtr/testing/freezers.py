@@ -98,6 +98,7 @@ def _life_cycle(cfg, f, x, w):
   for i in range(2 if f.collects else 1):
     stats = calibrate(x * (1 + i), w, stats)
   assert set(stats or {}) == ({'rhs'} if f.collects else set()), stats
+
   @jax.jit
   def convert(x, w):
     r = lifecycle.run(Mode.CONVERT, x, w, _DN, cfg, stats=stats)
