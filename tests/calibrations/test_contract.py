@@ -74,7 +74,7 @@ def test_a_calibration_registered_here_passes_the_contract(scratch_registry):
   @calibrations.register('test_rms')
   @dataclasses.dataclass(frozen=True, kw_only=True)
   class Rms(calibrations.Calibration):
-    """bound = c * sqrt(mean_G x^2) (ALGORITHMS.md, absmean / rms, p=2)."""
+    """bound = c * sqrt(mean_G x^2): a root-mean-square (k-sigma) range."""
 
     c: float = 3.0
 
