@@ -122,9 +122,17 @@ class Op(nn.Module):
     )
 
   def _key(self) -> jax.Array | None:
+    """TRAIN's key: required whenever the config rounds stochastically."""
     if not needs_key(self.config):
       return None
-    return common.prng_key(self._host())
+    host = self._host()
+    key = host.draw_key()
+    if key is None:
+      raise ValueError(
+        f'{host.where}: its config uses stochastic rounding and needs '
+        f'{host.missing_key()}'
+      )
+    return key
 
   def _frozen_modes(self) -> bool:
     """Whether this call goes through the freezers (any mode but TRAIN)."""

@@ -221,3 +221,14 @@ def test_the_contract_catches_a_freezer_that_cannot_convert():
 
   with pytest.raises(NotImplementedError, match='does not override'):
     check_freezer(Forgetful, [])
+
+
+def test_freeze_must_return_exactly_its_parts():
+  @dataclasses.dataclass(frozen=True, kw_only=True)
+  class Misnamed(RangeOnly):
+    def freeze(self, call, stats):
+      return {'range': jnp.float32(1.0)}  # not 'bound'
+
+  cfg = freezers.configure(aqtr.presets.int8(), rhs=Misnamed())
+  with pytest.raises(TypeError, match=r"exactly the keys.*\('bound',\)"):
+    lifecycle.run(Mode.CONVERT, X, W, DN, cfg)
