@@ -3,9 +3,9 @@
 `aqtr.freezers.lifecycle` builds one `OperandCall` per frozen operand
 (the dot's layout is computed once per call) and hands it to the operand's
 freezer, which asks it for what it needs: the operand in canonical layout,
-TRAIN's quantization of it (`quantize`, the engine's
-`aqtr.quantize_operand`), a QTensor built from stored parts (`qtensor`),
-or the TensorConfig with a fixed range (`with_range`).
+TRAIN's quantization of it (`quantize`: the engine's `quantize_operand`,
+in the layout made once per call), a QTensor built from stored parts
+(`qtensor`), or the TensorConfig with a fixed range (`with_range`).
 
 Not imported by `aqtr.freezers` (it imports the engine, which imports the
 freezer base classes).
@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from aqtr.calibrations.constant import Constant
 from aqtr.core.config import DotGeneralConfig, TensorConfig
 from aqtr.core.dimension_numbers import DotLayout, OperandLayout
-from aqtr.core.operand import quantize_operand
+from aqtr.core.operand import quantize_in_layout
 from aqtr.core.qtensor import QTensor
 
 
@@ -92,12 +92,11 @@ class OperandCall:
 
   def quantize(self) -> QTensor:
     """TRAIN's forward quantization of the operand (bit for bit)."""
-    return quantize_operand(
-      self.x,
-      self.dimension_numbers,
+    return quantize_in_layout(
+      jnp.asarray(self.x),
+      self.layout,
       self.config,
       operand=self.side,
-      other_shape=self.other.shape,
       key=self.key,
     )
 

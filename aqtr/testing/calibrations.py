@@ -18,8 +18,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import aqtr
 from aqtr import calibrations
+from aqtr.core.config import DotGeneralConfig, DotGeneralRaw, TensorConfig
+from aqtr.core.dot_general import dot_general
+from aqtr.core.quantizer import fake_quant, quantize
 from aqtr.testing import checks as cc
 
 # 4-D inputs (the quantizer's [batch, tile, free, k] view) and reductions.
@@ -49,13 +51,13 @@ def check_static_arg(cls, bad_fields):
 
 
 def check_engine(cls, bad_fields):
-  """jit-able in aqtr.dot_general; agrees with the fake-quant reference."""
+  """jit-able in dot_general; agrees with the fake-quant reference."""
   del bad_fields
   c = cls()
   po2 = dataclasses.replace(c, po2_scale=True)
   cc.check_in_engine(
-    aqtr.TensorConfig(calibration=c),
-    aqtr.TensorConfig(calibration=po2),
+    TensorConfig(calibration=c),
+    TensorConfig(calibration=po2),
     exact=True,
     dots=cc.DOTS[:1],
   )
@@ -84,14 +86,12 @@ def check_nonfinite(cls, bad_fields):
   assert not jnp.isfinite(b[:3]).any(), b
   assert jnp.isfinite(b[3]).all() and (b[3] >= 0).all()
   w = _input(2, (16, 5))
-  cfg = aqtr.DotGeneralConfig(
-    fwd=aqtr.DotGeneralRaw(
-      lhs=aqtr.TensorConfig(calibration=c), rhs=aqtr.TensorConfig()
-    )
+  cfg = DotGeneralConfig(
+    fwd=DotGeneralRaw(lhs=TensorConfig(calibration=c), rhs=TensorConfig())
   )
-  out = jax.jit(
-    lambda x, w: aqtr.dot_general(x, w, (((1,), (0,)), ((), ())), cfg)
-  )(x, w)
+  out = jax.jit(lambda x, w: dot_general(x, w, (((1,), (0,)), ((), ())), cfg))(
+    x, w
+  )
   assert not jnp.isfinite(out[:3]).any()
   assert jnp.isfinite(out[3]).all()
 
@@ -104,13 +104,13 @@ def check_zeros(cls, bad_fields):
   b = _calibrate(c, x, (1,))
   assert (b >= 0).all() and jnp.isfinite(b).all()
   for cal in (c, dataclasses.replace(c, po2_scale=True)):
-    t = aqtr.TensorConfig(calibration=cal)
-    qt = jax.jit(lambda x, t=t: aqtr.quantize(x, t))(x)
+    t = TensorConfig(calibration=cal)
+    qt = jax.jit(lambda x, t=t: quantize(x, t))(x)
     s = qt.scale.reshape(4, 1)
     assert jnp.isfinite(s).all() and (s > 0).all()
     np.testing.assert_array_equal(jnp.where(b == 0, s, 1.0), 1.0)
     np.testing.assert_array_equal(qt.dequant(), x)
-    g = jax.jit(jax.grad(lambda x, t=t: aqtr.fake_quant(x, t).sum()))(x)
+    g = jax.jit(jax.grad(lambda x, t=t: fake_quant(x, t).sum()))(x)
     assert jnp.isfinite(g).all()
 
 

@@ -16,8 +16,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-import aqtr
 from aqtr import numerics
+from aqtr.core.config import DotGeneralConfig, DotGeneralRaw, TensorConfig
+from aqtr.core.dot_general import dot_general
+from aqtr.core.quantizer import fake_quant
+from aqtr.core.registry import UnknownNameError
 
 
 class ContractError(AssertionError):
@@ -36,7 +39,7 @@ def raises(*types):
     raise ContractError(f'expected one of {types} to be raised')
 
 
-_FLOAT = aqtr.TensorConfig(numerics=numerics.NoNumerics())
+_FLOAT = TensorConfig(numerics=numerics.NoNumerics())
 # (lhs shape, rhs shape, dimension numbers). Sizes suit default tilings (the
 # first dot's M, N, K, contracted by its backward passes, too).
 DOTS = (
@@ -117,19 +120,19 @@ def check_bad_fields(cls, bad_fields, *, family, base):
 def _fake_quant_dot(x, w, dn, t):
   """The reference: fake quant on both operands, then lax.dot_general."""
   (lc, rc), (lb, rb) = dn
-  fx = aqtr.fake_quant(x, t, contracting_axes=lc, batch_axes=lb)
-  fw = aqtr.fake_quant(w, t, contracting_axes=rc, batch_axes=rb)
+  fx = fake_quant(x, t, contracting_axes=lc, batch_axes=lb)
+  fw = fake_quant(w, t, contracting_axes=rc, batch_axes=rb)
   return lax.dot_general(fx, fw, dn)
 
 
 def _engine(x, w, dn, fwd, bwd):
-  raw = aqtr.DotGeneralRaw
-  cfg = aqtr.DotGeneralConfig(
+  raw = DotGeneralRaw
+  cfg = DotGeneralConfig(
     fwd=raw(lhs=fwd, rhs=fwd),
     dlhs=raw(lhs=bwd, rhs=bwd, use_fwd_quant=True),
     drhs=raw(lhs=bwd, rhs=bwd, use_fwd_quant=True),
   )
-  return aqtr.dot_general(x, w, dn, cfg)
+  return dot_general(x, w, dn, cfg)
 
 
 def _value_and_grads(f, x, w, g):
@@ -158,7 +161,7 @@ def _run_dot(x, w, g, dn, t, t_po2, quantized_bwd):
 
 
 def check_in_engine(t, t_po2, *, exact, dots=DOTS):
-  """`t` on both forward operands of aqtr.dot_general vs the reference.
+  """`t` on both forward operands of dot_general vs the reference.
 
   The reference is fake quant on both operands, then lax.dot_general. With
   float backward passes that reuse the forward quantization, the engine's
@@ -202,7 +205,7 @@ def check_registry(module, base, unknown):
     assert issubclass(cls, base)
     assert cls.registered_name == name
     assert name in module.registry
-  with raises(aqtr.UnknownNameError) as err:
+  with raises(UnknownNameError) as err:
     module.get(unknown)
   assert isinstance(err[0], KeyError)
   assert repr(unknown) in str(err[0])

@@ -19,8 +19,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import aqtr
-from aqtr import calibrations, freezers
+from aqtr import calibrations, freezers, presets
+from aqtr.core.config import DotGeneralConfig, DotGeneralRaw, TensorConfig
+from aqtr.core.dot_general import dot_general
+from aqtr.core.quantizer import fake_quant
 from aqtr.freezers import Mode, lifecycle
 from aqtr.testing import checks as cc
 
@@ -31,9 +33,7 @@ _DN = (((1,), (0,)), ((), ()))
 
 
 def _tensor(f, po2=False):
-  return aqtr.TensorConfig(
-    freezer=f, calibration=calibrations.AbsMax(po2_scale=po2)
-  )
+  return TensorConfig(freezer=f, calibration=calibrations.AbsMax(po2_scale=po2))
 
 
 def check_builds(cls, bad_fields):
@@ -46,7 +46,7 @@ def check_static_arg(cls, bad_fields):
   """A static jit argument (through fake_quant)."""
   del bad_fields
   x = jnp.linspace(-3.0, 3.0, 24).reshape(4, 6)
-  cc.check_static_arg(cls, lambda f, x: aqtr.fake_quant(x, _tensor(f)), x)
+  cc.check_static_arg(cls, lambda f, x: fake_quant(x, _tensor(f)), x)
 
 
 def check_modes(cls, bad_fields):
@@ -67,7 +67,7 @@ def check_modes(cls, bad_fields):
 
 
 def check_engine(cls, bad_fields):
-  """In a TensorConfig: aqtr.dot_general unchanged (values and gradients).
+  """In a TensorConfig: dot_general unchanged (values and gradients).
 
   The engine quantizes on the fly as in TRAIN; the freezer only matters to
   the framework adapters, so the freezer-less result is the reference.
@@ -78,9 +78,9 @@ def check_engine(cls, bad_fields):
   w = jnp.asarray(rng.standard_normal((32, 4)), jnp.float32)
   results = []
   for t in (_tensor(cls()), _tensor(freezers.NoFreezer())):
-    cfg = aqtr.DotGeneralConfig(fwd=aqtr.DotGeneralRaw(lhs=t, rhs=t))
+    cfg = DotGeneralConfig(fwd=DotGeneralRaw(lhs=t, rhs=t))
     f = jax.value_and_grad(
-      lambda x, w, c=cfg: aqtr.dot_general(x, w, _DN, c).sum(), (0, 1)
+      lambda x, w, c=cfg: dot_general(x, w, _DN, c).sum(), (0, 1)
     )
     results.append(jax.jit(f)(x, w))
   jax.tree.map(np.testing.assert_array_equal, *results)
@@ -140,7 +140,7 @@ def check_life_cycle(cls, bad_fields):
   w = jnp.asarray(rng.standard_normal((32, 16)), jnp.float32)
   rejected = []
   for name in PRESETS:
-    cfg = freezers.configure(getattr(aqtr.presets, name)(), rhs=f)
+    cfg = freezers.configure(getattr(presets, name)(), rhs=f)
     try:
       _life_cycle(cfg, f, x, w)
     except ValueError as e:

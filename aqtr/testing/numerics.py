@@ -16,13 +16,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import aqtr
 from aqtr import calibrations, numerics
+from aqtr.core.config import TensorConfig
+from aqtr.core.quantizer import fake_quant, quantize
 from aqtr.testing import checks as cc
 
 
 def _tensor(n, po2=False):
-  return aqtr.TensorConfig(
+  return TensorConfig(
     numerics=n, calibration=calibrations.AbsMax(po2_scale=po2)
   )
 
@@ -37,11 +38,11 @@ def check_static_arg(cls, bad_fields):
   """A static jit argument (through fake_quant)."""
   del bad_fields
   x = jnp.linspace(-3.0, 3.0, 24).reshape(4, 6)
-  cc.check_static_arg(cls, lambda n, x: aqtr.fake_quant(x, _tensor(n)), x)
+  cc.check_static_arg(cls, lambda n, x: fake_quant(x, _tensor(n)), x)
 
 
 def check_engine(cls, bad_fields):
-  """jit-able in aqtr.dot_general; agrees with the fake-quant reference."""
+  """jit-able in dot_general; agrees with the fake-quant reference."""
   del bad_fields
   n = cls()
   exact = n.kind == 'int' or not n.quantizes
@@ -55,7 +56,7 @@ def check_values(cls, bad_fields):
   del bad_fields
   n = cls()
   x = jnp.asarray(np.random.default_rng(0).normal(0, 3, (16, 64)), jnp.float32)
-  qt = jax.jit(lambda x: aqtr.quantize(x, _tensor(n)))(x)
+  qt = jax.jit(lambda x: quantize(x, _tensor(n)))(x)
   if not n.quantizes:
     np.testing.assert_array_equal(qt.dequant(), x)
     return

@@ -17,14 +17,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import aqtr
 from aqtr import calibrations, tilings
+from aqtr.core.config import TensorConfig
 from aqtr.core.qtensor import ROLE_AXES
+from aqtr.core.quantizer import fake_quant, quantize
 from aqtr.testing import checks as cc
 
 
 def _tensor(tiling, po2=False):
-  return aqtr.TensorConfig(
+  return TensorConfig(
     tiling=tiling, calibration=calibrations.AbsMax(po2_scale=po2)
   )
 
@@ -39,11 +40,11 @@ def check_static_arg(cls, bad_fields):
   """A static jit argument (through fake_quant)."""
   del bad_fields
   x = jnp.linspace(-3.0, 3.0, 4 * 256).reshape(4, 256)
-  cc.check_static_arg(cls, lambda t, x: aqtr.fake_quant(x, _tensor(t)), x)
+  cc.check_static_arg(cls, lambda t, x: fake_quant(x, _tensor(t)), x)
 
 
 def check_engine(cls, bad_fields):
-  """jit-able in aqtr.dot_general; agrees with the fake-quant reference."""
+  """jit-able in dot_general; agrees with the fake-quant reference."""
   del bad_fields
   t = cls()
   cc.check_in_engine(_tensor(t), _tensor(t, po2=True), exact=True)
@@ -62,10 +63,10 @@ def check_scales(cls, bad_fields):
     )
   rng = np.random.default_rng(0)
   x = jnp.asarray(rng.standard_normal((2, 3, 5, 256)), jnp.float32)
-  quantize = functools.partial(
-    aqtr.quantize, config=_tensor(t), contracting_axes=(3,), batch_axes=(0,)
+  quantize_x = functools.partial(
+    quantize, config=_tensor(t), contracting_axes=(3,), batch_axes=(0,)
   )
-  qt = jax.jit(quantize)(x)
+  qt = jax.jit(quantize_x)(x)
   for role, axis in ROLE_AXES['fk'].items():
     want = 1 if role in t.shared else qt.qvalue.shape[axis]
     assert qt.scale.shape[axis] == want, (role, qt.scale.shape)
