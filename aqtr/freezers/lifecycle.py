@@ -62,6 +62,12 @@ class Result:
   stats: dict | None = None
 
 
+# A pytree, so `jax.jit(run, static_argnums=(0, 3, 4))` works.
+jax.tree_util.register_dataclass(
+  Result, data_fields=['out', 'frozen', 'stats'], meta_fields=[]
+)
+
+
 def validate(config: DotGeneralConfig) -> None:
   """Freezers only on quantized forward operands; raises otherwise."""
   if not isinstance(config, DotGeneralConfig):
