@@ -13,3 +13,10 @@ share. What each mode does to an operand is its freezer's
 `import aqtr` never imports flax. Inside this package `flax` is the real
 Flax (absolute imports), not `aqtr.flax`.
 """
+
+from aqtr import extras
+
+try:  # Name the extra to install when one is missing.
+  import flax  # noqa: F401
+except ImportError as e:
+  raise extras.missing('flax', 'aqtr.flax', e) from e
