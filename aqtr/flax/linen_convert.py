@@ -134,7 +134,11 @@ def _check_counts(stats, path=()):
   if isinstance(stats, dict):
     count = stats.get('count')
     if count is not None and not isinstance(count, dict):
-      if not isinstance(count, jax.core.Tracer) and int(count) == 0:
+      try:
+        empty = int(count) == 0
+      except jax.errors.ConcretizationTypeError:
+        empty = False  # traced under jit: checked when run eagerly
+      if empty:
         raise ValueError(
           f'convert: the CALIBRATE statistics at /{"/".join(path)} have '
           f'count 0. {HOW_CALIBRATE}'

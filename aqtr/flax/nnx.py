@@ -101,7 +101,8 @@ class _Op(nnx.Module):
       k: v.get_value() for k, v in vars(self).items() if isinstance(v, Frozen)
     }
 
-  def _clear(self, kind) -> None:
+  def drop_variables(self, kind) -> None:
+    """Deletes every variable of type `kind` (e.g. Frozen) from this op."""
     for k in [k for k, v in vars(self).items() if isinstance(v, kind)]:
       delattr(self, k)
 
@@ -137,7 +138,7 @@ class _Host(common.Host):
       else:
         setattr(op, name, Stats(value))
     if result.frozen is not None:
-      op._clear(Frozen)
+      op.drop_variables(Frozen)
       setattr(op, lifecycle.entry_name(self.config), Frozen(result.frozen))
 
   def mark_removable(self, rhs_shape):
@@ -286,7 +287,7 @@ def convert(model: nnx.Module, *args, **kwargs) -> nnx.Module:
   before = [op.mode for _, op in found]
   try:
     for _, op in found:
-      op._clear(Frozen)
+      op.drop_variables(Frozen)
       op.mode = Mode.CONVERT
       for k, v in vars(op).items():
         count = v.get_value()['count'] if isinstance(v, Stats) else None
@@ -303,7 +304,7 @@ def convert(model: nnx.Module, *args, **kwargs) -> nnx.Module:
     raise
   for _, op in found:
     op.mode = Mode.SERVE
-    op._clear(Stats)
+    op.drop_variables(Stats)
   if not any(op.frozen_entries() for _, op in found):
     raise ValueError(
       'convert: no op wrote frozen values. Does the model hold aqtr.flax.nnx '

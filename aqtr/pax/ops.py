@@ -281,7 +281,7 @@ def op_fields(cls: type) -> dict[str, type[Op]]:
   """
   try:
     hints = typing.get_type_hints(cls, include_extras=True)
-  except Exception:  # noqa: BLE001 (unresolvable hints: no op fields)
+  except Exception:  # unresolvable hints: no op fields
     return {}
   out = {}
   for name, hint in hints.items():
