@@ -1,12 +1,15 @@
 """Calibrations: the bound a scale group's values are mapped onto.
 
 A calibration's `calibrate` reduces a tensor over the axes that share one
-scale and returns
-`bound` with those axes kept (size 1). The quantizer then sets
-`s = bound / numerics.max_value` (bound 0 -> s = 1), optionally rounded up to
-a power of two. Contract (checked for every registered calibration): the
-bound is >= 0, and non-finite wherever its group holds a non-finite value, so
-NaN/inf inputs surface in the output instead of being clipped away.
+scale and returns `bound` with those axes kept (size 1). The quantizer then
+sets `s = bound / numerics.max_value` (bound 0 -> s = 1; kept a normal
+float32, see `aqtr.core.scale`), optionally rounded up to a power of two.
+Contract (checked for every registered calibration, under jit, with NaN or
+inf anywhere in a group, and with all-NaN groups): the bound is >= 0, and
+non-finite (NaN or inf) wherever its group holds a non-finite value, so
+NaN/inf inputs surface in the output instead of being clipped away. Beware:
+a jitted `jnp.max` on XLA:CPU may skip NaNs (and return -inf for an all-NaN
+group); map NaN to inf first, or add `nonfinite_guard`.
 """
 
 from __future__ import annotations
