@@ -37,6 +37,7 @@ from jax import lax
 
 from aqtr.core.config import DotGeneralConfig
 from aqtr.core.dimension_numbers import DotLayout
+from aqtr.core.first_order import first_order_only
 from aqtr.core.passes import (
   _Q,
   _as_given,
@@ -191,7 +192,7 @@ def _bwd(dn, cfg: DotGeneralConfig, precision, preferred, res, g):
     if mask_r is not None:
       dr = jnp.where(mask_r, dr, jnp.zeros_like(dr))
     dr = dr.astype(shapes.rhs.dtype)
-  return dl, dr, None
+  return (*first_order_only(dl, dr), None)  # Differentiating again raises.
 
 
 @dataclasses.dataclass
@@ -348,6 +349,7 @@ def dot_general(
     raise TypeError(
       f'config must be an aqtr.DotGeneralConfig or None, got {config!r}.'
     )
+  key = as_typed_key(key)  # Checked even where unused.
   given = [isinstance(x, QTensor) for x in (lhs, rhs)]
   if any(given) and config is None:
     raise ValueError(
@@ -384,7 +386,7 @@ def dot_general(
         'config uses stochastic rounding and needs a PRNG key: pass '
         'key=jax.random.key(seed) (a raw jax.random.PRNGKey works too).'
       )
-  key = as_typed_key(key) if config.needs_key else None
+  key = key if config.needs_key else None
   preferred = (
     None
     if preferred_element_type is None

@@ -18,7 +18,7 @@ from jax import lax
 
 from aqtr.core.config import DotGeneralRaw, TensorConfig
 from aqtr.core.qtensor import QTensor, from_view, to_view
-from aqtr.core.quantizer import quantize_view
+from aqtr.core.quantizer import quantize_view, scale_problems
 
 
 @dataclasses.dataclass
@@ -209,6 +209,8 @@ def _given(x: QTensor, raw_side: TensorConfig, layout, form, tile, name):
     problems.append(f'qvalue shape {x.qvalue.shape} != expected {view}')
   if x.scale is None or jnp.ndim(x.scale) != 4:
     problems.append('scale missing or not in the tiled view')
+  elif raw_side.quantized:
+    problems += scale_problems(x.scale, view, raw_side, form)
   if problems:
     raise ValueError(
       f'the QTensor given as {name} does not match this dot and config: '

@@ -45,6 +45,14 @@ def view_scale_shape(view_shape, cfg: TensorConfig, form: str):
   return scale_shape(view_shape, cfg.tiling.shared, ROLE_AXES[form])
 
 
+def scale_problems(scale, view_shape, cfg: TensorConfig, form: str):
+  """[] if a stored scale fits a view of `view_shape`, else what is wrong."""
+  want = view_scale_shape(view_shape, cfg, form)
+  if tuple(jnp.shape(scale)) != want:
+    return [f'scale shape {tuple(jnp.shape(scale))} != expected {want}']
+  return []
+
+
 def quantize_view(x4: jax.Array, cfg: TensorConfig, form: str, noise=None):
   """Quantizes a tiled view; returns (qvalue, scale, grad_mask or None).
 
