@@ -37,7 +37,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from aqtr.numerics.base import Numerics
+from aqtr.core.algorithms import Numerics
 
 # The smallest normal float32: scales never go below it.
 TINY = float(jnp.finfo(jnp.float32).tiny)
