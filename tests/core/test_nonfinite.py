@@ -161,9 +161,19 @@ def test_issue_example_nan_in_a_weight(preset):
   assert not jnp.isfinite(run(jnp.full_like(x, jnp.nan), w)).any()
 
 
+def test_issue_example_all_nan_activations():
+  # The shape where XLA:CPU's jitted max over NaNs returned -inf.
+  x = jnp.full((64, 128), jnp.nan)
+  w = jax.random.normal(jax.random.key(1), (128, 16))
+  got = jax.jit(lambda x, w: aqtr.dot_general(x, w, MK_KN, presets.int8()))(
+    x, w
+  )
+  assert not jnp.isfinite(got).any()
+
+
 @pytest.mark.parametrize('tiling', TILINGS, ids=_id)
 def test_an_all_nan_group_does_not_quantize_to_zeros(tiling):
-  x = np.random.default_rng(1).standard_normal((4, 32)).astype(np.float32)
+  x = np.random.default_rng(1).standard_normal((64, 128)).astype(np.float32)
   x[2] = NAN
   t = aqtr.TensorConfig(tiling=tiling)
   dq, fq = jax.jit(
