@@ -66,12 +66,12 @@ def quantize_view(x4: jax.Array, cfg: TensorConfig, form: str, noise=None):
   if cfg.tiling.shared <= FIBER_ROLES:
     # Groups lie within rows: a non-finite bound (the calibration contract)
     # already marks the rows holding NaN/inf.
-    bound = cfg.calibration.calibrate(x, axes).astype(jnp.float32)
+    bound = cfg.calibration.bound_for(x, axes, n).astype(jnp.float32)
     flags = None
   else:  # Groups span rows: bound the finite values, mark bad rows.
     finite = jnp.isfinite(x)
     xf = jnp.where(finite, x, jnp.float32(0))
-    bound = cfg.calibration.calibrate(xf, axes).astype(jnp.float32)
+    bound = cfg.calibration.bound_for(xf, axes, n).astype(jnp.float32)
     flags = row_flags(finite, sorted(roles[r] for r in FIBER_ROLES))
   s = scale_from_bound(bound, n, cfg.calibration.po2_scale)
   if flags is not None:

@@ -70,10 +70,12 @@ def _config(num, tiling):
   """Every operand of every pass quantized with (num, tiling); dlhs reuses
   the forward quantization, drhs quantizes the float residual again."""
   t = aqtr.TensorConfig(numerics=num, tiling=tiling)
+  # Numerics not meant for gradients (e.g. nf4): int8 gradient operands.
+  g = t if num.for_gradients else aqtr.TensorConfig(tiling=tiling)
   return aqtr.DotGeneralConfig(
     fwd=aqtr.DotGeneralRaw(lhs=t, rhs=t),
-    dlhs=aqtr.DotGeneralRaw(lhs=t, rhs=t, use_fwd_quant=True),
-    drhs=aqtr.DotGeneralRaw(lhs=t, rhs=t, use_fwd_quant=False),
+    dlhs=aqtr.DotGeneralRaw(lhs=g, rhs=t, use_fwd_quant=True),
+    drhs=aqtr.DotGeneralRaw(lhs=g, rhs=t, use_fwd_quant=False),
   )
 
 
