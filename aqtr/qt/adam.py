@@ -35,7 +35,12 @@ import optax
 
 from aqtr.qt.lowbit import LowBitTensor, dynamic_table, linear_table
 
-__all__ = ['LowBitAdamState', 'adamw_4bit', 'adamw_8bit', 'scale_by_lowbit_adam']
+__all__ = [
+  'LowBitAdamState',
+  'adamw_4bit',
+  'adamw_8bit',
+  'scale_by_lowbit_adam',
+]
 
 
 class LowBitAdamState(NamedTuple):
@@ -78,7 +83,9 @@ def scale_by_lowbit_adam(
     min_size: tensors with fewer elements keep float32 moments.
   """
   if bits not in (4, 8):
-    raise ValueError(f'scale_by_lowbit_adam: bits must be 4 or 8, got {bits!r}.')
+    raise ValueError(
+      f'scale_by_lowbit_adam: bits must be 4 or 8, got {bits!r}.'
+    )
   if not 0 <= b1 < 1 or not 0 <= b2 < 1:
     raise ValueError(f'b1 and b2 must be in [0, 1), got b1={b1}, b2={b2}.')
   if not isinstance(min_size, int) or min_size < 0:

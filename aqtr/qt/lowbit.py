@@ -81,9 +81,7 @@ def _safe(n: jax.Array) -> jax.Array:
 def _rank1(x: jax.Array) -> tuple[jax.Array, ...]:
   a = jnp.abs(x)
   axes = range(x.ndim)
-  return tuple(
-    jnp.max(a, axis=tuple(b for b in axes if b != i)) for i in axes
-  )
+  return tuple(jnp.max(a, axis=tuple(b for b in axes if b != i)) for i in axes)
 
 
 def _rank1_norm(stats, shape) -> jax.Array:

@@ -138,6 +138,9 @@ def _quantize(w: jax.Array, lay: OperandLayout, fmt: WeightFormat, key):
   return QTParam(q, s, lay, form, fmt)
 
 
+_quantize_jit = jax.jit(_quantize, static_argnums=(1, 2))
+
+
 def requantize(p: QTParam, w: jax.Array, key=None) -> QTParam:
   """`w` (the weight in p's layout) quantized in p's format, scale anew.
 
@@ -247,6 +250,8 @@ def quantize_params(
     if rule is None or is_qt(leaf):
       out.append(leaf)
       (done if is_qt(leaf) else kept).append(name)
+      if rule is not None:
+        by_rule[rule.label].append(name)
       continue
     if not jnp.issubdtype(jnp.result_type(leaf), jnp.floating):
       raise TypeError(
@@ -255,7 +260,7 @@ def quantize_params(
       )
     lay = rule.fmt.layout(tuple(jnp.shape(leaf)), name)
     k = None if key is None else jax.random.fold_in(key, i)
-    out.append(_quantize(jnp.asarray(leaf), lay, rule.fmt, k))
+    out.append(_quantize_jit(jnp.asarray(leaf), lay, rule.fmt, k))
     by_rule[rule.label].append(name)
     done.append(name)
   unused = tuple(label for label, ps in by_rule.items() if not ps)
@@ -282,4 +287,6 @@ def dequantize(params, dtype=jnp.float32):
 
 def tree_bytes(tree) -> int:
   """Bytes held by the arrays of a tree (packed int4 counts half a byte)."""
-  return sum(int(x.nbytes) for x in jax.tree.leaves(tree) if hasattr(x, 'nbytes'))
+  return sum(
+    int(x.nbytes) for x in jax.tree.leaves(tree) if hasattr(x, 'nbytes')
+  )

@@ -184,4 +184,6 @@ def apply_updates(params, updates):
       return None
     return jnp.asarray(p + u).astype(jnp.asarray(p).dtype)
 
-  return jax.tree.map(one, params, updates, is_leaf=lambda x: is_qt(x) or x is None)
+  return jax.tree.map(
+    one, params, updates, is_leaf=lambda x: is_qt(x) or x is None
+  )

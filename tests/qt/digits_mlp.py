@@ -26,7 +26,7 @@ def apply(params, x):
   n = len(params)
   for i in range(n):
     p = params[f'Dense_{i}']
-    x = x @ p['kernel'] + p['bias']
+    x = x @ p['kernel'] + p['bias'][None]
     if i < n - 1:
       x = jax.nn.relu(x)
   return x
