@@ -16,7 +16,7 @@ def init(seed: int = 0, hidden=(256, 256)) -> dict:
   sizes = (64, *hidden, 10)
   keys = jax.random.split(jax.random.key(seed), len(sizes) - 1)
   params = {}
-  for i, (k, a, b) in enumerate(zip(keys, sizes[:-1], sizes[1:])):
+  for i, (k, a, b) in enumerate(zip(keys, sizes[:-1], sizes[1:], strict=True)):
     w = jax.random.normal(k, (a, b)) * np.sqrt(2.0 / a)
     params[f'Dense_{i}'] = {'kernel': w, 'bias': jnp.zeros(b)}
   return params

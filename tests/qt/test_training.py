@@ -102,7 +102,8 @@ def test_non_finite_step_is_skipped_and_reported():
   np.testing.assert_array_equal(p1['kernel'].scale, p0['kernel'].scale)
   np.testing.assert_array_equal(p1['bias'], p0['bias'])
   assert int(s1.skipped) == 1 and int(s1.count) == 1
-  for a, b in zip(jax.tree.leaves(s1.inner), jax.tree.leaves(state.inner)):
+  before, after = jax.tree.leaves(state.inner), jax.tree.leaves(s1.inner)
+  for a, b in zip(after, before, strict=True):
     np.testing.assert_array_equal(a, b)
   u, s2 = tx.update(_grads(), s1, p1)
   assert int(s2.skipped) == 1
