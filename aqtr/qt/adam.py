@@ -8,7 +8,9 @@ low-bit between steps and decoded in float32 for the update:
   u = -lr (m / (1 - b1^t) / (sqrt(v / (1 - b2^t)) + eps) + wd p)
 
 8-bit (Dettmers et al. 2022, arXiv 2110.02861): both moments block-wise
-(blocks of 2048) in the dynamic data type, signed for m, unsigned for v.
+(blocks of 256) in the dynamic data type, signed for m; unsigned and
+without zero for v (a v stored as 0 under a nonzero m would make the
+update m / eps explode; Li et al.'s zero-point remedy).
 4-bit (Li et al. 2023, arXiv 2309.01507): m in blocks of 128 with the
 signed 4-bit dynamic type; v with rank-1 normalisation and the
 zero-point-free linear map (1-D v: blocks of 128). Tensors smaller than
@@ -54,13 +56,18 @@ class LowBitAdamState(NamedTuple):
 def _codecs(bits: int):
   if bits == 8:
     return (
-      dict(bits=8, table=dynamic_table(8, True), block=2048),
-      dict(bits=8, table=dynamic_table(8, False), block=2048),
+      dict(bits=8, table=dynamic_table(8, True), block=256),
+      dict(bits=8, table=dynamic_table(8, False, zero=False), block=256),
     )
   return (
     dict(bits=4, table=dynamic_table(4, True), block=128),
     dict(bits=4, table=linear_table(4), block=0),
   )
+
+
+_encode = jax.jit(
+  LowBitTensor.encode, static_argnames=('bits', 'table', 'block')
+)
 
 
 def _is_lb(x) -> bool:
@@ -98,7 +105,7 @@ def scale_by_lowbit_adam(
   def enc(x, codec, like):
     if small(like):
       return x.astype(jnp.float32)
-    return LowBitTensor.encode(x, **codec)
+    return _encode(x, **codec)
 
   def dec(s):
     return s.decode() if _is_lb(s) else s

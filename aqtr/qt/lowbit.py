@@ -13,7 +13,8 @@ over every axis but a, `N_i = min_a r_a[i_a]` (one vector per axis).
 Tables: `dynamic_table` is the dynamic (tree) data type of Dettmers et al.:
 after the sign, each extra leading zero bit divides the magnitude by 10,
 and the remaining bits spread values linearly over [0.1, 1] of that decade,
-giving a relative error that stays small over many orders of magnitude.
+giving a relative error that stays small over many orders of magnitude;
+its zero-free variant (DE-0 of Li et al.) stores second moments.
 `linear_table` is Li et al.'s zero-point-free linear map (i + 1) / 2^b,
 which never rounds a second moment to 0 (that would blow up m / sqrt(v)).
 4-bit codes are packed two per byte.
@@ -39,8 +40,14 @@ __all__ = ['LowBitTensor', 'dynamic_table', 'linear_table']
 
 
 @functools.cache
-def dynamic_table(bits: int, signed: bool) -> tuple[float, ...]:
-  """The 2^bits sorted values of the dynamic data type (with 0 and 1)."""
+def dynamic_table(
+  bits: int, signed: bool, zero: bool = True
+) -> tuple[float, ...]:
+  """The 2^bits sorted values of the dynamic data type (with 1).
+
+  `zero=False` replaces 0 by a value one decade below the smallest (Li et
+  al.'s DE-0 for second moments: no entry of v is stored as 0).
+  """
   levels = bits - 1
   mags = []
   for e in range(levels):
@@ -48,7 +55,8 @@ def dynamic_table(bits: int, signed: bool) -> tuple[float, ...]:
     edges = np.linspace(0.1, 1.0, n + 1)
     mags.extend((10.0**-e) * (edges[:-1] + edges[1:]) / 2)
   mags = np.asarray(mags)
-  vals = [0.0, 1.0, *mags] + ([*(-mags)] if signed else [])
+  low = 0.0 if zero else 0.55 * 10.0**-levels
+  vals = [low, 1.0, *mags] + ([*(-mags)] if signed else [])
   out = tuple(sorted(float(np.float32(v)) for v in vals))
   assert len(out) == 2**bits, (bits, signed, len(out))
   return out
