@@ -1,8 +1,8 @@
 """One tensor: calibrate -> scale -> numerics -> QTensor; and fake quant.
 
-Math (DESIGN.md section 3): for each scale group G (the view axes the tiling
-shares) `bound = calibration(x_G)`, `s = bound / numerics.max_value` (a bound
-of 0, or one too small to divide by, gives s = 1), optionally
+Math: for each scale group G (the view axes the tiling shares)
+`bound = calibration(x_G)`, `s = bound / numerics.max_value` (a bound of 0,
+or one too small to divide by, gives s = 1), optionally
 `s <- 2^ceil(log2 s)`; `q = numerics.quantize(x / s (+ noise))`. The stored
 scale is `s * numerics.unit`. Quantization is computed in float32.
 """
@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from aqtr.core.config import TensorConfig
-from aqtr.core.dimension_numbers import OperandLayout, _axes
+from aqtr.core.dimension_numbers import OperandLayout, normalize_axes
 from aqtr.core.qtensor import ROLE_AXES, QTensor, from_view, to_view
 from aqtr.core.rounding import as_typed_key
 
@@ -48,8 +48,8 @@ def check_float(x, field: str) -> None:
 
 def _layout(x, contracting_axes, batch_axes) -> OperandLayout:
   rank = jnp.ndim(x)
-  contract = _axes(contracting_axes, rank, 'contracting_axes')
-  batch = _axes(batch_axes, rank, 'batch_axes')
+  contract = normalize_axes(contracting_axes, rank, 'contracting_axes')
+  batch = normalize_axes(batch_axes, rank, 'batch_axes')
   if set(contract) & set(batch):
     raise ValueError(
       'an axis cannot be both in batch_axes and contracting_axes.'

@@ -8,7 +8,7 @@ from typing import Annotated
 import jax
 import jax.numpy as jnp
 
-from aqtr import tags
+from aqtr.core import markers
 from aqtr.numerics.base import Numerics, register, within_range
 
 _DTYPES = ('float8_e4m3fn', 'float8_e5m2')
@@ -33,7 +33,7 @@ class Fp8(Numerics):
   """
 
   dtype_name: str = 'float8_e4m3fn'
-  clip_gradient: Annotated[bool, tags.ClipGradient] = False
+  clip_gradient: Annotated[bool, markers.ClipGradient] = False
 
   def __post_init__(self):
     if not isinstance(self.clip_gradient, bool):
