@@ -111,11 +111,13 @@ def scale_by_lowbit_adam(
     return s.decode() if _is_lb(s) else s
 
   def init_fn(params):
-    z = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+    def zeros(codec):  # Fresh buffers for each moment (donation-safe).
+      return jax.tree.map(
+        lambda p: enc(jnp.zeros(p.shape, jnp.float32), codec, p), params
+      )
+
     return LowBitAdamState(
-      count=jnp.zeros((), jnp.int32),
-      mu=jax.tree.map(lambda x: enc(x, mcodec, x), z),
-      nu=jax.tree.map(lambda x: enc(x, vcodec, x), z),
+      count=jnp.zeros((), jnp.int32), mu=zeros(mcodec), nu=zeros(vcodec)
     )
 
   def update_fn(updates, state, params=None):

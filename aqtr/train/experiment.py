@@ -49,7 +49,7 @@ from aqtr.fiddlers import (  # noqa: F401
   use_rounding,
   use_tiling,
 )
-from aqtr.train import models
+from aqtr.train import models, qt_runs
 
 __all__ = [
   'TASKS',
@@ -76,7 +76,8 @@ class Experiment:
     model: the float model template (a Fiddle config, see
       `aqtr.train.models`); None: the task's default model.
     runs: preset names of `aqtr.presets` to run, in order ('float' first
-      gives the speed baseline).
+      gives the speed baseline), or quantized-training runs
+      ('qt_int8', 'qt_int8_w8a8', 'float_adam8bit'; `qt_runs`).
     custom: a user-chosen DotGeneralConfig (Fiddle tree), run last under
       the name 'custom'; None: no custom run.
     steps: optimizer steps per run.
@@ -116,10 +117,11 @@ class Experiment:
     if self.task not in TASKS:
       raise ValueError(f'task must be one of {TASKS}, got {self.task!r}.')
     for name in self.runs:
-      if name not in aqtr.presets.__all__:
+      if name not in aqtr.presets.__all__ and name not in qt_runs.SPECS:
         raise ValueError(
           f'runs: unknown preset {name!r}; presets: '
-          f'{", ".join(aqtr.presets.__all__)} (a config of your own goes '
+          f'{", ".join(aqtr.presets.__all__)}; quantized-training runs: '
+          f'{", ".join(qt_runs.SPECS)} (a config of your own goes '
           'in `custom`, e.g. --config="fiddler:custom(\'int8\')").'
         )
     if len(set(self.runs)) != len(self.runs):

@@ -29,7 +29,15 @@ import fiddle as fdl
 import aqtr
 from aqtr import fiddle as aqtr_fiddle
 from aqtr.flax import common
-from aqtr.train import experiment, loop, models, report, serving, tasks
+from aqtr.train import (
+  experiment,
+  loop,
+  models,
+  qt_runs,
+  report,
+  serving,
+  tasks,
+)
 
 __all__ = ['columns', 'resolved', 'run']
 
@@ -47,6 +55,7 @@ def columns(metric: str) -> list[str]:
     'serving KB',
     'x params',
     'serve==train',
+    'param+optimizer MB',
   ]
 
 
@@ -56,10 +65,13 @@ FORMATS = {
   'compile s': '.1f',
   'serving KB': '.1f',
   'x params': '.3f',
+  'param+optimizer MB': '.3f',
 }
 
 
 def _config_of(name: str, custom: Any) -> aqtr.DotGeneralConfig:
+  if name in qt_runs.SPECS:
+    return qt_runs.config(qt_runs.SPECS[name])
   return custom if name == 'custom' else getattr(aqtr.presets, name)()
 
 
@@ -120,6 +132,7 @@ def _row(
     'serving KB': kb,
     'x params': kb * 1024 / float_bytes,
     'serve==train': serve['serve_equal'] if serve else '-',
+    'param+optimizer MB': r.param_opt_bytes / 2**20,
   }
 
 
@@ -171,6 +184,7 @@ def run(
         params=params,
         on_record=on_record,
         show_progress=show_progress,
+        spec=qt_runs.SPECS.get(name),
       )
       run_dir = out / name
       run_dir.mkdir(exist_ok=True)

@@ -32,7 +32,8 @@ import optax
 
 import aqtr
 import aqtr.pax
-from aqtr.train import models, progress
+from aqtr import qt
+from aqtr.train import models, progress, qt_runs
 from aqtr.train.experiment import Experiment
 from aqtr.train.tasks import Task, cross_entropy, evaluate_logits
 
@@ -43,7 +44,11 @@ Record = dict[str, Any]
 
 @dataclasses.dataclass
 class RunResult:
-  """What a run leaves: trained float params, metrics, timings."""
+  """What a run leaves: trained float params, metrics, timings.
+
+  `param_opt_bytes`: bytes of the params and optimizer state as stored
+  between steps (int8 for quantized-training runs).
+  """
 
   name: str
   config: aqtr.DotGeneralConfig
@@ -58,10 +63,16 @@ class RunResult:
   compile_s: float
   train_s: float
   logits_fn: Callable[[Any, np.ndarray], jax.Array]  # eval batches' shape
+  param_opt_bytes: int = 0
 
 
-def optimizer(exp: Experiment) -> optax.GradientTransformation:
-  """Clipped AdamW with linear warmup and cosine decay to 10%."""
+def optimizer(
+  exp: Experiment, adam_bits: int | None = None
+) -> optax.GradientTransformation:
+  """Clipped AdamW with linear warmup and cosine decay to 10%.
+
+  `adam_bits=8`: `aqtr.qt.adamw_8bit` (8-bit moments) instead of AdamW.
+  """
   warmup = min(exp.warmup_steps, exp.steps // 2)
   schedule = optax.warmup_cosine_decay_schedule(
     0.0,
@@ -70,9 +81,10 @@ def optimizer(exp: Experiment) -> optax.GradientTransformation:
     max(exp.steps, warmup + 1),
     end_value=0.1 * exp.learning_rate,
   )
+  adamw = qt.adamw_8bit if adam_bits == 8 else optax.adamw
   return optax.chain(
     optax.clip_by_global_norm(exp.grad_clip),
-    optax.adamw(schedule, weight_decay=exp.weight_decay),
+    adamw(schedule, weight_decay=exp.weight_decay),
   )
 
 
@@ -100,6 +112,7 @@ def train(
   params: Any = None,
   on_record: Callable[[Record], None] | None = None,
   show_progress: bool = True,
+  spec: qt_runs.RunSpec | None = None,
 ) -> RunResult:
   """Trains the model of `template` quantized by `config`.
 
@@ -112,6 +125,7 @@ def train(
     params: initial params (copied; default: `init_params`).
     on_record: called with each metrics record as it is made.
     show_progress: draw the progress bar.
+    spec: a quantized-training / low-bit-optimizer run (`qt_runs`).
 
   Returns:
     A RunResult with the trained (float) params and the metrics.
@@ -124,7 +138,11 @@ def train(
   if params is None:
     params = init_params(template, task, exp.seed)
   params = jax.tree.map(jnp.copy, params)  # The step donates its buffers.
-  tx = optimizer(exp)
+  spec = spec or qt_runs.RunSpec()
+  tx = optimizer(exp, spec.adam_bits)
+  if spec.weights is not None:  # Weights kept only quantized.
+    params, _ = qt.quantize_params(params, [qt.Rule(fmt=spec.weights)])
+    tx = qt.quantized_training(tx, seed=exp.seed)
   opt_state = tx.init(params)
 
   def step_fn(params, opt_state, x, y, step):
@@ -134,12 +152,13 @@ def train(
       )
       return cross_entropy(logits, y)
 
-    loss, grads = jax.value_and_grad(loss_fn)(params)
+    loss, grads = jax.value_and_grad(loss_fn)(qt.dequantize(params))
     updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss
+    return qt.apply_updates(params, updates), opt_state, loss
 
   def logits_fn(params, x):
-    return module.apply({'params': params}, x, rngs=_rngs(config, exp.seed, 0))
+    p = qt.dequantize(params)
+    return module.apply({'params': p}, x, rngs=_rngs(config, exp.seed, 0))
 
   history: list[Record] = []
   losses, window, train_s = [], [], 0.0
@@ -196,12 +215,13 @@ def train(
       if ev:
         final = evaluate(i)
       t = time.perf_counter()
+  stored = qt.tree_bytes(params) + qt.tree_bytes(opt_state)
   return RunResult(
     name=name,
     config=config,
     injected=injected,
     report=report,
-    params=params,
+    params=qt.dequantize(params),
     step=exp.steps,
     train_loss=losses[-1],
     final=final,
@@ -209,5 +229,7 @@ def train(
     steps_per_s=exp.steps / train_s,
     compile_s=compile_s,
     train_s=train_s,
-    logits_fn=eval_c,
+    # QT runs: eval_c takes the quantized tree; this one the float params.
+    logits_fn=eval_c if spec.weights is None else jax.jit(logits_fn),
+    param_opt_bytes=stored,
   )
