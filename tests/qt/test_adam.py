@@ -96,3 +96,48 @@ def test_adamw_4bit_tracks_optax_adamw_on_digits():
   ref, low = _run('adamw', 250, 1e-3), _run('adamw_4bit', 250, 1e-3)
   assert abs(low[1] - ref[1]) <= 0.10 * ref[1], (low, ref)
   assert low[0] >= ref[0] - 0.01, (low, ref)
+
+
+def _lm_loss(name: str, steps: int) -> float:
+  from aqtr.train import experiment, loop, models, tasks
+
+  cfg = experiment.default()
+  cfg.steps = steps
+  exp, template, _ = experiment.split(cfg)
+  task = tasks.make(exp)
+  module = models.build(template)
+  params = loop.init_params(template, task, exp.seed)
+  sched = optax.warmup_cosine_decay_schedule(0.0, 3e-3, 20, steps, 3e-4)
+  inner = {
+    'adamw': optax.adamw,
+    'adamw_8bit': qt.adamw_8bit,
+    'adamw_4bit': qt.adamw_4bit,
+  }[name](sched, weight_decay=0.0)
+  tx = optax.chain(optax.clip_by_global_norm(1.0), inner)
+  state = tx.init(params)
+
+  @jax.jit
+  def step(p, s, x, y):
+    def f(p):
+      logits = module.apply({'params': p}, x)
+      return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    loss, g = jax.value_and_grad(f)(p)
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s, loss
+
+  losses = []
+  for _, (x, y) in zip(range(steps), task.batches(), strict=False):
+    params, state, loss = step(params, state, x, y)
+    losses.append(loss)
+  return float(np.mean(jax.device_get(losses[-20:])))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+  'name,tol', [('adamw_8bit', 0.02), ('adamw_4bit', 0.02)]
+)
+def test_lowbit_adam_tracks_adamw_on_the_lm(name, tol):
+  # The main job's byte LM (d_model 128, 2 blocks), 250 steps.
+  ref, low = _lm_loss('adamw', 250), _lm_loss(name, 250)
+  assert abs(low - ref) <= tol * ref, (low, ref)
