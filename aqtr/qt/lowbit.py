@@ -71,7 +71,8 @@ def linear_table(bits: int) -> tuple[float, ...]:
 def _encode(xn: jax.Array, table: tuple[float, ...]) -> jax.Array:
   t = np.asarray(table, np.float32)
   mids = jnp.asarray((t[1:] + t[:-1]) / 2)
-  return jnp.searchsorted(mids, xn, side='left').astype(jnp.uint8)
+  codes = jnp.searchsorted(mids, xn, side='left', method='scan_unrolled')
+  return codes.astype(jnp.uint8)
 
 
 def _pack(codes: jax.Array) -> jax.Array:
