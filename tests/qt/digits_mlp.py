@@ -3,6 +3,9 @@ transformation, float or quantized (QT)."""
 
 from __future__ import annotations
 
+import functools
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -59,3 +62,36 @@ def train(tx, params, steps: int, batch: int = 64, seed: int = 0):
   logits = apply(qt.dequantize(params), d.x_val)
   acc = float((np.argmax(logits, -1) == d.y_val).mean())
   return params, state, acc, float(losses[-50:].mean())
+
+
+def optimizer(name: str, lr: float):
+  """'adamw' (optax), 'adamw_8bit' or 'adamw_4bit', weight decay 1e-4."""
+  make = {
+    'adamw': optax.adamw,
+    'adamw_8bit': qt.adamw_8bit,
+    'adamw_4bit': qt.adamw_4bit,
+  }[name]
+  return make(lr, weight_decay=1e-4)
+
+
+@functools.cache
+def run(
+  weights: str,
+  lr: float,
+  steps: int,
+  rounding: str = 'stochastic',
+  opt: str = 'adamw',
+) -> tuple[float, float]:
+  """(test accuracy, final loss) of one cached training run.
+
+  weights: 'float', 'int8' or 'int4' (group 32, quantized training).
+  """
+  p0 = init(0)
+  tx = optimizer(opt, lr)
+  if weights != 'float':
+    fmt = qt.int8() if weights == 'int8' else qt.int4(32)
+    p0, _ = qt.quantize_params(p0, [qt.Rule(fmt=fmt)])
+    with warnings.catch_warnings():
+      warnings.simplefilter('ignore', qt.NearestRoundingWarning)
+      tx = qt.quantized_training(tx, rounding=rounding, seed=0)
+  return train(tx, p0, steps)[2:]

@@ -1,8 +1,6 @@
 """quantized_training: the torchao claim on digits, keys, NaN steps, optax
 composition, sharding."""
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,44 +11,34 @@ from aqtr import qt
 from tests.qt import digits_mlp
 
 
-@functools.cache
-def _run(kind: str, lr: float, steps: int, rounding: str = 'stochastic'):
-  p0 = digits_mlp.init(0)
-  if kind == 'float':
-    return digits_mlp.train(optax.adam(lr), p0, steps)[2]
-  fmt = qt.int8() if kind == 'int8' else qt.int4(32)
-  q, _ = qt.quantize_params(p0, [qt.Rule(fmt=fmt)])
-  with pytest.warns() if rounding == 'nearest' else _nothing():
-    tx = qt.quantized_training(optax.adam(lr), rounding=rounding, seed=0)
-  return digits_mlp.train(tx, q, steps)[2]
-
-
-class _nothing:
-  def __enter__(self):
-    return self
-
-  def __exit__(self, *a):
-    return False
-
-
 def _claim(steps, sr_tol, int4_tol):
   # torchao: with round-to-nearest small updates vanish and QT stalls;
-  # stochastic rounding trains like float.
-  near = _run('int8', 1e-4, steps, 'nearest')
-  sr, fl = _run('int8', 1e-4, steps), _run('float', 1e-4, steps)
+  # stochastic rounding trains like float (AdamW, digits MLP).
+  run = digits_mlp.run
+  near = run('int8', 1e-4, steps, 'nearest')[0]
+  sr, fl = run('int8', 1e-4, steps)[0], run('float', 1e-4, steps)[0]
   assert near < 0.40, near
   assert sr >= fl - sr_tol, (sr, fl)
-  int4, fl3 = _run('int4', 1e-3, steps), _run('float', 1e-3, steps)
+  int4, fl3 = run('int4', 1e-3, steps)[0], run('float', 1e-3, steps)[0]
   assert int4 >= fl3 - int4_tol, (int4, fl3)
 
 
 def test_sr_trains_like_float_and_nearest_stalls_small():
-  _claim(250, 0.02, 0.02)
+  _claim(200, 0.02, 0.02)
 
 
 @pytest.mark.slow
 def test_sr_trains_like_float_and_nearest_stalls_full():
   _claim(1500, 0.01, 0.015)
+
+
+_JITTED = {}
+
+
+def _jit_update(tx):
+  if id(tx) not in _JITTED:
+    _JITTED[id(tx)] = (tx, jax.jit(lambda p, s, g: tx.update(g, s, p)))
+  return _JITTED[id(tx)][1]
 
 
 def _tiny():
@@ -65,7 +53,7 @@ def _grads(scale=1.0):
 
 def _steps(tx, params, n, grads=None):
   state = tx.init(params)
-  step = jax.jit(lambda p, s, g: tx.update(g, s, p))
+  step = _jit_update(tx)
   for _ in range(n):
     u, state = step(params, state, grads or _grads())
     params = qt.apply_updates(params, u)
@@ -96,7 +84,7 @@ def test_non_finite_step_is_skipped_and_reported():
   state = tx.init(p0)
   bad = _grads()
   bad['kernel'] = bad['kernel'].at[3, 2].set(jnp.nan)
-  u, s1 = jax.jit(lambda p, s, g: tx.update(g, s, p))(p0, state, bad)
+  u, s1 = _jit_update(tx)(p0, state, bad)
   p1 = qt.apply_updates(p0, u)
   np.testing.assert_array_equal(p1['kernel'].qvalue, p0['kernel'].qvalue)
   np.testing.assert_array_equal(p1['kernel'].scale, p0['kernel'].scale)
@@ -105,7 +93,7 @@ def test_non_finite_step_is_skipped_and_reported():
   before, after = jax.tree.leaves(state.inner), jax.tree.leaves(s1.inner)
   for a, b in zip(after, before, strict=True):
     np.testing.assert_array_equal(a, b)
-  u, s2 = tx.update(_grads(), s1, p1)
+  u, s2 = _jit_update(tx)(p1, s1, _grads())
   assert int(s2.skipped) == 1
   assert (np.asarray(qt.apply_updates(p1, u)['bias']) != 0).all()
 
@@ -122,17 +110,15 @@ def test_nearest_warns_and_bad_arguments():
     qt.apply_updates(_tiny(), _grads())
 
 
-@pytest.mark.parametrize('inner', ['chain', 'adamw_8bit', 'adamw_4bit'])
+@pytest.mark.parametrize('inner', ['adamw', 'adamw_8bit'])
 def test_composes_with_clipping_schedules_and_lowbit_adam(inner):
   sched = optax.warmup_cosine_decay_schedule(0.0, 0.1, 2, 10)
+  make = {'adamw': optax.adamw, 'adamw_8bit': qt.adamw_8bit}[inner]
+  kw = {'min_size': 0} if inner != 'adamw' else {}
   txs = {
-    'chain': optax.chain(
-      optax.clip_by_global_norm(1.0), optax.adamw(sched, weight_decay=0.1)
-    ),
-    'adamw_8bit': optax.chain(
-      optax.clip_by_global_norm(1.0), qt.adamw_8bit(sched, min_size=0)
-    ),
-    'adamw_4bit': qt.adamw_4bit(sched, min_size=0),
+    inner: optax.chain(
+      optax.clip_by_global_norm(1.0), make(sched, weight_decay=0.1, **kw)
+    )
   }
   tx = qt.quantized_training(txs[inner])
   p0 = _tiny()
@@ -169,7 +155,7 @@ def test_sharded_params_on_a_two_device_mesh():
   ws = jax.device_put(w, col)
   p = qt.quantize_params({'kernel': ws})[0]
   state = tx.init(p)
-  step = jax.jit(lambda p, s, g: tx.update(g, s, p))
+  step = _jit_update(tx)
   for _ in range(3):
     u, state = step(p, state, {'kernel': ws})
     p = qt.apply_updates(p, u)
