@@ -112,9 +112,12 @@ def scale_by_lowbit_adam(
 
   def init_fn(params):
     def zeros(codec):  # Fresh buffers for each moment (donation-safe).
-      return jax.tree.map(
-        lambda p: enc(jnp.zeros(p.shape, jnp.float32), codec, p), params
-      )
+      def one(p):
+        if small(p):
+          return jnp.zeros(p.shape, jnp.float32)
+        return LowBitTensor.zeros(p.shape, **codec)
+
+      return jax.tree.map(one, params)
 
     return LowBitAdamState(
       count=jnp.zeros((), jnp.int32), mu=zeros(mcodec), nu=zeros(vcodec)

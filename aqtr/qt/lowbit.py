@@ -160,6 +160,34 @@ class LowBitTensor:
       codes = _pack(codes)
     return cls(codes, norms, shape, bits, tuple(table), block)
 
+  @classmethod
+  def zeros(
+    cls,
+    shape: tuple[int, ...],
+    *,
+    bits: int = 8,
+    table: tuple[float, ...] | None = None,
+    block: int = 2048,
+  ) -> LowBitTensor:
+    """`encode(jnp.zeros(shape), ...)` without computing it."""
+    table = tuple(table or dynamic_table(bits, True))
+    shape = tuple(shape)
+    size = math.prod(shape)
+    zero = int(np.argmin(np.abs(np.asarray(table))))
+    if block == 0 and len(shape) >= 2:
+      norms = tuple(jnp.zeros((d,), jnp.float32) for d in shape)
+      n = size
+    else:
+      block = block or 128
+      nb = -(-size // block)
+      norms = (jnp.zeros((nb,), jnp.float32),)
+      n = nb * block
+    if bits == 4:
+      n = -(-n // 2)
+      zero = zero | (zero << 4)
+    codes = jnp.full((n,), zero, jnp.uint8)
+    return cls(codes, norms, shape, bits, table, block)
+
   def decode(self) -> jax.Array:
     """The float32 tensor."""
     codes = _unpack(self.codes) if self.bits == 4 else self.codes

@@ -43,6 +43,12 @@ def test_encode_decode(bits, block, tol):
     err = jnp.abs(d - y) / norm
     assert float(d.min()) > 0  # Nothing is rounded to zero.
   assert float(err.max()) <= tol
+  # `zeros` is what encoding zeros gives.
+  kw = dict(bits=bits, table=table, block=block)
+  z = lowbit.LowBitTensor.zeros(y.shape, **kw)
+  e = lowbit.LowBitTensor.encode(jnp.zeros(y.shape), **kw)
+  for a, b in zip(jax.tree.leaves(z), jax.tree.leaves(e), strict=True):
+    np.testing.assert_array_equal(a, b)
 
 
 def test_lowbit_validation():
