@@ -31,6 +31,7 @@ PUBLIC = {
   'presets',
   'quantize',
   'quantize_operand',
+  'ragged_dot',
   'selectors',
   'tags',
   'tilings',

@@ -59,6 +59,7 @@ from aqtr.core.passes import (
 )
 from aqtr.core.qtensor import QTensor
 from aqtr.core.quantizer import check_float
+from aqtr.core.ragged import ragged_bwd, ragged_fwd
 from aqtr.core.rounding import as_typed_key
 
 # ----------------------------------------------------------------- residuals
@@ -381,6 +382,17 @@ def _qdot(lhs, rhs, key, dn, cfg, precision, preferred):
 
 _qdot.defvjp(_fwd, _bwd)
 _qdot_jit = jax.jit(_qdot, static_argnums=(3, 4, 5, 6))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _qragged(lhs, rhs, group_sizes, key, cfg, precision, preferred):
+  return ragged_fwd(lhs, rhs, group_sizes, key, cfg, precision, preferred)[0]
+
+
+_qragged.defvjp(ragged_fwd, ragged_bwd)
+# The custom VJP of `aqtr.ragged_dot` (passes in `ragged.py`): (lhs, rhs,
+# group_sizes, key, config, precision, preferred_element_type).
+quantized_ragged_dot = jax.jit(_qragged, static_argnums=(4, 5, 6))
 
 
 def dot_general(
