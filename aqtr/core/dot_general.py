@@ -56,6 +56,14 @@ from aqtr.core.passes import (
 from aqtr.core.qtensor import QTensor
 from aqtr.core.quantizer import check_float
 from aqtr.core.rounding import as_typed_key
+from aqtr.core.sharding import (
+  check_tiles,
+  constrain,
+  explicit_axes,
+  match_vma,
+  output_type,
+  vma_of,
+)
 
 # ----------------------------------------------------------------- residuals
 
@@ -79,6 +87,8 @@ class Residuals:
     lhs_struct, rhs_struct: the operands' shapes and dtypes (static).
     lhs_stored, rhs_stored: whether the operand is a stored QTensor, which
       gets no gradient (static).
+    lhs_vma, rhs_vma: the manual mesh axes the operand varies along under
+      `shard_map` (static; empty elsewhere).
   """
 
   lhs: jax.Array | None = None
@@ -93,6 +103,8 @@ class Residuals:
   rhs_struct: jax.ShapeDtypeStruct | None = None
   lhs_stored: bool = False
   rhs_stored: bool = False
+  lhs_vma: frozenset = frozenset()
+  rhs_vma: frozenset = frozenset()
 
 
 jax.tree_util.register_dataclass(
@@ -107,7 +119,14 @@ jax.tree_util.register_dataclass(
     'key_dlhs',
     'key_drhs',
   ],
-  meta_fields=['lhs_struct', 'rhs_struct', 'lhs_stored', 'rhs_stored'],
+  meta_fields=[
+    'lhs_struct',
+    'rhs_struct',
+    'lhs_stored',
+    'rhs_stored',
+    'lhs_vma',
+    'rhs_vma',
+  ],
 )
 
 
@@ -184,6 +203,8 @@ def _residuals(
     rhs_struct=struct_of(rhs),
     lhs_stored=lhs_stored,
     rhs_stored=rhs_stored,
+    lhs_vma=frozenset() if lhs_stored else vma_of(lhs),
+    rhs_vma=frozenset() if rhs_stored else vma_of(rhs),
   )
 
 
@@ -205,10 +226,10 @@ def _bwd(dn, cfg: DotGeneralConfig, precision, preferred, res: Residuals, g):
   dl = dr = None  # No gradient reaches a stored QTensor operand.
   if not res.lhs_stored:
     dl = _masked(_dlhs(ctx, cfg.dlhs, res, g), res.mask_lhs)
-    dl = dl.astype(res.lhs_struct.dtype)
+    dl = match_vma(dl.astype(res.lhs_struct.dtype), res.lhs_vma)
   if not res.rhs_stored:
     dr = _masked(_drhs(ctx, cfg.drhs, res, g), res.mask_rhs)
-    dr = dr.astype(res.rhs_struct.dtype)
+    dr = match_vma(dr.astype(res.rhs_struct.dtype), res.rhs_vma)
   return dl, dr, None
 
 
@@ -251,7 +272,9 @@ def _dlhs(ctx: _Backward, raw: DotGeneralRaw, res: Residuals, g):
   lay = ctx.lay
   if not raw.quantized:
     y_r = _float_residual(res.rhs, res.q_rhs, lay.rhs, res.rhs_struct)
-    zero_l = jnp.zeros(res.lhs_struct.shape, res.lhs_struct.dtype)
+    zero_l = match_vma(
+      jnp.zeros(res.lhs_struct.shape, res.lhs_struct.dtype), res.lhs_vma
+    )
     return _float_grad(ctx, zero_l, y_r, g, wrt=0)
   g3, noise = _gradient(ctx, raw, res.key_dlhs, g)
   if res.q_rhs is not None:
@@ -291,7 +314,9 @@ def _drhs(ctx: _Backward, raw: DotGeneralRaw, res: Residuals, g):
   lay = ctx.lay
   if not raw.quantized:
     y_l = _float_residual(res.lhs, res.q_lhs, lay.lhs, res.lhs_struct)
-    zero_r = jnp.zeros(res.rhs_struct.shape, res.rhs_struct.dtype)
+    zero_r = match_vma(
+      jnp.zeros(res.rhs_struct.shape, res.rhs_struct.dtype), res.rhs_vma
+    )
     return _float_grad(ctx, y_l, zero_r, g, wrt=1)
   g3, noise = _gradient(ctx, raw, res.key_drhs, g)
   key = residual_key(res.key_drhs)
@@ -373,8 +398,13 @@ def dot_general(
   key: jax.Array | None = None,
   precision=None,
   preferred_element_type=None,
+  out_sharding=None,
 ) -> jax.Array:
   """Drop-in for `jax.lax.dot_general` quantized as `config` says.
+
+  On a mesh (auto or explicit axes, or inside `jax.shard_map`) it computes
+  what it computes on one device, with lax's output sharding; see
+  `aqtr.core.sharding`.
 
   Args:
     lhs, rhs: float operands; either may instead be a QTensor made by
@@ -386,6 +416,8 @@ def dot_general(
     key: PRNG key (typed or raw uint32[2]); required by stochastic rounding.
     precision, preferred_element_type: as in `lax.dot_general`; precision
       applies to the float dots.
+    out_sharding: as in `lax.dot_general` (a NamedSharding or
+      PartitionSpec of the output); under auto axes a sharding constraint.
 
   Returns:
     [batch..., lhs free..., rhs free...] in `preferred_element_type` or the
@@ -420,6 +452,7 @@ def dot_general(
       dimension_numbers,
       precision=precision,
       preferred_element_type=preferred_element_type,
+      out_sharding=out_sharding,
     )
   if not stored[0]:
     lhs = jnp.asarray(lhs)
@@ -441,6 +474,20 @@ def dot_general(
     if preferred_element_type is None
     else jnp.dtype(preferred_element_type)
   )
-  return _qdot_jit(
-    lhs, rhs, key, lay.dimension_numbers, config, precision, preferred
-  )
+  dn = lay.dimension_numbers
+  tile = common_tile([config.fwd.lhs, config.fwd.rhs], lay.lhs.k)
+  for x, name, axes in ((lhs, 'lhs', dn[0][0]), (rhs, 'rhs', dn[0][1])):
+    if not isinstance(x, QTensor):
+      check_tiles(x, axes, tile, name)
+
+  def run(lhs, rhs, key):
+    return _qdot_jit(lhs, rhs, key, dn, config, precision, preferred)
+
+  if explicit_axes():
+    structs = [
+      struct_of(x) if isinstance(x, QTensor) else jax.typeof(x)
+      for x in (lhs, rhs)
+    ]
+    out = output_type(*structs, dn, preferred, out_sharding)
+    return jax.sharding.auto_axes(run, out_sharding=out.sharding)(lhs, rhs, key)
+  return constrain(run(lhs, rhs, key), out_sharding)

@@ -1,0 +1,147 @@
+"""The quantized dot on JAX meshes: explicit axes, shard_map, checks.
+
+`dot_general` runs its custom VJP the same way under every kind of mesh:
+
+- Auto axes (or no mesh): the compiler propagates shardings; scales get
+  their operand's sharding (a per-row scale of an M-sharded lhs is
+  M-sharded), and `out_sharding` becomes a sharding constraint.
+- Explicit axes (the default of `jax.make_mesh`): the output's sharding is
+  the one `lax.dot_general` would give (or `out_sharding`), and the
+  quantized passes, whose internal reshapes and int8 dots have no explicit
+  sharding rule of their own, run with the mesh's explicit axes viewed as
+  auto inside (`jax.sharding.auto_axes`); the gradients come back with
+  their operands' shardings.
+- `jax.shard_map` with `check_vma=True`: each device runs the dot on its
+  blocks. An operand that is invariant along a manual axis its cotangent
+  varies along gets that cotangent summed over the axis (the transpose of
+  the implicit broadcast, as lax does), and one that varies along an axis
+  its cotangent does not is given the varying type:
+
+    dL = psum_{vma(dL) - vma(L)} dL
+
+Internal API (used by `dot_general.py`): `explicit_axes`, `output_type`,
+`vma_of`, `match_vma`, `check_tiles`, `permute_sharding`, `constrain`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+from jax import lax
+from jax.sharding import AxisType
+
+
+def explicit_axes() -> tuple[str, ...]:
+  """The current mesh's explicit axes (empty without a mesh)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return ()
+  return tuple(
+    n
+    for n, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
+    if t == AxisType.Explicit
+  )
+
+
+def output_type(lhs, rhs, dimension_numbers, preferred, out_sharding):
+  """The type (with sharding) `lax.dot_general` gives; lax's own errors.
+
+  `lhs`/`rhs` are arrays or ShapeDtypeStructs (a stored QTensor is seen as
+  its replicated float shape).
+  """
+
+  def dot(a, b):
+    return lax.dot_general(
+      a,
+      b,
+      dimension_numbers,
+      preferred_element_type=preferred,
+      out_sharding=out_sharding,
+    )
+
+  return jax.eval_shape(dot, lhs, rhs)
+
+
+def vma_of(x) -> frozenset:
+  """The manual mesh axes `x` varies along (empty outside shard_map)."""
+  aval = jax.typeof(x)
+  mat = getattr(aval, 'mat', None)  # JAX >= 0.10: the manual axis type.
+  if mat is not None:
+    return frozenset(mat.varying)
+  return frozenset(getattr(aval, 'vma', None) or ())
+
+
+def match_vma(grad: jax.Array, vma: frozenset) -> jax.Array:
+  """A cotangent given the primal's varying-manual-axes type.
+
+  Summed over the axes the cotangent varies along and the primal does not;
+  marked varying along the axes only the primal varies along.
+  """
+  have = vma_of(grad)
+  extra = tuple(sorted(have - vma))
+  if extra:
+    grad = lax.psum(grad, extra)
+  missing = tuple(sorted(vma - have))
+  if missing:
+    grad = lax.pcast(grad, missing, to='varying')
+  return grad
+
+
+def _spec_axes(entry) -> tuple[str, ...]:
+  if entry is None:
+    return ()
+  return tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
+def check_tiles(x, contracting, tile: int | None, name: str) -> None:
+  """Raises when an explicit sharding splits a K tile across devices.
+
+  A quantization tile (sub-channel block, MX block, local shard) must lie
+  on one device: the product of the mesh axes sharding the (single)
+  contracting axis must divide K / tile. Only explicit shardings are
+  visible at trace time; auto shardings are the compiler's to choose.
+  """
+  if tile is None:
+    return
+  sharding = getattr(jax.typeof(x), 'sharding', None)
+  spec = getattr(sharding, 'spec', None)
+  if not spec or sharding.mesh.empty:
+    return
+  mesh = sharding.mesh
+  sizes = [x.shape[a] for a in contracting]
+  for i, axis in enumerate(contracting):
+    axes = _spec_axes(spec[axis]) if axis < len(spec) else ()
+    if not axes:
+      continue
+    n = math.prod(mesh.shape[a] for a in axes)
+    block = sizes[i] // n * math.prod(sizes[i + 1 :])
+    if block % tile:
+      raise ValueError(
+        f'{name}: contracting axis {axis} (size {sizes[i]}) sharded over '
+        f'mesh axis {"x".join(axes)} ({n} devices) splits a quantization '
+        f'tile of {tile} along K; shard K in whole tiles or change the '
+        'tiling.'
+      )
+
+
+def permute_sharding(sharding, perm):
+  """`sharding` (NamedSharding, PartitionSpec or None) of an array whose
+  axis i is axis perm[i] of the array `sharding` describes."""
+  if sharding is None:
+    return None
+  spec = getattr(sharding, 'spec', sharding)
+  entries = tuple(spec) + (None,) * (len(perm) - len(spec))
+  new = jax.sharding.PartitionSpec(*(entries[p] for p in perm))
+  if isinstance(sharding, jax.sharding.NamedSharding):
+    return jax.sharding.NamedSharding(sharding.mesh, new)
+  return new
+
+
+def constrain(x: jax.Array, sharding) -> jax.Array:
+  """`x` with `sharding`: a reshard under explicit axes, else a constraint."""
+  if sharding is None:
+    return x
+  if explicit_axes():
+    return jax.sharding.reshard(x, sharding)
+  return lax.with_sharding_constraint(x, sharding)
