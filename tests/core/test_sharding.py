@@ -36,21 +36,16 @@ DN = (((2,), (1,)), ((0,), (0,)))  # x [B, M, K] . w [B, K, N] -> [B, M, N]
 X_SHAPE, W_SHAPE = (4, 8, 32), (4, 32, 16)
 
 
-def _subchannel(tile_size: int) -> aqtr.DotGeneralConfig:
+def _subchannel(tile_size: int = 0, tile_count: int = 0):
+  """int8 with a sub-channel forward tiling (tile_count=n: local scales)."""
   cfg = presets.int8()
-
-  def tiled(raw):
-    return dataclasses.replace(
-      raw,
-      lhs=dataclasses.replace(
-        raw.lhs, tiling=tilings.SubChannel(tile_size=tile_size)
-      ),
-      rhs=dataclasses.replace(
-        raw.rhs, tiling=tilings.SubChannel(tile_size=tile_size)
-      ),
-    )
-
-  return dataclasses.replace(cfg, fwd=tiled(cfg.fwd))
+  t = tilings.SubChannel(tile_size=tile_size, tile_count=tile_count)
+  fwd = dataclasses.replace(
+    cfg.fwd,
+    lhs=dataclasses.replace(cfg.fwd.lhs, tiling=t),
+    rhs=dataclasses.replace(cfg.fwd.rhs, tiling=t),
+  )
+  return dataclasses.replace(cfg, fwd=fwd)
 
 
 CONFIGS = {
@@ -58,7 +53,7 @@ CONFIGS = {
   'fp8': presets.fp8(),
   'sr': presets.fully_quantized(stochastic_rounding=True),
   'weight_only': presets.int8_weight_only(),
-  'subchannel': _subchannel(8),
+  'subchannel': _subchannel(tile_size=8),
 }
 EXACT = {'int8', 'fp8', 'sr', 'subchannel'}
 
@@ -247,6 +242,47 @@ def test_tile_split_across_devices_is_an_error():
   with jax.set_mesh(mesh):
     xs, ws = _on_mesh(mesh, (P(None, None, 'k'), P(None, 'k')), x, w)
     with pytest.raises(ValueError, match=re.escape('lhs: contracting axis 2')):
-      jax.jit(_dot(_subchannel(8), out_sharding=P()))(xs, ws)
+      jax.jit(_dot(_subchannel(tile_size=8), out_sharding=P()))(xs, ws)
+    # Local scales with fewer tiles than shards split them too; the error
+    # names the operand and the mesh axis.
+    with pytest.raises(ValueError, match='rhs: .* mesh axis k'):
+      jax.jit(_dot(_subchannel(tile_count=4), out_sharding=P()))(x, ws)
     # Whole tiles per device (4 = 32 / 8) are fine.
-    jax.jit(_dot(_subchannel(4), out_sharding=P()))(xs, ws)
+    jax.jit(_dot(_subchannel(tile_size=4), out_sharding=P()))(xs, ws)
+
+
+_COLLECTIVE = re.compile(
+  r'\b(all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)'
+  r'(-start)?\('
+)
+
+
+def collectives(compiled_text: str) -> list[str]:
+  """The collective ops of a compiled HLO module, one entry per op."""
+  return [m.group(1) for m in _COLLECTIVE.finditer(compiled_text)]
+
+
+def test_local_scales_leave_only_the_output_reduction():
+  """K over 8 devices: SubChannel(tile_count=8) scales need no collective.
+
+  Per-channel scales need a cross-device max (an all-reduce of the scales)
+  before the int32 partial sums are reduced; one scale per shard leaves the
+  output's partial-sum all-reduce alone.
+  """
+  mesh = jax.make_mesh((8,), ('k',))
+  x = jnp.ones((16, 64))
+  w = jnp.ones((64, 24))
+  dn = (((1,), (0,)), ((), ()))
+  found = {}
+  with jax.set_mesh(mesh):
+    xs, ws = _on_mesh(mesh, (P(None, 'k'), P('k')), x, w)
+    for name, cfg in (
+      ('channel', presets.int8()),
+      ('local', _subchannel(tile_count=8)),
+    ):
+      f = jax.jit(
+        lambda a, b, cfg=cfg: aqtr.dot_general(a, b, dn, cfg, out_sharding=P())
+      )
+      found[name] = collectives(f.lower(xs, ws).compile().as_text())
+  assert found['local'] == ['all-reduce'], found
+  assert len(found['channel']) > 1, found
