@@ -60,6 +60,8 @@ from aqtr.core.sharding import (
   check_tiles,
   constrain,
   explicit_axes,
+  gather_specs,
+  keep_on_shards,
   match_vma,
   output_type,
   vma_of,
@@ -133,8 +135,14 @@ jax.tree_util.register_dataclass(
 # ------------------------------------------------------------------- forward
 
 
-def _fwd(lhs, rhs, key, dn, cfg: DotGeneralConfig, precision, preferred):
-  """out = L . R, quantized as `cfg.fwd` says; and the residuals."""
+def _fwd(
+  lhs, rhs, key, dn, cfg: DotGeneralConfig, precision, preferred, specs=None
+):
+  """out = L . R, quantized as `cfg.fwd` says; and the residuals.
+
+  `specs`: the operands' PartitionSpecs (static) where `quantized_gather`
+  asks to keep their quantization on their shards, else None.
+  """
   lay = DotLayout.create(struct_of(lhs).shape, struct_of(rhs).shape, dn)
   keys = PassKeys.split(key)
   stored = isinstance(lhs, QTensor) or isinstance(rhs, QTensor)
@@ -151,6 +159,9 @@ def _fwd(lhs, rhs, key, dn, cfg: DotGeneralConfig, precision, preferred):
   q_rhs = forward_operand(
     rhs, cfg.fwd.rhs, lay.rhs, rhs_form, tile, keys.fwd_rhs, 'rhs'
   )
+  if specs is not None:
+    q_lhs = keep_on_shards(q_lhs, lay.lhs, specs[0])
+    q_rhs = keep_on_shards(q_rhs, lay.rhs, specs[1])
   out = contract(q_lhs, q_rhs, cfg.fwd, precision).reshape(lay.out_shape)
   floats = [x.dtype for x in (lhs, rhs) if not isinstance(x, QTensor)]
   out_dtype = preferred or (
@@ -220,7 +231,8 @@ class _Backward:
   preferred: object
 
 
-def _bwd(dn, cfg: DotGeneralConfig, precision, preferred, res: Residuals, g):
+def _bwd(dn, cfg: DotGeneralConfig, precision, preferred, specs, res, g):
+  del specs  # Forward only.
   lay = DotLayout.create(res.lhs_struct.shape, res.rhs_struct.shape, dn)
   ctx = _Backward(lay, precision, preferred)
   dl = dr = None  # No gradient reaches a stored QTensor operand.
@@ -380,13 +392,13 @@ def _drhs_kn_requantizing(ctx, raw, g, noise, lhs, key):
 # ------------------------------------------------------------ the custom VJP
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _qdot(lhs, rhs, key, dn, cfg, precision, preferred):
-  return _fwd(lhs, rhs, key, dn, cfg, precision, preferred)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
+def _qdot(lhs, rhs, key, dn, cfg, precision, preferred, specs):
+  return _fwd(lhs, rhs, key, dn, cfg, precision, preferred, specs)[0]
 
 
 _qdot.defvjp(_fwd, _bwd)
-_qdot_jit = jax.jit(_qdot, static_argnums=(3, 4, 5, 6))
+_qdot_jit = jax.jit(_qdot, static_argnums=(3, 4, 5, 6, 7))
 
 
 def dot_general(
@@ -480,8 +492,10 @@ def dot_general(
     if not isinstance(x, QTensor):
       check_tiles(x, axes, tile, name)
 
+  specs = gather_specs(lhs, rhs, config.fwd)
+
   def run(lhs, rhs, key):
-    return _qdot_jit(lhs, rhs, key, dn, config, precision, preferred)
+    return _qdot_jit(lhs, rhs, key, dn, config, precision, preferred, specs)
 
   if explicit_axes():
     structs = [

@@ -20,12 +20,25 @@
     dL = psum_{vma(dL) - vma(L)} dL
 
 Internal API (used by `dot_general.py`): `explicit_axes`, `output_type`,
-`vma_of`, `match_vma`, `check_tiles`, `permute_sharding`, `constrain`.
+`vma_of`, `match_vma`, `check_tiles`, `permute_sharding`, `constrain`,
+`gather_specs`, `keep_on_shards`; `collectives` reads a compiled module's
+collective ops and their bytes.
+
+Quantized communication (`TensorConfig.quantized_gather`): an operand
+sharded over the devices that all need it whole (FSDP) is quantized where
+its shards live and its int8 values and f32 scales are gathered:
+
+  gather(q(W)) * gather(s(W)) == q(gather(W)) * s(gather(W))
+
+(a per-channel scale reduces over K: when K is sharded its max is one small
+all-reduce of the scales).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import re
 
 import jax
 from jax import lax
@@ -145,3 +158,100 @@ def constrain(x: jax.Array, sharding) -> jax.Array:
   if explicit_axes():
     return jax.sharding.reshard(x, sharding)
   return lax.with_sharding_constraint(x, sharding)
+
+
+def _entry_axes(spec, axis: int) -> tuple[str, ...]:
+  return _spec_axes(spec[axis]) if axis < len(spec) else ()
+
+
+def gather_specs(lhs, rhs, fwd):
+  """The operands' PartitionSpecs where `quantized_gather` applies, or None.
+
+  Read from the explicit sharding types (outside `auto_axes`); a QTensor
+  operand or an operand without `quantized_gather` gets None.
+  """
+  if not explicit_axes():
+    return None
+  specs = []
+  for x, cfg in ((lhs, fwd.lhs), (rhs, fwd.rhs)):
+    spec = None
+    if cfg.quantized_gather and cfg.quantized and hasattr(x, 'shape'):
+      sharding = getattr(jax.typeof(x), 'sharding', None)
+      spec = tuple(getattr(sharding, 'spec', None) or ()) or None
+    specs.append(spec)
+  return None if specs == [None, None] else tuple(specs)
+
+
+def keep_on_shards(q, layout, spec):
+  """Pins a quantized operand's values and scale to its float sharding.
+
+  `q` is a passes.QuantizedOperand in the tiled view [B, T, F, t] ('fk') or
+  [B, T, t, F] ('kf') of an operand with `layout` and PartitionSpec `spec`.
+  Each of B, F, K takes the sharding of its leading axis (K's goes to T when
+  there are several tiles, else to t); an operand sharded on another axis
+  of a merged group is left to the compiler.
+  """
+  if spec is None or q.scale is None:
+    return q
+  groups = {}
+  for role, axes in (
+    ('b', layout.batch),
+    ('f', layout.free),
+    ('k', layout.contract),
+  ):
+    names = [_entry_axes(spec, a) for a in axes]
+    if any(names[1:]):
+      return q
+    groups[role] = (names[0] or None) if names else None
+  tiled = q.values.shape[1] > 1
+  t_spec = None if tiled else groups['k']
+  n_spec = groups['k'] if tiled else None
+  if q.form == 'fk':
+    view = (groups['b'], n_spec, groups['f'], t_spec)
+  else:
+    view = (groups['b'], n_spec, t_spec, groups['f'])
+
+  def pin(x):
+    if x is None:
+      return None
+    entries = [
+      None if d == 1 or e is None else (e if len(e) > 1 else e[0])
+      for d, e in zip(x.shape, view, strict=True)
+    ]
+    return lax.with_sharding_constraint(x, jax.sharding.PartitionSpec(*entries))
+
+  return dataclasses.replace(q, values=pin(q.values), scale=pin(q.scale))
+
+
+_COLLECTIVE = re.compile(
+  r'= (\([^=\n]*?\)|[a-z0-9]+\[[0-9,]*\]\S*) '
+  r'(all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)'
+  r'(?:-start)?\('
+)
+_ARRAY = re.compile(r'([a-z][a-z0-9]*)\[([0-9,]*)\]')
+_BITS = {'pred': 8, 's4': 4, 'u4': 4}
+
+
+def _bytes(dtype: str, dims: str) -> int:
+  n = math.prod(int(d) for d in dims.split(',') if d)
+  bits = _BITS.get(dtype) or int(re.sub('[^0-9]', '', dtype) or 32)
+  return n * bits // 8
+
+
+def collectives(hlo_text: str) -> list[tuple[str, str, int]]:
+  """(op, dtype, result bytes) of each collective in an HLO module's text.
+
+  The bytes are those of the op's results per device (summed over a tuple;
+  the dtype is the first result's): for an all-gather the gathered array,
+  for an all-reduce the reduced one.
+
+  Example:
+    >>> collectives('%a = s8[4,8]{1,0} all-gather(%b), dimensions={0}')
+    [('all-gather', 's8', 32)]
+  """
+  out = []
+  for m in _COLLECTIVE.finditer(hlo_text):
+    arrays = _ARRAY.findall(m.group(1))
+    nbytes = sum(_bytes(d, dims) for d, dims in arrays)
+    out.append((m.group(2), arrays[0][0], nbytes))
+  return out

@@ -27,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 import aqtr
 from aqtr import presets, tilings
+from aqtr.core import sharding
 
 pytestmark = pytest.mark.skipif(
   jax.device_count() < 8, reason='needs 8 host devices (tests/conftest.py)'
@@ -251,15 +252,8 @@ def test_tile_split_across_devices_is_an_error():
     jax.jit(_dot(_subchannel(tile_size=4), out_sharding=P()))(xs, ws)
 
 
-_COLLECTIVE = re.compile(
-  r'\b(all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)'
-  r'(-start)?\('
-)
-
-
-def collectives(compiled_text: str) -> list[str]:
-  """The collective ops of a compiled HLO module, one entry per op."""
-  return [m.group(1) for m in _COLLECTIVE.finditer(compiled_text)]
+def _ops(compiled_text: str) -> list[str]:
+  return [op for op, _, _ in sharding.collectives(compiled_text)]
 
 
 def test_local_scales_leave_only_the_output_reduction():
@@ -283,6 +277,41 @@ def test_local_scales_leave_only_the_output_reduction():
       f = jax.jit(
         lambda a, b, cfg=cfg: aqtr.dot_general(a, b, dn, cfg, out_sharding=P())
       )
-      found[name] = collectives(f.lower(xs, ws).compile().as_text())
+      found[name] = _ops(f.lower(xs, ws).compile().as_text())
   assert found['local'] == ['all-reduce'], found
   assert len(found['channel']) > 1, found
+
+
+def test_quantized_gather_moves_int8():
+  """FSDP: x and w sharded over one axis; the dot gathers w as int8 + f32
+  scales (a quarter of the f32 bytes and a scale row), values unchanged."""
+  cfg = presets.int8()
+  rhs = dataclasses.replace(cfg.fwd.rhs, quantized_gather=True)
+  cfg = dataclasses.replace(cfg, fwd=dataclasses.replace(cfg.fwd, rhs=rhs))
+  mesh = jax.make_mesh((8,), ('d',))
+  x = jax.random.normal(jax.random.key(0), (64, 32))
+  w = jax.random.normal(jax.random.key(1), (32, 48))
+  dn = (((1,), (0,)), ((), ()))
+  with jax.set_mesh(mesh):
+    xs, ws = _on_mesh(mesh, (P('d'), P(None, 'd')), x, w)
+    f = jax.jit(
+      lambda a, b: aqtr.dot_general(a, b, dn, cfg, out_sharding=P('d'))
+    )
+    got = f(xs, ws)
+    ops = sharding.collectives(f.lower(xs, ws).compile().as_text())
+  gathers = [(dtype, n) for op, dtype, n in ops if op == 'all-gather']
+  assert ('s8', 32 * 48) in gathers, ops
+  assert sum(n for _, n in gathers) < 32 * 48 * 4 / 3, ops
+  np.testing.assert_array_equal(got, aqtr.dot_general(x, w, dn, cfg))
+
+
+def test_collectives_parses_hlo():
+  text = (
+    '%a = s8[4,8]{1,0} all-gather(%b), dimensions={0}\n'
+    '%c = (f32[2]{0}, f32[3]{0}) all-reduce(%d, %e), to_apply=%sum\n'
+    '%f = f32[2]{0} add(%g, %h)\n'
+  )
+  assert sharding.collectives(text) == [
+    ('all-gather', 's8', 32),
+    ('all-reduce', 'f32', 20),
+  ]
