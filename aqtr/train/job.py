@@ -29,6 +29,7 @@ import fiddle as fdl
 from aqtr import fiddle as aqtr_fiddle
 from aqtr.flax import common
 from aqtr.train import experiment, loop, models, report, serving, tasks
+from aqtr.train import mesh as mesh_lib
 
 __all__ = ['columns', 'resolved', 'run']
 
@@ -182,6 +183,8 @@ def run(
   say = print if echo else (lambda *a, **k: None)
   t_start = time.perf_counter()
   exp, template, custom = experiment.split(cfg)
+  if exp.distributed:
+    mesh_lib.initialize_distributed()
   out = report.prepare_out_dir(out_dir, overwrite)
   job_marker = report.mark_incomplete(out, 'this job')
   say(f'output: {out.absolute()}', flush=True)
