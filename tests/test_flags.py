@@ -74,13 +74,13 @@ def test_user_file_import_and_dotted_config(scratch_registries):
   cfg = _parse(
     f'--import={MY_CALIBRATION}',
     '--config=config:int8',
-    "--config=fiddler:use_calibration('drhs.lhs', 'percentile', q=98.0)",
+    "--config=fiddler:use_calibration('drhs.lhs', 'my_percentile', q=98.0)",
   )
   assert type(fdl.build(cfg).drhs.lhs.calibration).__name__ == 'Percentile'
 
 
 def test_user_registrations_do_not_leak():
-  assert 'percentile' not in aqtr.calibrations.names()
+  assert 'my_percentile' not in aqtr.calibrations.names()
 
 
 def test_config_file_round_trip(tmp_path):

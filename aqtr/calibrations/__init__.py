@@ -3,11 +3,17 @@
 from aqtr.calibrations.absmax import AbsMax
 from aqtr.calibrations.base import Calibration, get, names, register, registry
 from aqtr.calibrations.constant import Constant
+from aqtr.calibrations.mse import Mse
+from aqtr.calibrations.percentile import Percentile
+from aqtr.calibrations.rms import Rms
 
 __all__ = [
   'AbsMax',
   'Calibration',
   'Constant',
+  'Mse',
+  'Percentile',
+  'Rms',
   'get',
   'names',
   'register',

@@ -62,6 +62,23 @@ class Calibration(abc.ABC):
     field called `bound`, as `Constant` does.)
     """
 
+  def bound_for(
+    self, x: jax.Array, axes: Sequence[int], numerics: Numerics
+  ) -> jax.Array:
+    """The bound for quantizing `x` with `numerics` (the quantizer's call).
+
+    Defaults to `calibrate(x, axes)`; a calibration that searches over the
+    quantization error (e.g. `Mse`) overrides it to see the numerics.
+    (Named `bound_for`, not `bound`, for the same reason as `calibrate`.)
+
+    Args:
+      x: float tensor.
+      axes: the axes sharing one scale.
+      numerics: the operand's numerics.
+    """
+    del numerics
+    return self.calibrate(x, axes)
+
 
 # ----------------------------------------------------------------- numerics
 
@@ -83,6 +100,8 @@ class Numerics(abc.ABC):
   supports_stochastic_rounding: ClassVar[bool] = False
   # The dot family: 'int' (integer dot, int32 accumulation) or 'float'.
   kind: ClassVar[str] = 'float'
+  # False: rejected on the gradient operand (lhs) of the dlhs/drhs passes.
+  for_gradients: ClassVar[bool] = True
 
   @property
   @abc.abstractmethod

@@ -27,7 +27,7 @@ def quantize_view(x4: jax.Array, cfg: TensorConfig, form: str, noise=None):
   n = cfg.numerics
   x = x4.astype(jnp.float32)
   axes = tuple(sorted(ROLE_AXES[form][r] for r in cfg.tiling.shared))
-  bound = cfg.calibration.calibrate(x, axes).astype(jnp.float32)
+  bound = cfg.calibration.bound_for(x, axes, n).astype(jnp.float32)
   qmax = n.max_value
   s = jnp.where(bound < qmax * _TINY, jnp.float32(1), bound / qmax)
   if cfg.calibration.po2_scale:

@@ -39,7 +39,12 @@ BAD_FIELDS = {
     {'storage': 'int2'},
     {'storage': 'int4', 'bits': 8},
   ],
+  'nf4': [],
   'none': [],
+  'ternary': [
+    {'clip_gradient': 1},
+    {'clip_gradient': 'yes'},
+  ],
 }
 
 
