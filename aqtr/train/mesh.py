@@ -26,6 +26,7 @@ Example:
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 import jax
@@ -89,15 +90,24 @@ def param_shardings(mesh: jax.sharding.Mesh, params: Any) -> Any:
 
 
 def initialize_distributed() -> None:
-  """Joins the multi-process job JAX's environment describes (once).
+  """Joins the multi-process job the environment describes (once).
 
-  Calls `jax.distributed.initialize()` unless already done; with one
-  process (e.g. JAX_COORDINATOR_ADDRESS=localhost:12345,
-  JAX_NUM_PROCESSES=1, JAX_PROCESS_ID=0) it runs the same code path.
+  `jax.distributed.initialize(...)` with JAX_COORDINATOR_ADDRESS (read by
+  JAX), and JAX_NUM_PROCESSES / JAX_PROCESS_ID when set (else JAX detects
+  them on a cluster, e.g. SLURM or Cloud TPU). One process
+  (JAX_COORDINATOR_ADDRESS=localhost:12345 JAX_NUM_PROCESSES=1
+  JAX_PROCESS_ID=0) runs the same code path.
   """
   if jax.distributed.is_initialized():
     return
-  jax.distributed.initialize()
+  kwargs = {}
+  for env, arg in (
+    ('JAX_NUM_PROCESSES', 'num_processes'),
+    ('JAX_PROCESS_ID', 'process_id'),
+  ):
+    if os.environ.get(env):
+      kwargs[arg] = int(os.environ[env])
+  jax.distributed.initialize(**kwargs)
 
 
 def state_shardings(mesh: jax.sharding.Mesh, tree: Any) -> Any:

@@ -1,5 +1,11 @@
 """Training on the 8-device host mesh: losses equal the one-device run."""
 
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+
 import jax
 import numpy as np
 import pytest
@@ -66,3 +72,38 @@ def test_experiment_checks_mesh_shape():
   cfg.mesh = (2, 2, 2)
   with pytest.raises(ValueError, match='mesh must be'):
     experiment.split(cfg)
+
+
+_ONE_PROCESS = """
+from aqtr.train import mesh
+mesh.initialize_distributed()
+import jax, jax.numpy as jnp, aqtr
+m = mesh.make((8,))
+x = jax.device_put(jnp.ones((16, 8)), mesh.batch_sharding(m))
+y = aqtr.dot_general(x, jnp.ones((8, 4)), (((1,), (0,)), ((), ())),
+                     aqtr.presets.int8())
+print(jax.distributed.is_initialized(), jax.process_count(), float(y.sum()))
+"""
+
+
+def test_distributed_code_path_with_one_process():
+  with socket.socket() as s:
+    s.bind(('localhost', 0))
+    port = s.getsockname()[1]
+  env = dict(
+    os.environ,
+    XLA_FLAGS='--xla_force_host_platform_device_count=8',
+    JAX_COORDINATOR_ADDRESS=f'localhost:{port}',
+    JAX_NUM_PROCESSES='1',
+    JAX_PROCESS_ID='0',
+    PYTHONPATH=str(pathlib.Path(aqtr.__file__).parents[1]),
+  )
+  out = subprocess.run(
+    [sys.executable, '-c', _ONE_PROCESS],
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=300,
+    check=True,
+  )
+  assert out.stdout.split()[-3:] == ['True', '1', str(16 * 4 * 8.0)]
