@@ -21,8 +21,11 @@ numerics' clip_gradient; no gradient reaches the scales.
 Layout: on XLA:CPU an integer dot is fast only when its lhs contracts its
 last axis (MK.KN, MK.NK). The forward dot is MK.NK or MK.KN, dlhs is MK.KN
 or MK.NK, and drhs emits dR directly in the weight's layout: [N, K] weights
-get (g^T)[N, M] . q_L[M, K]; [K, N] weights get q_L^T[K, M] . g[M, N] with
-q_L^T written by the forward pass (`QuantizedOperand.transposed`).
+get q_g^T[N, M] . q_L[M, K]; [K, N] weights get q_L^T[K, M] . q_g[M, N],
+with q_L^T written by the forward pass. A transposed operand is quantized
+as it lies and its int8 values copied transposed (`passes.quantized_dot`,
+`QuantizedOperand.with_transposed`): XLA:CPU quantizes a transposed float
+array several times slower.
 """
 
 from __future__ import annotations
@@ -57,14 +60,13 @@ from aqtr.core.qtensor import QTensor
 from aqtr.core.quantizer import check_float
 from aqtr.core.rounding import as_typed_key
 from aqtr.core.sharding import (
-  check_tiles,
-  constrain,
-  explicit_axes,
+  check_operands,
   gather_specs,
   keep_on_shards,
   match_vma,
-  output_type,
+  run_on_mesh,
   vma_of,
+  zeros_varying,
 )
 
 # ----------------------------------------------------------------- residuals
@@ -122,12 +124,9 @@ jax.tree_util.register_dataclass(
     'key_drhs',
   ],
   meta_fields=[
-    'lhs_struct',
-    'rhs_struct',
-    'lhs_stored',
-    'rhs_stored',
-    'lhs_vma',
-    'rhs_vma',
+    f'{side}_{f}'
+    for f in ('struct', 'stored', 'vma')
+    for side in ('lhs', 'rhs')
   ],
 )
 
@@ -138,11 +137,7 @@ jax.tree_util.register_dataclass(
 def _fwd(
   lhs, rhs, key, dn, cfg: DotGeneralConfig, precision, preferred, specs=None
 ):
-  """out = L . R, quantized as `cfg.fwd` says; and the residuals.
-
-  `specs`: the operands' PartitionSpecs (static) where `quantized_gather`
-  asks to keep their quantization on their shards, else None.
-  """
+  """out = L . R as `cfg.fwd` says, and residuals (specs: `gather_specs`)."""
   lay = DotLayout.create(struct_of(lhs).shape, struct_of(rhs).shape, dn)
   keys = PassKeys.split(key)
   stored = isinstance(lhs, QTensor) or isinstance(rhs, QTensor)
@@ -159,16 +154,33 @@ def _fwd(
   q_rhs = forward_operand(
     rhs, cfg.fwd.rhs, lay.rhs, rhs_form, tile, keys.fwd_rhs, 'rhs'
   )
-  if specs is not None:
-    q_lhs = keep_on_shards(q_lhs, lay.lhs, specs[0])
-    q_rhs = keep_on_shards(q_rhs, lay.rhs, specs[1])
+  q_lhs, q_rhs = keep_on_shards(q_lhs, q_rhs, lay, specs)
+  q_lhs_t = None
+  if _drhs_contracts_q_lhs_t(lhs, rhs, q_lhs, lay, cfg):
+    q_lhs, q_lhs_t = q_lhs.with_transposed()
   out = contract(q_lhs, q_rhs, cfg.fwd, precision).reshape(lay.out_shape)
   floats = [x.dtype for x in (lhs, rhs) if not isinstance(x, QTensor)]
   out_dtype = preferred or (
     jnp.result_type(*floats) if floats else jnp.dtype(jnp.float32)
   )
-  res = _residuals(lhs, rhs, q_lhs, q_rhs, lay, cfg, keys)
+  res = _residuals(lhs, rhs, q_lhs, q_rhs, lay, cfg, keys, q_lhs_t)
   return out.astype(out_dtype), res
+
+
+def _reuses_q_lhs(lhs, q_lhs, cfg: DotGeneralConfig) -> bool:
+  """Whether drhs reuses the forward quantization of L (not L itself)."""
+  quantized = q_lhs is not None and q_lhs.scale is not None
+  return quantized and (cfg.drhs.use_fwd_quant or isinstance(lhs, QTensor))
+
+
+def _drhs_contracts_q_lhs_t(lhs, rhs, q_lhs, lay, cfg) -> bool:
+  """Whether a quantized drhs on [K, N] weights contracts q_L^T [K, M]."""
+  return (
+    _reuses_q_lhs(lhs, q_lhs, cfg)
+    and not isinstance(rhs, QTensor)
+    and lay.rhs.natural_form() == 'kf'
+    and cfg.drhs.quantized
+  )
 
 
 def _residuals(
@@ -179,32 +191,26 @@ def _residuals(
   lay: DotLayout,
   cfg: DotGeneralConfig,
   keys: PassKeys,
+  q_lhs_t: QuantizedOperand | None = None,
 ) -> Residuals:
   """Keeps q_L for drhs and q_R for dlhs where they are reused, else L, R.
 
   A stored QTensor has no float form: its gradient partner always reuses
-  it. For [K, N] weights a quantized drhs contracts q_L^T [K, M]: it is
-  written here, once, instead of q_L.
+  it. For [K, N] weights a quantized drhs contracts q_L^T [K, M]
+  (`q_lhs_t`, written by the forward pass): it is kept instead of q_L.
   """
   lhs_stored, rhs_stored = isinstance(lhs, QTensor), isinstance(rhs, QTensor)
+  reuse_l = _reuses_q_lhs(lhs, q_lhs, cfg)
   if q_lhs is not None and q_lhs.scale is None:  # Not quantized.
     q_lhs = None
   if q_rhs is not None and q_rhs.scale is None:
     q_rhs = None
-  reuse_l = q_lhs is not None and (cfg.drhs.use_fwd_quant or lhs_stored)
   reuse_r = q_rhs is not None and (cfg.dlhs.use_fwd_quant or rhs_stored)
-  kept_l = q_lhs.without_mask() if reuse_l else None
-  if (
-    reuse_l
-    and not rhs_stored
-    and lay.rhs.natural_form() == 'kf'
-    and cfg.drhs.quantized
-  ):
-    kept_l = kept_l.transposed()
+  kept_l = q_lhs if q_lhs_t is None else q_lhs_t
   return Residuals(
     lhs=None if reuse_l else lhs,
     rhs=None if reuse_r else rhs,
-    q_lhs=kept_l,
+    q_lhs=kept_l.without_mask() if reuse_l else None,
     q_rhs=q_rhs.without_mask() if reuse_r else None,
     mask_lhs=None if q_lhs is None else q_lhs.grad_mask(lay.lhs),
     mask_rhs=None if q_rhs is None else q_rhs.grad_mask(lay.rhs),
@@ -284,9 +290,7 @@ def _dlhs(ctx: _Backward, raw: DotGeneralRaw, res: Residuals, g):
   lay = ctx.lay
   if not raw.quantized:
     y_r = _float_residual(res.rhs, res.q_rhs, lay.rhs, res.rhs_struct)
-    zero_l = match_vma(
-      jnp.zeros(res.lhs_struct.shape, res.lhs_struct.dtype), res.lhs_vma
-    )
+    zero_l = zeros_varying(res.lhs_struct, res.lhs_vma)
     return _float_grad(ctx, zero_l, y_r, g, wrt=0)
   g3, noise = _gradient(ctx, raw, res.key_dlhs, g)
   if res.q_rhs is not None:
@@ -326,20 +330,16 @@ def _drhs(ctx: _Backward, raw: DotGeneralRaw, res: Residuals, g):
   lay = ctx.lay
   if not raw.quantized:
     y_l = _float_residual(res.lhs, res.q_lhs, lay.lhs, res.lhs_struct)
-    zero_r = match_vma(
-      jnp.zeros(res.rhs_struct.shape, res.rhs_struct.dtype), res.rhs_vma
-    )
+    zero_r = zeros_varying(res.rhs_struct, res.rhs_vma)
     return _float_grad(ctx, y_l, zero_r, g, wrt=1)
   g3, noise = _gradient(ctx, raw, res.key_drhs, g)
   key = residual_key(res.key_drhs)
   form = lay.rhs.natural_form()
   if form == 'fk':
-    g3t = g3.transpose(0, 2, 1)
-    noise_t = None if noise is None else noise.transpose(0, 2, 1)
     if res.q_lhs is not None:
-      dr3 = _drhs_nk_reusing(ctx, raw, g3t, noise_t, res.q_lhs)
+      dr3 = _drhs_nk_reusing(ctx, raw, g3, noise, res.q_lhs)
     else:
-      dr3 = _drhs_nk_requantizing(ctx, raw, g3t, noise_t, res.lhs, key)
+      dr3 = _drhs_nk_requantizing(ctx, raw, g3, noise, res.lhs, key)
   elif res.q_lhs is not None:
     dr3 = _drhs_kn_reusing(ctx, raw, g3, noise, res.q_lhs)
   else:
@@ -347,15 +347,19 @@ def _drhs(ctx: _Backward, raw: DotGeneralRaw, res: Residuals, g):
   return lay.rhs.from_canonical(dr3, form)
 
 
-def _drhs_nk_reusing(ctx, raw, g_t, noise_t, q_l: QuantizedOperand):
-  """(g^T * s_L) . q_L, per tile of L: [B, N, K]."""
-  g_s, n = fold_scale(g_t, q_l, axis=2)
-  a = Operand(g_s, 'fk', raw.lhs, repeat_tiles(noise_t, n))
+def _drhs_nk_reusing(ctx, raw, g, noise, q_l: QuantizedOperand):
+  """(g * s_L)^T . q_L, per tile of L: [B, N, K].
+
+  g [B, M, N] is the 'kf' lhs of this dot (M contracted), written
+  transposed after its quantization.
+  """
+  g_s, n = fold_scale(g, q_l, axis=1)
+  a = Operand(g_s, 'kf', raw.lhs, repeat_tiles(noise, n))
   out = quantized_dot(a, q_l.as_partner(), raw, ctx.precision)
   return merge_tiles(out, n, 'fk')
 
 
-def _drhs_nk_requantizing(ctx, raw, g_t, noise_t, lhs, key):
+def _drhs_nk_requantizing(ctx, raw, g, noise, lhs, key):
   """g^T . L, both quantized by `raw`: [B, N, K]."""
   lay_l = ctx.lay.lhs
   l_op = Operand(
@@ -364,7 +368,7 @@ def _drhs_nk_requantizing(ctx, raw, g_t, noise_t, lhs, key):
     raw.rhs,
     canonical_noise(raw.rhs, key, lay_l, 'fk'),
   )
-  a = Operand(g_t, 'fk', raw.lhs, noise_t)
+  a = Operand(g, 'kf', raw.lhs, noise)  # g^T after quantization.
   return quantized_dot(a, l_op, raw, ctx.precision)
 
 
@@ -379,14 +383,14 @@ def _drhs_kn_reusing(ctx, raw, g, noise, q_lt: QuantizedOperand):
 def _drhs_kn_requantizing(ctx, raw, g, noise, lhs, key):
   """L^T . g, both quantized by `raw`: [B, K, N]."""
   lay_l = ctx.lay.lhs
-  l_t = Operand(
-    lay_l.to_canonical(lhs, 'kf'),
-    'fk',  # [B, K, M]: L's free axis M is contracted here.
+  l_op = Operand(
+    lay_l.to_canonical(lhs, 'fk'),
+    'kf',  # L's free axis M is contracted: L^T after quantization.
     raw.rhs,
-    canonical_noise(raw.rhs, key, lay_l, 'kf'),
+    canonical_noise(raw.rhs, key, lay_l, 'fk'),
   )
   b = Operand(g, 'kf', raw.lhs, noise)
-  return quantized_dot(l_t, b, raw, ctx.precision)
+  return quantized_dot(l_op, b, raw, ctx.precision)
 
 
 # ------------------------------------------------------------ the custom VJP
@@ -414,9 +418,8 @@ def dot_general(
 ) -> jax.Array:
   """Drop-in for `jax.lax.dot_general` quantized as `config` says.
 
-  On a mesh (auto or explicit axes, or inside `jax.shard_map`) it computes
-  what it computes on one device, with lax's output sharding; see
-  `aqtr.core.sharding`.
+  On a mesh (auto/explicit axes, `jax.shard_map`) it computes what it
+  computes on one device, with lax's output sharding (`core.sharding`).
 
   Args:
     lhs, rhs: float operands; either may instead be a QTensor made by
@@ -486,22 +489,9 @@ def dot_general(
     if preferred_element_type is None
     else jnp.dtype(preferred_element_type)
   )
-  dn = lay.dimension_numbers
-  tile = common_tile([config.fwd.lhs, config.fwd.rhs], lay.lhs.k)
-  for x, name, axes in ((lhs, 'lhs', dn[0][0]), (rhs, 'rhs', dn[0][1])):
-    if not isinstance(x, QTensor):
-      check_tiles(x, axes, tile, name)
-
-  specs = gather_specs(lhs, rhs, config.fwd)
-
-  def run(lhs, rhs, key):
-    return _qdot_jit(lhs, rhs, key, dn, config, precision, preferred, specs)
-
-  if explicit_axes():
-    structs = [
-      struct_of(x) if isinstance(x, QTensor) else jax.typeof(x)
-      for x in (lhs, rhs)
-    ]
-    out = output_type(*structs, dn, preferred, out_sharding)
-    return jax.sharding.auto_axes(run, out_sharding=out.sharding)(lhs, rhs, key)
-  return constrain(run(lhs, rhs, key), out_sharding)
+  dn, fwd = lay.dimension_numbers, config.fwd
+  check_operands(lhs, rhs, dn, common_tile([fwd.lhs, fwd.rhs], lay.lhs.k))
+  static = (dn, config, precision, preferred, gather_specs(lhs, rhs, fwd))
+  run = lambda lhs, rhs, key: _qdot_jit(lhs, rhs, key, *static)  # noqa: E731
+  structs = [struct_of(x) if isinstance(x, QTensor) else x for x in (lhs, rhs)]
+  return run_on_mesh(run, (lhs, rhs, key), structs, dn, preferred, out_sharding)

@@ -20,7 +20,8 @@
     dL = psum_{vma(dL) - vma(L)} dL
 
 Internal API (used by `dot_general.py`): `explicit_axes`, `output_type`,
-`vma_of`, `match_vma`, `check_tiles`, `permute_sharding`, `constrain`,
+`run_on_mesh`, `vma_of`, `match_vma`, `zeros_varying`, `check_tiles`,
+`check_operands`, `permute_sharding`, `constrain`,
 `gather_specs`, `keep_on_shards`; `collectives` reads a compiled module's
 collective ops and their bytes.
 
@@ -41,6 +42,7 @@ import math
 import re
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 from jax.sharding import AxisType
 
@@ -182,7 +184,18 @@ def gather_specs(lhs, rhs, fwd):
   return None if specs == [None, None] else tuple(specs)
 
 
-def keep_on_shards(q, layout, spec):
+def keep_on_shards(q_lhs, q_rhs, lay, specs):
+  """Both forward operands pinned to their shards (`specs`: None or a pair
+  of PartitionSpecs, see `gather_specs`)."""
+  if specs is None:
+    return q_lhs, q_rhs
+  return (
+    _keep_on_shards(q_lhs, lay.lhs, specs[0]),
+    _keep_on_shards(q_rhs, lay.rhs, specs[1]),
+  )
+
+
+def _keep_on_shards(q, layout, spec):
   """Pins a quantized operand's values and scale to its float sharding.
 
   `q` is a passes.QuantizedOperand in the tiled view [B, T, F, t] ('fk') or
@@ -255,3 +268,28 @@ def collectives(hlo_text: str) -> list[tuple[str, str, int]]:
     nbytes = sum(_bytes(d, dims) for d, dims in arrays)
     out.append((m.group(2), arrays[0][0], nbytes))
   return out
+
+
+def run_on_mesh(run, args, structs, dn, preferred, out_sharding):
+  """`run(*args)`, the quantized dot, with lax's output sharding.
+
+  Explicit axes: the output type lax gives `structs` (or `out_sharding`),
+  `run` inside `auto_axes`. Otherwise `out_sharding` is a constraint.
+  """
+  if explicit_axes():
+    out = output_type(*structs, dn, preferred, out_sharding)
+    return jax.sharding.auto_axes(run, out_sharding=out.sharding)(*args)
+  return constrain(run(*args), out_sharding)
+
+
+def zeros_varying(struct, vma: frozenset) -> jax.Array:
+  """Zeros of `struct` with the varying-manual-axes type `vma`."""
+  return match_vma(jnp.zeros(struct.shape, struct.dtype), vma)
+
+
+def check_operands(lhs, rhs, dimension_numbers, tile: int | None) -> None:
+  """`check_tiles` for both float operands (a stored QTensor is skipped)."""
+  (lc, rc), _ = dimension_numbers
+  for x, axes, name in ((lhs, lc, 'lhs'), (rhs, rc, 'rhs')):
+    if not hasattr(x, 'qvalue'):
+      check_tiles(x, axes, tile, name)

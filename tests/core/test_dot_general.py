@@ -1008,6 +1008,11 @@ def test_user_registered_calibration_works_through_a_config(rms_registered):
 
 
 def test_user_calibration_is_gone_after_the_test():
+  # Self-contained (no reliance on test order): run the fixture's patch
+  # and its undo here.
+  with pytest.MonkeyPatch.context() as mp:
+    rms_registered.__wrapped__(mp)
+    assert calibrations.get('rms_test') is Rms
   assert 'rms_test' not in calibrations.names()
 
 
