@@ -39,6 +39,7 @@ from jax import lax
 
 from aqtr.core.config import DotGeneralConfig, DotGeneralRaw
 from aqtr.core.dimension_numbers import DotLayout
+from aqtr.core.first_order import first_order_only
 from aqtr.core.passes import (
   Operand,
   PassKeys,
@@ -248,7 +249,7 @@ def _bwd(dn, cfg: DotGeneralConfig, precision, preferred, specs, res, g):
   if not res.rhs_stored:
     dr = _masked(_drhs(ctx, cfg.drhs, res, g), res.mask_rhs)
     dr = match_vma(dr.astype(res.rhs_struct.dtype), res.rhs_vma)
-  return dl, dr, None
+  return (*first_order_only(dl, dr), None)  # Differentiating again raises.
 
 
 def _masked(grad: jax.Array, mask: jax.Array | None) -> jax.Array:
@@ -449,6 +450,7 @@ def dot_general(
     raise TypeError(
       f'config must be an aqtr.DotGeneralConfig or None, got {config!r}.'
     )
+  key = as_typed_key(key)  # Checked even where unused.
   stored = [isinstance(x, QTensor) for x in (lhs, rhs)]
   if any(stored) and config is None:
     raise ValueError(
@@ -483,7 +485,7 @@ def dot_general(
       'config uses stochastic rounding and needs a PRNG key: pass '
       'key=jax.random.key(seed) (a raw jax.random.PRNGKey works too).'
     )
-  key = as_typed_key(key) if config.needs_key else None
+  key = key if config.needs_key else None
   preferred = (
     None
     if preferred_element_type is None

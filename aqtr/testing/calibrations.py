@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from aqtr import calibrations
+from aqtr import calibrations, tilings
 from aqtr.core.config import DotGeneralConfig, DotGeneralRaw, TensorConfig
 from aqtr.core.dot_general import dot_general
 from aqtr.core.quantizer import fake_quant, quantize
@@ -77,23 +77,42 @@ def check_bound(cls, bad_fields):
 
 
 def check_nonfinite(cls, bad_fields):
-  """NaN/inf in a group: that group's bound (and dot output) non-finite."""
+  """NaN/inf in a group: that group's bound (and dot output) non-finite.
+
+  Under jit, with the NaN/inf at the first, a middle or the last place of a
+  group, all-NaN and all-inf groups, and for every reduction of a 4-D view
+  (XLA:CPU's jitted max may skip NaNs: the contract must not).
+  """
   del bad_fields
   c = cls()
-  x = _input(1, (4, 16))
-  x = x.at[0, 3].set(jnp.nan).at[1, 7].set(jnp.inf).at[2, 0].set(-jnp.inf)
+  nan, inf = jnp.nan, jnp.inf
+  x = _input(1, (8, 64))
+  x = x.at[0, 3].set(nan).at[1, 7].set(inf).at[2, 0].set(-inf)
+  x = x.at[3].set(nan).at[4, 63].set(nan).at[5, 10].set(nan)
+  x = x.at[5, 11].set(-inf).at[6].set(inf)
   b = _calibrate(c, x, (1,))
-  assert not jnp.isfinite(b[:3]).any(), b
-  assert jnp.isfinite(b[3]).all() and (b[3] >= 0).all()
-  w = _input(2, (16, 5))
-  cfg = DotGeneralConfig(
-    fwd=DotGeneralRaw(lhs=TensorConfig(calibration=c), rhs=TensorConfig())
-  )
-  out = jax.jit(lambda x, w: dot_general(x, w, (((1,), (0,)), ((), ())), cfg))(
-    x, w
-  )
-  assert not jnp.isfinite(out[:3]).any()
-  assert jnp.isfinite(out[3]).all()
+  assert not jnp.isfinite(b[:7]).any(), b
+  assert jnp.isfinite(b[7]).all() and (b[7] >= 0).all()
+  where = (1, 2, 3, 5)
+  x4 = _input(2).at[where].set(nan)
+  for axes in _AXES:
+    b = np.asarray(_calibrate(c, x4, axes))
+    bad = tuple(0 if i in axes else j for i, j in enumerate(where))
+    assert not np.isfinite(b[bad]), (axes, b)
+    rest = np.delete(b.ravel(), np.ravel_multi_index(bad, b.shape))
+    assert np.isfinite(rest).all(), (axes, b)
+  w = _input(2, (64, 5))
+  for tiling in (tilings.PerChannel(), tilings.PerTensor()):
+    cfg = DotGeneralConfig(
+      fwd=DotGeneralRaw(
+        lhs=TensorConfig(calibration=c, tiling=tiling), rhs=TensorConfig()
+      )
+    )
+    out = jax.jit(
+      lambda x, w, cfg=cfg: dot_general(x, w, (((1,), (0,)), ((), ())), cfg)
+    )(x, w)
+    assert not jnp.isfinite(out[:7]).any(), tiling
+    assert jnp.isfinite(out[7]).all(), tiling
 
 
 def check_zeros(cls, bad_fields):

@@ -6,7 +6,9 @@ to a rebuilt one and a static `jax.jit` argument; inside a TensorConfig,
 fake-quant reference (bit for bit with power-of-two scales), its VJP with
 autodiff of that reference; its scales are shared exactly along the view
 axes it names (always including the contraction block, so they factor out
-of the integer dot); bad field values raise an error naming the field.
+of the integer dot; stored with size 1 along the shared `tile`/`k` axes and
+full size, equal values, along shared batch/free axes, where a row holding
+NaN/inf is marked); bad field values raise an error naming the field.
 """
 
 from __future__ import annotations
@@ -67,9 +69,16 @@ def check_scales(cls, bad_fields):
     quantize, config=_tensor(t), contracting_axes=(3,), batch_axes=(0,)
   )
   qt = jax.jit(quantize_x)(x)
+  s = np.asarray(qt.scale)
   for role, axis in ROLE_AXES['fk'].items():
-    want = 1 if role in t.shared else qt.qvalue.shape[axis]
-    assert qt.scale.shape[axis] == want, (role, qt.scale.shape)
+    fiber = role in ('tile', 'k')
+    want = 1 if role in t.shared and fiber else qt.qvalue.shape[axis]
+    assert s.shape[axis] == want, (role, s.shape)
+    spread = np.ptp(s, axis=axis)
+    if role in t.shared:  # one value along a shared axis
+      assert (spread == 0).all(), (role, s)
+    elif s.shape[axis] > 1:  # random data: groups along it differ
+      assert (spread > 0).all(), (role, s)
   assert jnp.isfinite(qt.dequant()).all()
   np.testing.assert_allclose(
     qt.dequant(), x, atol=float(jnp.abs(x).max()) / 127

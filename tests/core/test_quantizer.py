@@ -79,7 +79,9 @@ def test_docstring_example_values():
 def test_tilings_set_the_number_of_scales(tiling, groups):
   x = randn(1, (8, 32)).astype(jnp.float32)
   qt = aqtr.quantize(x, tensor(tiling=tiling))
-  assert qt.scale.size == groups
+  # Scales are stored per row at least (a row holding NaN/inf gets NaN).
+  assert qt.scale.size == max(groups, 8)
+  assert np.unique(qt.scale).size == groups
   assert np.unique(_scale_full(qt)).size == groups
 
 
