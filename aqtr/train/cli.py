@@ -20,9 +20,7 @@ Example:
   Traceback (most recent call last):
   ...
   aqtr.train.cli.CommandLineError: --config=set:stepz=3: Experiment has no \
-field 'stepz'; fields: task, model, runs, custom, steps, batch_size, \
-seq_len, learning_rate, warmup_steps, weight_decay, grad_clip, eval_every, \
-eval_batches, log_every, seed, max_corpus_bytes, val_percent.
+field 'stepz'; fields: task, model, runs, custom, steps, batch_size, ...
 """
 
 from __future__ import annotations
