@@ -86,7 +86,8 @@ class TensorConfig:
       if not n.supports_stochastic_rounding:
         raise ValueError(
           f'TensorConfig.rounding: {type(n).__name__} does not support '
-          'stochastic rounding; use NearestEven() or an int numerics.'
+          'stochastic rounding; use NearestEven() or a numerics that does '
+          '(int_symmetric, fp, fp8).'
         )
       if getattr(n, 'preserve_max_val', True) is False:
         raise ValueError(

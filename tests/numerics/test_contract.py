@@ -25,6 +25,14 @@ from . import contract_checks as cc
 # ValueError with a message naming each of their fields. A newly registered
 # numerics needs an entry ([] only for a class without fields).
 BAD_FIELDS = {
+  'fp': [
+    {'exponent_bits': 0},
+    {'exponent_bits': 6},
+    {'mantissa_bits': 11},
+    {'mantissa_bits': 2.0},
+    {'encoding': 'e4m3'},
+    {'encoding': 'fn', 'mantissa_bits': 0},
+  ],
   'fp8': [
     {'dtype_name': 'float16'},
     {'dtype_name': 'e4m3'},
@@ -139,5 +147,5 @@ def test_missing_bad_field_entry_fails_with_a_hint():
 
 
 def test_registry():
-  assert {'none', 'int_symmetric', 'fp8'} <= set(numerics.names())
+  assert {'none', 'int_symmetric', 'fp8', 'fp'} <= set(numerics.names())
   cc.check_registry(numerics, numerics.Numerics, unknown='int9')
