@@ -27,12 +27,14 @@ from typing import Annotated
 from aqtr import tags
 from aqtr.calibrations.absmax import AbsMax
 from aqtr.calibrations.base import Calibration
+from aqtr.calibrations.base import registry as calibrations_registry
 from aqtr.core.rounding import NearestEven, Rounding
 from aqtr.freezers.base import Freezer, NoFreezer
 from aqtr.numerics.base import Numerics
 from aqtr.numerics.int_symmetric import IntSymmetric
 from aqtr.tilings.base import Tiling
 from aqtr.tilings.per_channel import PerChannel
+from aqtr.tilings.subchannel import SubChannel
 
 # core/ imports two concrete algorithms for its defaults; the families import
 # nothing from core/config, so there is no cycle.
@@ -46,6 +48,12 @@ def _check_type(owner: str, field: str, value, cls: type) -> None:
       f'{owner}.{field} must be an instance of {cls.__module__}.'
       f'{cls.__qualname__}, got {value!r}.'
     )
+
+
+def _range_calibrations() -> tuple[str, ...]:
+  """Registered calibrations that give (lo, hi): `calibrate_range`."""
+  reg = calibrations_registry
+  return tuple(n for n in reg.names() if hasattr(reg.get(n), 'calibrate_range'))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -82,6 +90,23 @@ class TensorConfig:
     _check_type('TensorConfig', 'rounding', self.rounding, Rounding)
     _check_type('TensorConfig', 'freezer', self.freezer, Freezer)
     n = self.numerics
+    if n.asymmetric and not hasattr(self.calibration, 'calibrate_range'):
+      allowed = _range_calibrations()
+      raise ValueError(
+        f'TensorConfig.calibration: {type(n).__name__} is asymmetric and '
+        'needs lo/hi bounds from a range calibration; allowed: '
+        f'{allowed}, got {type(self.calibration).__name__}.'
+      )
+    block = n.block_size if n.quantizes else None
+    t = self.tiling
+    if block is not None and not (
+      isinstance(t, SubChannel) and t.tile_size == block
+    ):
+      raise ValueError(
+        f'TensorConfig.tiling: {type(n).__name__} uses blocks of {block} '
+        'along the contraction; allowed: '
+        f'SubChannel(tile_size={block}), got {t!r}.'
+      )
     if self.rounding.stochastic and n.quantizes:
       if not n.supports_stochastic_rounding:
         raise ValueError(

@@ -71,7 +71,9 @@ def _prepare(op: _Operand, tile: int | None) -> _Q:
   if op.cfg is None or not op.cfg.quantized:
     return _Q(x4, None, None, op.form)
   noise = None if op.noise is None else to_view(op.noise, op.form, tile)
-  q, s, mask = quantize_view(x4, op.cfg, op.form, noise)
+  q, s, z, mask = quantize_view(x4, op.cfg, op.form, noise)
+  if z is not None:
+    raise NotImplementedError('zero points in the engine: not yet.')
   return _Q(q, s, mask, op.form)
 
 

@@ -1,10 +1,14 @@
 """One tensor: calibrate -> scale -> numerics -> QTensor; and fake quant.
 
 Math (DESIGN.md section 3): for each scale group G (the view axes the tiling
-shares) `bound = calibration(x_G)`, `s = bound / numerics.max_value` (a bound
-of 0, or one too small to divide by, gives s = 1), optionally
-`s <- 2^ceil(log2 s)`; `q = numerics.quantize(x / s (+ noise))`. The stored
-scale is `s * numerics.unit`. Quantization is computed in float32.
+shares) `bound = calibration(x_G)`, `s = numerics.scale_from_bound(bound)`
+(by default `bound / numerics.max_value`; a bound of 0, or one too small to
+divide by, gives s = 1), optionally `s <- 2^ceil(log2 s)`;
+`q = numerics.quantize(x / s (+ noise))`. The stored scale is
+`s * numerics.unit`. Asymmetric numerics take `(lo, hi) =
+calibration.calibrate_range(x_G)`, `s = numerics.scale_from_range(lo, hi)`,
+`z = numerics.zero_point(lo, s)` and `q = numerics.quantize(x / s + z)`.
+Quantization is computed in float32.
 """
 
 from __future__ import annotations
@@ -19,23 +23,29 @@ from aqtr.core.dimension_numbers import OperandLayout, _axes
 from aqtr.core.qtensor import ROLE_AXES, QTensor, from_view, to_view
 from aqtr.core.rounding import as_typed_key
 
-_TINY = float(jnp.finfo(jnp.float32).tiny)
-
 
 def quantize_view(x4: jax.Array, cfg: TensorConfig, form: str, noise=None):
-  """Quantizes a tiled view; returns (qvalue, scale, grad_mask or None)."""
+  """Quantizes a tiled view.
+
+  Returns:
+    (qvalue, scale, zero_point or None, grad_mask or None).
+  """
   n = cfg.numerics
   x = x4.astype(jnp.float32)
   axes = tuple(sorted(ROLE_AXES[form][r] for r in cfg.tiling.shared))
-  bound = cfg.calibration.calibrate(x, axes).astype(jnp.float32)
-  qmax = n.max_value
-  s = jnp.where(bound < qmax * _TINY, jnp.float32(1), bound / qmax)
+  if n.asymmetric:
+    lo, hi = cfg.calibration.calibrate_range(x, axes)
+    s = n.scale_from_range(lo.astype(jnp.float32), hi.astype(jnp.float32))
+  else:
+    bound = cfg.calibration.calibrate(x, axes).astype(jnp.float32)
+    s = n.scale_from_bound(bound)
   if cfg.calibration.po2_scale:
     s = jnp.exp2(jnp.ceil(jnp.log2(s)))
-  v = x / s
+  z = n.zero_point(lo, s) if n.asymmetric else None
+  v = x / s if z is None else x / s + z
   q = n.quantize(v, noise)
   scale = s if n.unit == 1.0 else s * n.unit
-  return q, scale, n.grad_mask(v)
+  return q, scale, z, n.grad_mask(v)
 
 
 def check_float(x, field: str) -> None:
@@ -70,8 +80,8 @@ def _quantize(x, config, contracting_axes, batch_axes, key):
   x4 = to_view(lay.to_canonical(jnp.asarray(x), 'fk'), 'fk', tile)
   if not config.quantized:
     return QTensor(x4, None, lay, 'fk'), None
-  q, s, mask = quantize_view(x4, config, 'fk', noise)
-  return QTensor(q, s, lay, 'fk'), mask
+  q, s, z, mask = quantize_view(x4, config, 'fk', noise)
+  return QTensor(q, s, lay, 'fk', z), mask
 
 
 def quantize(

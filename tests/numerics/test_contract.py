@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import aqtr
-from aqtr import calibrations, numerics
+from aqtr import calibrations, numerics, tilings
 
 from . import contract_checks as cc
 
@@ -37,6 +37,13 @@ BAD_FIELDS = {
     {'dtype_name': 'float16'},
     {'dtype_name': 'e4m3'},
   ],
+  'int_asymmetric': [
+    {'bits': 1},
+    {'bits': 9},
+    {'bits': 4.0},
+    {'storage': 'int4'},
+    {'clip_gradient': 1},
+  ],
   'int_symmetric': [
     {'bits': 0},
     {'bits': 9},
@@ -47,13 +54,27 @@ BAD_FIELDS = {
     {'storage': 'int2'},
     {'storage': 'int4', 'bits': 8},
   ],
+  'mx': [
+    {'element': 'fp8'},
+    {'element': 'int4'},
+    {'clip_gradient': 'yes'},
+  ],
   'none': [],
+  'nvfp4': [{'clip_gradient': 0}],
 }
 
 
 def _tensor(n, po2=False):
+  """`n` with absmax (minmax when asymmetric), the tiling it asks for."""
+  cal = calibrations.MinMax if n.asymmetric else calibrations.AbsMax
+  block = n.block_size if n.quantizes else None
+  tiling = (
+    tilings.PerChannel()
+    if block is None
+    else tilings.SubChannel(tile_size=block)
+  )
   return aqtr.TensorConfig(
-    numerics=n, calibration=calibrations.AbsMax(po2_scale=po2)
+    numerics=n, calibration=cal(po2_scale=po2), tiling=tiling
   )
 
 
@@ -66,7 +87,7 @@ def check_builds(cls, bad_fields):
 def check_static_arg(cls, bad_fields):
   """A static jit argument (through fake_quant)."""
   del bad_fields
-  x = jnp.linspace(-3.0, 3.0, 24).reshape(4, 6)
+  x = jnp.linspace(-3.0, 3.0, 256).reshape(4, 64)
   cc.check_static_arg(cls, lambda n, x: aqtr.fake_quant(x, _tensor(n)), x)
 
 
@@ -105,7 +126,11 @@ def check_values(cls, bad_fields):
     assert q.dtype == n.dtype
     mag = jnp.abs(q.astype(jnp.float32)) * n.unit
     assert float(mag.max()) <= m
-  # The dequantized tensor stays within the calibrated bound (absmax).
+  assert jnp.isfinite(qt.dequant()).all()
+  # The dequantized tensor stays within the calibrated bound (absmax) when
+  # the numerics maps the bound onto max_value (the default scale).
+  if n.asymmetric or n.block_size is not None:
+    return
   bound = jnp.max(jnp.abs(x), axis=1, keepdims=True)
   assert (jnp.abs(qt.dequant()) <= bound * (1 + 1e-6)).all()
 
