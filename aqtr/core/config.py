@@ -33,6 +33,7 @@ from aqtr.freezers.base import Freezer, NoFreezer
 from aqtr.numerics.base import Numerics
 from aqtr.numerics.int_symmetric import IntSymmetric
 from aqtr.tilings.base import Tiling
+from aqtr.tilings.block2d import Block2d
 from aqtr.tilings.per_channel import PerChannel
 from aqtr.tilings.subchannel import SubChannel
 
@@ -100,12 +101,12 @@ class TensorConfig:
     block = n.block_size if n.quantizes else None
     t = self.tiling
     if block is not None and not (
-      isinstance(t, SubChannel) and t.tile_size == block
+      isinstance(t, SubChannel | Block2d) and t.tile_size == block
     ):
       raise ValueError(
         f'TensorConfig.tiling: {type(n).__name__} uses blocks of {block} '
-        'along the contraction; allowed: '
-        f'SubChannel(tile_size={block}), got {t!r}.'
+        f'along the contraction; allowed: SubChannel(tile_size={block}) or '
+        f'Block2d(tile_size={block}, free_size=...), got {t!r}.'
       )
     if self.rounding.stochastic and n.quantizes:
       if not n.supports_stochastic_rounding:

@@ -17,11 +17,39 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from aqtr.core.config import TensorConfig
 from aqtr.core.dimension_numbers import OperandLayout, _axes
 from aqtr.core.qtensor import ROLE_AXES, QTensor, from_view, to_view
 from aqtr.core.rounding import as_typed_key
+
+
+def _blocked(calibrate, x: jax.Array, axes, free_axis: int, rows: int):
+  """`calibrate(x, axes)` with the free axis also shared in blocks of `rows`.
+
+  The free axis is split into blocks (the last one padded by repeating its
+  last row), the blocks' rows are reduced with `axes`, and the result is
+  repeated back to one entry per row. Works for bounds and (lo, hi) pairs.
+  """
+  f = x.shape[free_axis]
+  pad = [(0, 0)] * x.ndim
+  pad[free_axis] = (0, -f % rows)
+  xp = jnp.pad(x, pad, mode='edge')
+  nb = xp.shape[free_axis] // rows
+  x5 = xp.reshape(x.shape[:free_axis] + (nb, rows) + x.shape[free_axis + 1 :])
+  axes5 = tuple(a + (a > free_axis) for a in axes) + (free_axis + 1,)
+
+  def back(b5):
+    b5 = jnp.broadcast_to(
+      b5, b5.shape[: free_axis + 1] + (rows,) + b5.shape[free_axis + 2 :]
+    )
+    b = b5.reshape(
+      b5.shape[:free_axis] + (nb * rows,) + b5.shape[free_axis + 2 :]
+    )
+    return lax.slice_in_dim(b, 0, f, axis=free_axis)
+
+  return jax.tree.map(back, calibrate(x5, tuple(sorted(axes5))))
 
 
 def quantize_view(x4: jax.Array, cfg: TensorConfig, form: str, noise=None):
@@ -33,13 +61,20 @@ def quantize_view(x4: jax.Array, cfg: TensorConfig, form: str, noise=None):
   n = cfg.numerics
   x = x4.astype(jnp.float32)
   axes = tuple(sorted(ROLE_AXES[form][r] for r in cfg.tiling.shared))
-  if n.asymmetric:
-    lo, hi = cfg.calibration.calibrate_range(x, axes)
-    s = n.scale_from_range(lo.astype(jnp.float32), hi.astype(jnp.float32))
+  cal = cfg.calibration
+  calibrate = cal.calibrate_range if n.asymmetric else cal.calibrate
+  free_axis = ROLE_AXES[form]['free']
+  rows = cfg.tiling.free_block(x.shape[free_axis])
+  if rows is not None and free_axis not in axes:
+    bound = _blocked(calibrate, x, axes, free_axis, rows)
   else:
-    bound = cfg.calibration.calibrate(x, axes).astype(jnp.float32)
-    s = n.scale_from_bound(bound)
-  if cfg.calibration.po2_scale:
+    bound = calibrate(x, axes)
+  if n.asymmetric:
+    lo, hi = (b.astype(jnp.float32) for b in bound)
+    s = n.scale_from_range(lo, hi)
+  else:
+    s = n.scale_from_bound(bound.astype(jnp.float32))
+  if cal.po2_scale:
     s = jnp.exp2(jnp.ceil(jnp.log2(s)))
   z = n.zero_point(lo, s) if n.asymmetric else None
   v = x / s if z is None else x / s + z

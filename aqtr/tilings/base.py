@@ -34,6 +34,15 @@ class Tiling(abc.ABC):
       ValueError: when the tiling does not fit `k`.
     """
 
+  def free_block(self, f: int) -> int | None:
+    """Rows per scale block along the flattened free size `f` (2-D blocks).
+
+    None (the default): the scale is not shared across rows (unless 'free'
+    is in `shared`).
+    """
+    del f
+    return None
+
 
 registry: Registry = Registry('tilings', Tiling)
 register = registry.register
