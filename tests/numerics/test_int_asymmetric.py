@@ -1,6 +1,5 @@
 """Tests of aqtr.numerics.IntAsymmetric (affine int with a zero point)."""
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np
