@@ -97,7 +97,12 @@ class OperandLayout:
     return x
 
 
-def _axes(value, rank: int, field: str) -> tuple[int, ...]:
+def normalize_axes(value, rank: int, field: str) -> tuple[int, ...]:
+  """`value` as non-negative axes of a rank-`rank` operand, validated.
+
+  Raises:
+    ValueError: naming `field` when an axis is out of range or repeated.
+  """
   try:
     axes = tuple(int(a) for a in value)
   except TypeError:
@@ -135,10 +140,10 @@ def normalize(
       f'(lhs_batch, rhs_batch)), got {dimension_numbers!r}.'
     ) from None
   nl, nr = len(lhs_shape), len(rhs_shape)
-  lc = _axes(lc, nl, 'lhs_contracting_dimensions')
-  rc = _axes(rc, nr, 'rhs_contracting_dimensions')
-  lb = _axes(lb, nl, 'lhs_batch_dimensions')
-  rb = _axes(rb, nr, 'rhs_batch_dimensions')
+  lc = normalize_axes(lc, nl, 'lhs_contracting_dimensions')
+  rc = normalize_axes(rc, nr, 'rhs_contracting_dimensions')
+  lb = normalize_axes(lb, nl, 'lhs_batch_dimensions')
+  rb = normalize_axes(rb, nr, 'rhs_batch_dimensions')
   if len(lc) != len(rc):
     raise ValueError(
       f'lhs_contracting_dimensions {lc} and rhs_contracting_dimensions {rc} '
@@ -188,19 +193,9 @@ class DotLayout:
     )
 
   @property
-  def out(self) -> OperandLayout:
-    """The output [batch, lhs free, rhs free] seen as an operand whose
-    'contraction' axes are the rhs free axes (the dlhs pass's lhs)."""
-    nb, nf = len(self.lhs.batch), len(self.lhs.free)
-    rank = len(self.out_shape)
-    return OperandLayout(
-      self.out_shape, tuple(range(nb)), tuple(range(nb + nf, rank))
-    )
-
-  @property
-  def out_t(self) -> OperandLayout:
-    """The output seen with the lhs free axes contracted (drhs's operand)."""
-    nb, nf = len(self.lhs.batch), len(self.lhs.free)
-    return OperandLayout(
-      self.out_shape, tuple(range(nb)), tuple(range(nb, nb + nf))
+  def dimension_numbers(self) -> DimensionNumbers:
+    """The normalized ((lhs, rhs) contracting, (lhs, rhs) batch) axes."""
+    return (
+      (self.lhs.contract, self.rhs.contract),
+      (self.lhs.batch, self.rhs.batch),
     )

@@ -1,8 +1,8 @@
 """Quantized `dot_general`: the one custom VJP of aqtr.
 
-Math (DESIGN.md section 3). Operands are brought to canonical 3-D layouts
-(`dimension_numbers.py`): lhs [B, M, K], rhs [B, N, K] or [B, K, N]. With
-per-group scales constant along K (within a tile) the forward factorises:
+Math. Operands are brought to canonical 3-D layouts (`dimension_numbers.py`):
+L [B, M, K], R [B, N, K] or [B, K, N]. With per-group scales constant along K
+(within a tile j) the forward factorises:
 
   out[b, m, n] = sum_j (q_L[b, j, m, :] . q_R[b, j, n, :]) s_L[b,j,m] s_R[b,j,n]
 
@@ -11,19 +11,18 @@ cotangent g in the output layout [B, M, N]:
 
   dlhs:  dL = g . Y_R     (contract N)      drhs:  dR = g^T . Y_L  (contract M)
 
-where Y is the float operand, or with `use_fwd_quant` the forward QTensor
-whose scale is folded into g first: (g * s_R) . q_R == g . dequant(R). Each
-of these dots is quantized by `config.dlhs` / `config.drhs` (the gradient is
-their lhs operand). Gradients pass straight through the rounding, masked by
-the forward numerics' clip_gradient; no gradient reaches the scales.
+where Y is the float operand or, when reusing the forward quantization
+(`use_fwd_quant`), the forward QTensor whose scale is folded into g first:
+(g * s_R) . q_R == g . dequant(R). Each of these dots is quantized by
+`config.dlhs` / `config.drhs` (the gradient g is their lhs operand).
+Gradients pass straight through the rounding, masked by the forward
+numerics' clip_gradient; no gradient reaches the scales.
 
 Layout: on XLA:CPU an integer dot is fast only when its lhs contracts its
 last axis (MK.KN, MK.NK). The forward dot is MK.NK or MK.KN, dlhs is MK.KN
-or MK.NK, and drhs emits dW directly in the weight's layout: [N, K] weights
+or MK.NK, and drhs emits dR directly in the weight's layout: [N, K] weights
 get (g^T)[N, M] . q_L[M, K]; [K, N] weights get q_L^T[K, M] . g[M, N] with
-q_L^T written by the forward quantize pass. Freshly written transposed int
-arrays are pinned with `optimization_barrier` so XLA cannot fold the
-transpose back into the dot (which would pick the slow kernel).
+q_L^T written by the forward pass (`QuantizedOperand.transposed`).
 """
 
 from __future__ import annotations
@@ -35,270 +34,332 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from aqtr.core.config import DotGeneralConfig
+from aqtr.core.config import DotGeneralConfig, DotGeneralRaw
 from aqtr.core.dimension_numbers import DotLayout
 from aqtr.core.passes import (
-  _Q,
-  _as_given,
-  _canon_noise,
-  _contract,
-  _dequant,
-  _flip,
-  _fold,
-  _given,
-  _keys,
-  _mask,
-  _noise,
-  _Operand,
-  _pass,
-  _prepare,
-  _shape_dtype,
-  _tile_cfg,
-  _tiled,
-  _untile,
+  Operand,
+  PassKeys,
+  QuantizedOperand,
+  canonical_noise,
+  common_tile,
+  contract,
+  flip,
+  fold_scale,
+  forward_operand,
+  merge_tiles,
+  quantized_dot,
+  repeat_tiles,
+  residual_key,
+  rounding_noise,
+  struct_of,
 )
 from aqtr.core.qtensor import QTensor
 from aqtr.core.quantizer import check_float
 from aqtr.core.rounding import as_typed_key
+from aqtr.core.zero_point import reuse_term
+
+# ----------------------------------------------------------------- residuals
 
 
 @dataclasses.dataclass(frozen=True)
-class _Shapes:
-  """Static operand shapes and dtypes carried in the residuals."""
+class Residuals:
+  """What the forward pass keeps for the backward passes.
 
-  lhs: jax.ShapeDtypeStruct
-  rhs: jax.ShapeDtypeStruct
-  given_l: bool = False
-  given_r: bool = False
+  A backward pass that reuses the forward quantization keeps q and s of
+  its residual operand instead of the float operand (int8: a quarter of
+  the bytes); a float operand is kept only where a pass needs it.
+
+  Attributes:
+    lhs, rhs: the float operands L, R, or None where not needed.
+    q_lhs: the forward quantization of L for drhs: [B, T, M, t], or
+      [B, T, t, M] ('kf', written transposed) for [K, N] weights.
+    q_rhs: the forward quantization of R for dlhs.
+    mask_lhs, mask_rhs: the forward numerics' straight-through gradient
+      masks in the operands' layouts, or None.
+    key_dlhs, key_drhs: PRNG keys of the backward passes, or None.
+    lhs_struct, rhs_struct: the operands' shapes and dtypes (static).
+    lhs_stored, rhs_stored: whether the operand is a stored QTensor, which
+      gets no gradient (static).
+  """
+
+  lhs: jax.Array | None = None
+  rhs: jax.Array | None = None
+  q_lhs: QuantizedOperand | None = None
+  q_rhs: QuantizedOperand | None = None
+  mask_lhs: jax.Array | None = None
+  mask_rhs: jax.Array | None = None
+  key_dlhs: jax.Array | None = None
+  key_drhs: jax.Array | None = None
+  lhs_struct: jax.ShapeDtypeStruct | None = None
+  rhs_struct: jax.ShapeDtypeStruct | None = None
+  lhs_stored: bool = False
+  rhs_stored: bool = False
 
 
-jax.tree_util.register_static(_Shapes)
+jax.tree_util.register_dataclass(
+  Residuals,
+  data_fields=[
+    'lhs',
+    'rhs',
+    'q_lhs',
+    'q_rhs',
+    'mask_lhs',
+    'mask_rhs',
+    'key_dlhs',
+    'key_drhs',
+  ],
+  meta_fields=['lhs_struct', 'rhs_struct', 'lhs_stored', 'rhs_stored'],
+)
+
+
+# ------------------------------------------------------------------- forward
 
 
 def _fwd(lhs, rhs, key, dn, cfg: DotGeneralConfig, precision, preferred):
-  lsd, rsd = _shape_dtype(lhs), _shape_dtype(rhs)
-  lay = DotLayout.create(lsd.shape, rsd.shape, dn)
+  """out = L . R, quantized as `cfg.fwd` says; and the residuals."""
+  lay = DotLayout.create(struct_of(lhs).shape, struct_of(rhs).shape, dn)
+  keys = PassKeys.split(key)
+  stored = isinstance(lhs, QTensor) or isinstance(rhs, QTensor)
+  if not (cfg.fwd.lhs.quantized or cfg.fwd.rhs.quantized or stored):
+    out = lax.dot_general(
+      lhs, rhs, dn, precision=precision, preferred_element_type=preferred
+    )
+    return out, _residuals(lhs, rhs, None, None, lay, cfg, keys)
+  rhs_form = rhs.form if isinstance(rhs, QTensor) else lay.rhs.natural_form()
+  tile = common_tile([cfg.fwd.lhs, cfg.fwd.rhs], lay.lhs.k)
+  q_lhs = forward_operand(
+    lhs, cfg.fwd.lhs, lay.lhs, 'fk', tile, keys.fwd_lhs, 'lhs'
+  )
+  q_rhs = forward_operand(
+    rhs, cfg.fwd.rhs, lay.rhs, rhs_form, tile, keys.fwd_rhs, 'rhs'
+  )
+  out = contract(q_lhs, q_rhs, cfg.fwd, precision).reshape(lay.out_shape)
   floats = [x.dtype for x in (lhs, rhs) if not isinstance(x, QTensor)]
   out_dtype = preferred or (
     jnp.result_type(*floats) if floats else jnp.dtype(jnp.float32)
   )
-  kf, kl, kr = _keys(key, 3)
-  fwd = cfg.fwd
-  given_l, given_r = isinstance(lhs, QTensor), isinstance(rhs, QTensor)
-  rform = rhs.form if given_r else lay.rhs.natural_form()
-  qlt = None
-  if not (fwd.lhs.quantized or fwd.rhs.quantized or given_l or given_r):
-    out = lax.dot_general(
-      lhs, rhs, dn, precision=precision, preferred_element_type=preferred
-    )
-    ql = qr = None
-  else:
-    k1, k2 = _keys(kf, 2)
-    a = (
-      None
-      if given_l
-      else _Operand(
-        lay.lhs.to_canonical(lhs, 'fk'),
-        'fk',
-        fwd.lhs,
-        _canon_noise(fwd.lhs, k1, lay.lhs, 'fk'),
-      )
-    )
-    b = (
-      None
-      if given_r
-      else _Operand(
-        lay.rhs.to_canonical(rhs, rform),
-        rform,
-        fwd.rhs,
-        _canon_noise(fwd.rhs, k2, lay.rhs, rform),
-      )
-    )
-    tile = _tile_cfg(fwd, lay.lhs.k)
-    ql = (
-      _given(lhs, fwd.lhs, lay.lhs, 'fk', tile, 'lhs')
-      if given_l
-      else _prepare(a, tile)
-    )
-    qr = (
-      _given(rhs, fwd.rhs, lay.rhs, rform, tile, 'rhs')
-      if given_r
-      else _prepare(b, tile)
-    )
-    out3 = _contract(ql, qr, fwd, precision)
-    out = out3.reshape(lay.out_shape).astype(out_dtype)
-    if ql.s is None:
-      ql = None
-    if qr.s is None:
-      qr = None
-    # drhs on a [K, N] weight contracts q_L^T [K, M]: write it now.
-    if (
-      ql is not None
-      and not given_r
-      and rform == 'kf'
-      and cfg.drhs.use_fwd_quant
-      and cfg.drhs.lhs.quantized
-    ):
-      qlt = _Q(
-        lax.optimization_barrier(ql.q.transpose(0, 1, 3, 2)),
-        ql.s.transpose(0, 1, 3, 2),
-        None,
-        'kf',
-      )
-  # A stored QTensor has no float form: its gradient partner always reuses it.
-  reuse_l = ql is not None and (cfg.drhs.use_fwd_quant or given_l)
-  reuse_r = qr is not None and (cfg.dlhs.use_fwd_quant or given_r)
-  res = (
-    None if reuse_l else lhs,
-    None if reuse_r else rhs,
-    dataclasses.replace(ql, mask=None) if reuse_l else None,
-    dataclasses.replace(qr, mask=None) if reuse_r else None,
-    qlt,
-    _mask(ql, lay.lhs, 'fk'),
-    None if qr is None else _mask(qr, lay.rhs, rform),
-    kl,
-    kr,
-    _Shapes(lsd, rsd, given_l, given_r),
+  res = _residuals(lhs, rhs, q_lhs, q_rhs, lay, cfg, keys)
+  return out.astype(out_dtype), res
+
+
+def _residuals(
+  lhs,
+  rhs,
+  q_lhs: QuantizedOperand | None,
+  q_rhs: QuantizedOperand | None,
+  lay: DotLayout,
+  cfg: DotGeneralConfig,
+  keys: PassKeys,
+) -> Residuals:
+  """Keeps q_L for drhs and q_R for dlhs where they are reused, else L, R.
+
+  A stored QTensor has no float form: its gradient partner always reuses
+  it. For [K, N] weights a quantized drhs contracts q_L^T [K, M]: it is
+  written here, once, instead of q_L.
+  """
+  lhs_stored, rhs_stored = isinstance(lhs, QTensor), isinstance(rhs, QTensor)
+  if q_lhs is not None and q_lhs.scale is None:  # Not quantized.
+    q_lhs = None
+  if q_rhs is not None and q_rhs.scale is None:
+    q_rhs = None
+  reuse_l = q_lhs is not None and (cfg.drhs.use_fwd_quant or lhs_stored)
+  reuse_r = q_rhs is not None and (cfg.dlhs.use_fwd_quant or rhs_stored)
+  kept_l = q_lhs.without_mask() if reuse_l else None
+  if (
+    reuse_l
+    and not rhs_stored
+    and lay.rhs.natural_form() == 'kf'
+    and cfg.drhs.quantized
+  ):
+    kept_l = kept_l.transposed()
+  return Residuals(
+    lhs=None if reuse_l else lhs,
+    rhs=None if reuse_r else rhs,
+    q_lhs=kept_l,
+    q_rhs=q_rhs.without_mask() if reuse_r else None,
+    mask_lhs=None if q_lhs is None else q_lhs.grad_mask(lay.lhs),
+    mask_rhs=None if q_rhs is None else q_rhs.grad_mask(lay.rhs),
+    key_dlhs=keys.dlhs,
+    key_drhs=keys.drhs,
+    lhs_struct=struct_of(lhs),
+    rhs_struct=struct_of(rhs),
+    lhs_stored=lhs_stored,
+    rhs_stored=rhs_stored,
   )
-  return out, res
 
 
-def _float_grad(lhs, rhs, dn, precision, preferred, g, wrt: int):
+# ------------------------------------------------------------------ backward
+
+
+@dataclasses.dataclass(frozen=True)
+class _Backward:
+  """The static context of one backward pass."""
+
+  lay: DotLayout
+  precision: object
+  preferred: object
+
+
+def _bwd(dn, cfg: DotGeneralConfig, precision, preferred, res: Residuals, g):
+  lay = DotLayout.create(res.lhs_struct.shape, res.rhs_struct.shape, dn)
+  ctx = _Backward(lay, precision, preferred)
+  dl = dr = None  # No gradient reaches a stored QTensor operand.
+  if not res.lhs_stored:
+    dl = _masked(_dlhs(ctx, cfg.dlhs, res, g), res.mask_lhs)
+    dl = dl.astype(res.lhs_struct.dtype)
+  if not res.rhs_stored:
+    dr = _masked(_drhs(ctx, cfg.drhs, res, g), res.mask_rhs)
+    dr = dr.astype(res.rhs_struct.dtype)
+  return dl, dr, None
+
+
+def _masked(grad: jax.Array, mask: jax.Array | None) -> jax.Array:
+  return grad if mask is None else jnp.where(mask, grad, jnp.zeros_like(grad))
+
+
+def _float_grad(ctx: _Backward, lhs, rhs, g, wrt: int) -> jax.Array:
   """The gradient of lax.dot_general w.r.t. operand `wrt`, as JAX does it."""
 
   def f(x):
     args = (x, rhs) if wrt == 0 else (lhs, x)
     return lax.dot_general(
-      *args, dn, precision=precision, preferred_element_type=preferred
+      *args,
+      ctx.lay.dimension_numbers,
+      precision=ctx.precision,
+      preferred_element_type=ctx.preferred,
     )
 
-  x = lhs if wrt == 0 else rhs
-  return jax.linear_transpose(f, x)(g)[0]
+  return jax.linear_transpose(f, lhs if wrt == 0 else rhs)(g)[0]
 
 
-def _bwd(dn, cfg: DotGeneralConfig, precision, preferred, res, g):
-  lhs, rhs, ql, qr, qlt, mask_l, mask_r, kl, kr, shapes = res
-  lay = DotLayout.create(shapes.lhs.shape, shapes.rhs.shape, dn)
-  ctx = _Ctx(lay, cfg, precision, preferred, shapes, g)
-  dl = dr = None  # No gradient reaches a stored QTensor operand.
-  if not shapes.given_l:
-    dl = _dlhs(ctx, lhs, rhs, qr, kl)
-    if mask_l is not None:
-      dl = jnp.where(mask_l, dl, jnp.zeros_like(dl))
-    dl = dl.astype(shapes.lhs.dtype)
-  if not shapes.given_r:
-    dr = _drhs(ctx, lhs, rhs, ql, qlt, kr)
-    if mask_r is not None:
-      dr = jnp.where(mask_r, dr, jnp.zeros_like(dr))
-    dr = dr.astype(shapes.rhs.dtype)
-  return dl, dr, None
+def _float_residual(x, q: QuantizedOperand | None, layout, struct):
+  """Y: the float operand, or the dequantized forward quantization."""
+  return x if q is None else q.dequantized(layout, struct.dtype)
 
 
-@dataclasses.dataclass
-class _Ctx:
-  lay: DotLayout
-  cfg: DotGeneralConfig
-  precision: object
-  preferred: object
-  shapes: _Shapes
-  g: jax.Array
+def _gradient(ctx: _Backward, raw: DotGeneralRaw, key, g):
+  """g as [B, M, N] and its rounding noise (drawn in the output layout)."""
+  lay = ctx.lay
+  g3 = g.reshape(lay.lhs.b, lay.lhs.f, lay.rhs.f)
+  noise = rounding_noise(raw.lhs, key, lay.out_shape)
+  return g3, None if noise is None else noise.reshape(g3.shape)
 
 
-def _residual(x, q: _Q | None, layout, sd):
-  """The float residual: x, or the dequantized forward QTensor."""
-  return x if q is None else _dequant(q, layout, sd.dtype)
+# dlhs: dL [B, M, K] = g [B, M, N] . Y_R, contracting N.
 
 
-def _dlhs(ctx: _Ctx, lhs, rhs, qr, key):
-  lay, raw, precision, g = ctx.lay, ctx.cfg.dlhs, ctx.precision, ctx.g
-  reuse = qr is not None
+def _dlhs(ctx: _Backward, raw: DotGeneralRaw, res: Residuals, g):
+  lay = ctx.lay
   if not raw.quantized:
-    r = _residual(rhs, qr, lay.rhs, ctx.shapes.rhs)
-    lzero = jnp.zeros(ctx.shapes.lhs.shape, ctx.shapes.lhs.dtype)
-    dl = _float_grad(lzero, r, _dn(lay), precision, ctx.preferred, g, 0)
+    y_r = _float_residual(res.rhs, res.q_rhs, lay.rhs, res.rhs_struct)
+    zero_l = jnp.zeros(res.lhs_struct.shape, res.lhs_struct.dtype)
+    return _float_grad(ctx, zero_l, y_r, g, wrt=0)
+  g3, noise = _gradient(ctx, raw, res.key_dlhs, g)
+  if res.q_rhs is not None:
+    dl3 = _dlhs_reusing(ctx, raw, g3, noise, res.q_rhs)
   else:
-    bsz, m = lay.lhs.b, lay.lhs.f
-    g3 = g.reshape(bsz, m, lay.rhs.f)
-    noise = _noise(raw.lhs, key, lay.out_shape)
-    n3 = None if noise is None else noise.reshape(g3.shape)
-    if reuse:
-      ga, n = _fold(g3, qr, axis=2)
-      a = _Operand(ga, 'fk', raw.lhs, _tiled(n, n3))
-      b = _as_given(qr)
-      b.form = _flip(qr.form)
-      out, _, _ = _pass(a, b, raw, precision)
-      dl3 = _untile(out, n, 'fk')
+    key = residual_key(res.key_dlhs)
+    dl3 = _dlhs_requantizing(ctx, raw, g3, noise, res.rhs, key)
+  return lay.lhs.from_canonical(dl3, 'fk')
+
+
+def _minus_zero_point(out, g_s, q: QuantizedOperand, axis: int):
+  """Subtracts (g s) . z of a reused affine operand (`zero_point.py`)."""
+  z = q.partner_zero_point()
+  return out if z is None else out - reuse_term(g_s, z, axis)
+
+
+def _dlhs_reusing(ctx, raw, g, noise, q_r: QuantizedOperand):
+  """(g * s_R) . q_R, per tile of R."""
+  g_s, n = fold_scale(g, q_r, axis=2)
+  a = Operand(g_s, 'fk', raw.lhs, repeat_tiles(noise, n))
+  out = quantized_dot(a, q_r.as_partner(), raw, ctx.precision)
+  return merge_tiles(_minus_zero_point(out, g_s, q_r, 2), n, 'fk')
+
+
+def _dlhs_requantizing(ctx, raw, g, noise, rhs, key):
+  """g . R, both quantized by `raw`; R is seen in its natural form."""
+  form = ctx.lay.rhs.natural_form()
+  r = Operand(
+    ctx.lay.rhs.to_canonical(rhs, form),
+    flip(form),  # R's free axis N is contracted here.
+    raw.rhs,
+    canonical_noise(raw.rhs, key, ctx.lay.rhs, form),
+  )
+  return quantized_dot(Operand(g, 'fk', raw.lhs, noise), r, raw, ctx.precision)
+
+
+# drhs: dR = g^T . Y_L, contracting M, emitted in R's natural form:
+#   'fk' weights [B, N, K] = g^T [B, N, M] . L [B, M, K]
+#   'kf' weights [B, K, N] = L^T [B, K, M] . g [B, M, N]
+
+
+def _drhs(ctx: _Backward, raw: DotGeneralRaw, res: Residuals, g):
+  lay = ctx.lay
+  if not raw.quantized:
+    y_l = _float_residual(res.lhs, res.q_lhs, lay.lhs, res.lhs_struct)
+    zero_r = jnp.zeros(res.rhs_struct.shape, res.rhs_struct.dtype)
+    return _float_grad(ctx, y_l, zero_r, g, wrt=1)
+  g3, noise = _gradient(ctx, raw, res.key_drhs, g)
+  key = residual_key(res.key_drhs)
+  form = lay.rhs.natural_form()
+  if form == 'fk':
+    g3t = g3.transpose(0, 2, 1)
+    noise_t = None if noise is None else noise.transpose(0, 2, 1)
+    if res.q_lhs is not None:
+      dr3 = _drhs_nk_reusing(ctx, raw, g3t, noise_t, res.q_lhs)
     else:
-      k1, k2 = _keys(key, 2)
-      a = _Operand(g3, 'fk', raw.lhs, n3)
-      rf = lay.rhs.natural_form()
-      b = _Operand(
-        lay.rhs.to_canonical(rhs, rf),
-        _flip(rf),
-        raw.rhs,
-        _canon_noise(raw.rhs, k2, lay.rhs, rf),
-      )
-      dl3, _, _ = _pass(a, b, raw, precision)
-    dl = lay.lhs.from_canonical(dl3, 'fk')
-  return dl
-
-
-def _drhs(ctx: _Ctx, lhs, rhs, ql, qlt, key):
-  lay, raw, precision, g = ctx.lay, ctx.cfg.drhs, ctx.precision, ctx.g
-  rform = lay.rhs.natural_form()
-  reuse = ql is not None
-  if not raw.quantized:
-    lres = _residual(lhs, ql, lay.lhs, ctx.shapes.lhs)
-    rzero = jnp.zeros(ctx.shapes.rhs.shape, ctx.shapes.rhs.dtype)
-    dr = _float_grad(lres, rzero, _dn(lay), precision, ctx.preferred, g, 1)
+      dr3 = _drhs_nk_requantizing(ctx, raw, g3t, noise_t, res.lhs, key)
+  elif res.q_lhs is not None:
+    dr3 = _drhs_kn_reusing(ctx, raw, g3, noise, res.q_lhs)
   else:
-    bsz, m, n_ = lay.lhs.b, lay.lhs.f, lay.rhs.f
-    g3 = g.reshape(bsz, m, n_)
-    noise = _noise(raw.lhs, key, lay.out_shape)
-    n3 = None if noise is None else noise.reshape(g3.shape)
-    k2 = _keys(key, 2)[1]
-    if rform == 'fk':  # dR [B, N, K] = g^T [B, N, M] . L [B, M, K]
-      gt = g3.transpose(0, 2, 1)
-      nt = None if n3 is None else n3.transpose(0, 2, 1)
-      if reuse:
-        ga, n = _fold(gt, ql, axis=2)
-        a = _Operand(ga, 'fk', raw.lhs, _tiled(n, nt))
-        b = _as_given(ql)
-        b.form = 'kf'
-        out, _, _ = _pass(a, b, raw, precision)
-        dr3 = _untile(out, n, 'fk')
-      else:
-        a = _Operand(gt, 'fk', raw.lhs, nt)
-        b = _Operand(
-          lay.lhs.to_canonical(lhs, 'fk'),
-          'kf',
-          raw.rhs,
-          _canon_noise(raw.rhs, k2, lay.lhs, 'fk'),
-        )
-        dr3, _, _ = _pass(a, b, raw, precision)
-    else:  # dR [B, K, N] = L^T [B, K, M] . g [B, M, N]
-      if reuse:
-        ga, n = _fold(g3, ql, axis=1)
-        b = _Operand(ga, 'kf', raw.lhs, _tiled(n, n3))
-        if qlt is None:  # g is not quantized: a float dot, layout is free.
-          qlt = _Q(ql.q.transpose(0, 1, 3, 2), None, None, 'kf')
-        a = _as_given(qlt)
-        a.form = 'fk'
-        out, _, _ = _pass(a, b, raw, precision)
-        dr3 = _untile(out, n, 'kf')
-      else:
-        lt = lay.lhs.to_canonical(lhs, 'kf')
-        a = _Operand(
-          lt, 'fk', raw.rhs, _canon_noise(raw.rhs, k2, lay.lhs, 'kf')
-        )
-        b = _Operand(g3, 'kf', raw.lhs, n3)
-        dr3, _, _ = _pass(a, b, raw, precision)
-    dr = lay.rhs.from_canonical(dr3, rform)
-  return dr
+    dr3 = _drhs_kn_requantizing(ctx, raw, g3, noise, res.lhs, key)
+  return lay.rhs.from_canonical(dr3, form)
 
 
-def _dn(lay: DotLayout):
-  return (lay.lhs.contract, lay.rhs.contract), (lay.lhs.batch, lay.rhs.batch)
+def _drhs_nk_reusing(ctx, raw, g_t, noise_t, q_l: QuantizedOperand):
+  """(g^T * s_L) . q_L, per tile of L: [B, N, K]."""
+  g_s, n = fold_scale(g_t, q_l, axis=2)
+  a = Operand(g_s, 'fk', raw.lhs, repeat_tiles(noise_t, n))
+  out = quantized_dot(a, q_l.as_partner(), raw, ctx.precision)
+  return merge_tiles(_minus_zero_point(out, g_s, q_l, 2), n, 'fk')
+
+
+def _drhs_nk_requantizing(ctx, raw, g_t, noise_t, lhs, key):
+  """g^T . L, both quantized by `raw`: [B, N, K]."""
+  lay_l = ctx.lay.lhs
+  l_op = Operand(
+    lay_l.to_canonical(lhs, 'fk'),
+    'kf',  # L's free axis M is contracted here.
+    raw.rhs,
+    canonical_noise(raw.rhs, key, lay_l, 'fk'),
+  )
+  a = Operand(g_t, 'fk', raw.lhs, noise_t)
+  return quantized_dot(a, l_op, raw, ctx.precision)
+
+
+def _drhs_kn_reusing(ctx, raw, g, noise, q_lt: QuantizedOperand):
+  """q_L^T . (g * s_L), per tile of L: [B, K, N]; q_L^T is [B, T, t, M]."""
+  g_s, n = fold_scale(g, q_lt, axis=1)
+  b = Operand(g_s, 'kf', raw.lhs, repeat_tiles(noise, n))
+  out = quantized_dot(q_lt.as_partner(), b, raw, ctx.precision)
+  return merge_tiles(_minus_zero_point(out, g_s, q_lt, 1), n, 'kf')
+
+
+def _drhs_kn_requantizing(ctx, raw, g, noise, lhs, key):
+  """L^T . g, both quantized by `raw`: [B, K, N]."""
+  lay_l = ctx.lay.lhs
+  l_t = Operand(
+    lay_l.to_canonical(lhs, 'kf'),
+    'fk',  # [B, K, M]: L's free axis M is contracted here.
+    raw.rhs,
+    canonical_noise(raw.rhs, key, lay_l, 'kf'),
+  )
+  b = Operand(g, 'kf', raw.lhs, noise)
+  return quantized_dot(l_t, b, raw, ctx.precision)
+
+
+# ------------------------------------------------------------ the custom VJP
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
@@ -348,8 +409,8 @@ def dot_general(
     raise TypeError(
       f'config must be an aqtr.DotGeneralConfig or None, got {config!r}.'
     )
-  given = [isinstance(x, QTensor) for x in (lhs, rhs)]
-  if any(given) and config is None:
+  stored = [isinstance(x, QTensor) for x in (lhs, rhs)]
+  if any(stored) and config is None:
     raise ValueError(
       'a QTensor operand needs the config it was quantized with: pass '
       'config=...'
@@ -359,7 +420,7 @@ def dot_general(
   )
   # Zero-size operands: nothing to quantize; lax gives the (empty or zero)
   # result and gradients.
-  if not any(given) and (config is None or config.is_float or empty):
+  if not any(stored) and (config is None or config.is_float or empty):
     return lax.dot_general(
       lhs,
       rhs,
@@ -367,27 +428,26 @@ def dot_general(
       precision=precision,
       preferred_element_type=preferred_element_type,
     )
-  if not given[0]:
+  if not stored[0]:
     lhs = jnp.asarray(lhs)
     check_float(lhs, 'lhs')
-  if not given[1]:
+  if not stored[1]:
     rhs = jnp.asarray(rhs)
     check_float(rhs, 'rhs')
-  dn = _dn(
-    DotLayout.create(
-      _shape_dtype(lhs).shape, _shape_dtype(rhs).shape, dimension_numbers
-    )
+  lay = DotLayout.create(
+    struct_of(lhs).shape, struct_of(rhs).shape, dimension_numbers
   )
-  if config.needs_key:
-    if key is None:
-      raise ValueError(
-        'config uses stochastic rounding and needs a PRNG key: pass '
-        'key=jax.random.key(seed) (a raw jax.random.PRNGKey works too).'
-      )
+  if config.needs_key and key is None:
+    raise ValueError(
+      'config uses stochastic rounding and needs a PRNG key: pass '
+      'key=jax.random.key(seed) (a raw jax.random.PRNGKey works too).'
+    )
   key = as_typed_key(key) if config.needs_key else None
   preferred = (
     None
     if preferred_element_type is None
     else jnp.dtype(preferred_element_type)
   )
-  return _qdot_jit(lhs, rhs, key, dn, config, precision, preferred)
+  return _qdot_jit(
+    lhs, rhs, key, lay.dimension_numbers, config, precision, preferred
+  )

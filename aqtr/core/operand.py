@@ -11,13 +11,7 @@ import jax.numpy as jnp
 
 from aqtr.core.config import DotGeneralConfig
 from aqtr.core.dimension_numbers import DotLayout
-from aqtr.core.passes import (
-  _canon_noise,
-  _keys,
-  _Operand,
-  _prepare,
-  _tile_cfg,
-)
+from aqtr.core.passes import PassKeys, common_tile, forward_operand
 from aqtr.core.qtensor import QTensor
 from aqtr.core.quantizer import check_float
 from aqtr.core.rounding import as_typed_key
@@ -82,12 +76,8 @@ def quantize_operand(
       f'config.fwd.{operand} is not quantized; nothing to freeze.'
     )
   form = 'fk' if operand == 'lhs' else side.natural_form()
-  tile = _tile_cfg(config.fwd, side.k)
-  key = as_typed_key(key)
-  if key is not None:
-    key = _keys(_keys(key, 3)[0], 2)[0 if operand == 'lhs' else 1]
-  op = _Operand(
-    side.to_canonical(x, form), form, cfg, _canon_noise(cfg, key, side, form)
-  )
-  q = _prepare(op, tile)
-  return QTensor(q.q, q.s, side, form)
+  tile = common_tile([config.fwd.lhs, config.fwd.rhs], side.k)
+  keys = PassKeys.split(as_typed_key(key))
+  key = keys.fwd_lhs if operand == 'lhs' else keys.fwd_rhs
+  q = forward_operand(x, cfg, side, form, tile, key, operand)
+  return QTensor(q.values, q.scale, side, form, q.zero_point)

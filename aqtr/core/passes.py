@@ -1,11 +1,20 @@
 """One canonical quantized dot: operands, tiles, quantization, contraction.
 
-The machinery `dot_general.py`'s custom VJP applies to each of its three
+The building blocks `dot_general.py`'s custom VJP runs for each of its three
 passes (fwd, dlhs, drhs). An operand is a canonical 3-D array, [B, F, K]
-('fk') or [B, K, F] ('kf'); tiles split K into a batch axis; a quantized
-operand is kept in the tiled view [B, T, F, t] / [B, T, t, F] with a scale
-broadcastable to it. `contract` runs the low-precision dot (int8 x int8 ->
-int32, fp8 x fp8 -> f32) and applies the scales on the output.
+('fk') or [B, K, F] ('kf'), see `dimension_numbers.py`. Tiles split K into
+T blocks of t elements; a quantized operand is kept in the tiled view
+[B, T, F, t] / [B, T, t, F] (`qtensor.to_view`) with a scale broadcastable
+to it. `contract` runs the low-precision dot (int8 x int8 -> int32,
+fp8 x fp8 -> f32) and applies both scales to its output:
+
+  out[b, f_a, f_b] = sum_j (q_a[b, j, f_a, :] . q_b[b, j, f_b, :])
+                     * s_a[b, j, f_a] * s_b[b, j, f_b]
+
+Internal API (used by `dot_general.py` and `operand.py` only): `Operand`,
+`QuantizedOperand`, `PassKeys`, `common_tile`, `quantize_tiled`,
+`forward_operand`, `contract`, `quantized_dot`, `fold_scale`,
+`repeat_tiles`, `merge_tiles`, `flip`, `rounding_noise`, `struct_of`.
 """
 
 from __future__ import annotations
@@ -17,46 +26,183 @@ import jax.numpy as jnp
 from jax import lax
 
 from aqtr.core.config import DotGeneralRaw, TensorConfig
+from aqtr.core.dimension_numbers import OperandLayout
 from aqtr.core.qtensor import QTensor, from_view, to_view
 from aqtr.core.quantizer import quantize_view
+from aqtr.core.zero_point import as_int8, int_corrections, per_row
 
 
-@dataclasses.dataclass
-class _Operand:
-  """One operand of a canonical dot.
+def flip(form: str) -> str:
+  """'fk' <-> 'kf'."""
+  return 'kf' if form == 'fk' else 'fk'
 
-  x: canonical 3-D array, [B, F, K] ('fk') or [B, K, F] ('kf').
-  cfg: how to quantize it, or None when `x` enters the dot as it is
-    (already quantized with its scale folded elsewhere, or float).
-  noise: rounding noise shaped like x, or None.
+
+@dataclasses.dataclass(frozen=True)
+class Operand:
+  """One operand of a canonical dot, before quantization.
+
+  Attributes:
+    x: canonical 3-D array, [B, F, K] ('fk') or [B, K, F] ('kf').
+    form: 'fk' or 'kf'.
+    config: how to quantize it, or None when `x` enters the dot as it is
+      (float, or already quantized with its scale folded elsewhere).
+    noise: rounding noise shaped like `x`, or None.
+    dot_dtype: the dtype an unquantized `x` enters the dot in (None: its
+      own); e.g. int4 values reused from the forward pass are widened.
   """
 
   x: jax.Array
   form: str
-  cfg: TensorConfig | None = None
+  config: TensorConfig | None = None
   noise: jax.Array | None = None
+  dot_dtype: jnp.dtype | None = None
 
 
-@dataclasses.dataclass
-class _Q:
-  """A prepared operand: tiled view values, scale (or None), grad mask."""
+def _swap_last(x: jax.Array | None) -> jax.Array | None:
+  return None if x is None else x.transpose(0, 1, 3, 2)
 
-  q: jax.Array
-  s: jax.Array | None
+
+@dataclasses.dataclass(frozen=True)
+class QuantizedOperand:
+  """An operand in the tiled view, ready for `contract`.
+
+  Attributes:
+    values: q in the view [B, T, F, t] ('fk') or [B, T, t, F] ('kf').
+    scale: s broadcastable to `values` (None: not scaled).
+    mask: the straight-through gradient mask in the view, or None.
+    form: 'fk' or 'kf' (static).
+    dot_dtype: the dtype `values` enter the dot in (static; the numerics'
+      `dot_dtype`, e.g. int8 for int4 storage).
+    zero_point: z shaped like `scale` for affine numerics (x ~ s (q - z)),
+      else None (see `zero_point.py`).
+  """
+
+  values: jax.Array
+  scale: jax.Array | None
   mask: jax.Array | None
   form: str
+  dot_dtype: jnp.dtype
+  zero_point: jax.Array | None = None
+
+  @property
+  def n_tiles(self) -> int:
+    return self.values.shape[1]
+
+  def free_scale(self) -> jax.Array:
+    """The scale per free index, [B|1, T|1, F] (scales are constant on t)."""
+    return self.scale[..., 0] if self.form == 'fk' else self.scale[:, :, 0, :]
+
+  def without_mask(self) -> QuantizedOperand:
+    return dataclasses.replace(self, mask=None)
+
+  def transposed(self) -> QuantizedOperand:
+    """The same operand in the other form, values pinned in memory.
+
+    The barrier keeps XLA from folding the transpose back into the dot that
+    consumes it (which would pick XLA:CPU's slow integer kernel).
+    """
+    return QuantizedOperand(
+      lax.optimization_barrier(_swap_last(self.values)),
+      _swap_last(self.scale),
+      _swap_last(self.mask),
+      flip(self.form),
+      self.dot_dtype,
+      _swap_last(self.zero_point),
+    )
+
+  def as_partner(self) -> Operand:
+    """This operand as the partner of a backward dot, its scale folded away.
+
+    In a backward dot the roles of the axes swap: the forward free axis F
+    is contracted and the tile's t elements become free. With the tiles
+    merged into the batch, [B, T, F, t] is the 'kf' operand [B*T, F, t] of
+    that dot (and [B, T, t, F] the 'fk' operand [B*T, t, F]).
+    """
+    bsz, n = self.values.shape[:2]
+    values, _ = as_int8(self.values, self.zero_point)
+    x = values.reshape((bsz * n,) + values.shape[2:])
+    return Operand(x, flip(self.form), dot_dtype=self.dot_dtype)
+
+  def partner_zero_point(self) -> jax.Array | None:
+    """The zero point of `as_partner()`'s values per row, [B*T, F], or None.
+
+    The backward dot contracts F, so it is subtracted with
+    `zero_point.reuse_term`.
+    """
+    _, z = as_int8(self.values, self.zero_point)
+    return None if z is None else per_row(z, self.values.shape, self.form)
+
+  def grad_mask(self, layout: OperandLayout) -> jax.Array | None:
+    """The gradient mask in the operand's own layout, or None."""
+    if self.mask is None:
+      return None
+    return layout.from_canonical(from_view(self.mask, self.form), self.form)
+
+  def dequantized(self, layout: OperandLayout, dtype) -> jax.Array:
+    """`(values - zero_point) * scale` in the operand's layout and `dtype`."""
+    v = self.values.astype(jnp.float32)
+    if self.zero_point is not None:
+      v = v - self.zero_point
+    v = v * self.scale
+    return layout.from_canonical(from_view(v, self.form), self.form).astype(
+      dtype
+    )
 
 
 jax.tree_util.register_dataclass(
-  _Q, data_fields=['q', 's', 'mask'], meta_fields=['form']
+  QuantizedOperand,
+  data_fields=['values', 'scale', 'mask', 'zero_point'],
+  meta_fields=['form', 'dot_dtype'],
 )
 
 
-def _tile(ops: list[_Operand], k: int) -> int | None:
+@dataclasses.dataclass(frozen=True)
+class PassKeys:
+  """The PRNG keys of one dot_general call, one per rounding site.
+
+  Attributes:
+    fwd_lhs, fwd_rhs: the forward operands' rounding noise.
+    dlhs, drhs: the backward passes (each splits its own further).
+  """
+
+  fwd_lhs: jax.Array | None = None
+  fwd_rhs: jax.Array | None = None
+  dlhs: jax.Array | None = None
+  drhs: jax.Array | None = None
+
+  @classmethod
+  def split(cls, key: jax.Array | None) -> PassKeys:
+    if key is None:
+      return cls()
+    fwd, dlhs, drhs = jax.random.split(key, 3)
+    fwd_lhs, fwd_rhs = jax.random.split(fwd, 2)
+    return cls(fwd_lhs=fwd_lhs, fwd_rhs=fwd_rhs, dlhs=dlhs, drhs=drhs)
+
+
+def residual_key(key: jax.Array | None) -> jax.Array | None:
+  """The key of a backward pass's residual operand (its g uses `key`)."""
+  return None if key is None else jax.random.split(key, 2)[1]
+
+
+def rounding_noise(cfg: TensorConfig, key, shape) -> jax.Array | None:
+  """Stochastic-rounding noise of `shape` for `cfg`, or None."""
+  if key is None or not (cfg.quantized and cfg.rounding.stochastic):
+    return None
+  return cfg.rounding.noise(key, shape)
+
+
+def canonical_noise(
+  cfg: TensorConfig, key, layout: OperandLayout, form: str
+) -> jax.Array | None:
+  """Noise drawn in the operand's own layout, brought to canonical form."""
+  noise = rounding_noise(cfg, key, layout.shape)
+  return None if noise is None else layout.to_canonical(noise, form)
+
+
+def common_tile(configs: list[TensorConfig | None], k: int) -> int | None:
+  """The one tile size the quantized configs ask for along K (None: none)."""
   tiles = {
-    op.cfg.tiling.tile(k)
-    for op in ops
-    if op.cfg is not None and op.cfg.quantized
+    c.tiling.tile(k) for c in configs if c is not None and c.quantized
   } - {None}
   if len(tiles) > 1:
     raise ValueError(
@@ -66,15 +212,78 @@ def _tile(ops: list[_Operand], k: int) -> int | None:
   return tiles.pop() if tiles else None
 
 
-def _prepare(op: _Operand, tile: int | None) -> _Q:
+def quantize_tiled(op: Operand, tile: int | None) -> QuantizedOperand:
+  """Brings `op` to the tiled view and quantizes it as its config says."""
   x4 = to_view(op.x, op.form, tile)
-  if op.cfg is None or not op.cfg.quantized:
-    return _Q(x4, None, None, op.form)
+  if op.config is None or not op.config.quantized:
+    dot_dtype = jnp.dtype(op.dot_dtype or x4.dtype)
+    return QuantizedOperand(x4, None, None, op.form, dot_dtype)
   noise = None if op.noise is None else to_view(op.noise, op.form, tile)
-  q, s, z, mask = quantize_view(x4, op.cfg, op.form, noise)
-  if z is not None:
-    raise NotImplementedError('zero points in the engine: not yet.')
-  return _Q(q, s, mask, op.form)
+  q, s, z, mask = quantize_view(x4, op.config, op.form, noise)
+  dot_dtype = jnp.dtype(op.config.numerics.dot_dtype)
+  return QuantizedOperand(q, s, mask, op.form, dot_dtype, z)
+
+
+def _stored_operand(
+  x: QTensor,
+  cfg: TensorConfig,
+  layout: OperandLayout,
+  form: str,
+  tile: int | None,
+  name: str,
+) -> QuantizedOperand:
+  """A stored QTensor as a forward operand, checked against the config."""
+  numerics = cfg.numerics
+  t = tile or layout.k
+  b, f, n = layout.b, layout.f, layout.k // t
+  view = (b, n, f, t) if form == 'fk' else (b, n, t, f)
+  problems = []
+  if not cfg.quantized:
+    problems.append(f'config.fwd.{name} is not quantized')
+  elif jnp.dtype(x.qvalue.dtype) != jnp.dtype(numerics.dtype):
+    problems.append(
+      f'qvalue dtype {x.qvalue.dtype} != config numerics dtype {numerics.dtype}'
+    )
+  if x.layout != layout or x.form != form:
+    problems.append(f"layout {x.layout}/{x.form} != the dot's {layout}/{form}")
+  if tuple(x.qvalue.shape) != view:
+    problems.append(f'qvalue shape {x.qvalue.shape} != expected {view}')
+  if x.scale is None or jnp.ndim(x.scale) != 4:
+    problems.append('scale missing or not in the tiled view')
+  if numerics.asymmetric != (x.zero_point is not None):
+    problems.append('zero_point missing or unexpected for the numerics')
+  if problems:
+    raise ValueError(
+      f'the QTensor given as {name} does not match this dot and config: '
+      + '; '.join(problems)
+      + '. Quantize it with aqtr.quantize_operand(x, dimension_numbers, '
+      'config, operand=...) using the same config and dimension numbers.'
+    )
+  dot_dtype = jnp.dtype(numerics.dot_dtype)
+  return QuantizedOperand(
+    x.qvalue, x.scale, None, form, dot_dtype, x.zero_point
+  )
+
+
+def forward_operand(
+  x: jax.Array | QTensor,
+  cfg: TensorConfig,
+  layout: OperandLayout,
+  form: str,
+  tile: int | None,
+  key: jax.Array | None,
+  name: str,
+) -> QuantizedOperand:
+  """One forward operand (`name` 'lhs' or 'rhs') quantized in `form`.
+
+  A float `x` is quantized with `cfg` (noise drawn from `key`); a stored
+  QTensor is checked against the dot and used as it is.
+  """
+  if isinstance(x, QTensor):
+    return _stored_operand(x, cfg, layout, form, tile, name)
+  noise = canonical_noise(cfg, key, layout, form)
+  op = Operand(layout.to_canonical(x, form), form, cfg, noise)
+  return quantize_tiled(op, tile)
 
 
 def _is_int(dtype) -> bool:
@@ -85,21 +294,28 @@ def _is_fp8(dtype) -> bool:
   return jnp.dtype(dtype).itemsize == 1 and jnp.issubdtype(dtype, jnp.floating)
 
 
-def _contract(a: _Q, b: _Q, raw: DotGeneralRaw, precision) -> jax.Array:
-  """sum_tiles (a . b) * s_a * s_b^T -> [B, Fa, Fb] float32."""
-  bsz, n, fa, t = a.q.shape
-  qa = a.q.reshape(bsz * n, fa, t)
-  qb = b.q.reshape((bsz * n,) + b.q.shape[2:])
-  fb = qb.shape[1] if b.form == 'fk' else qb.shape[2]
-  rc = 2 if b.form == 'fk' else 1
-  dn = (((2,), (rc,)), ((0,), (0,)))
+def contract(
+  a: QuantizedOperand, b: QuantizedOperand, raw: DotGeneralRaw, precision
+) -> jax.Array:
+  """sum_tiles (q_a - z_a) . (q_b - z_b) * s_a * s_b -> [B, F_a, F_b] f32.
+
+  `a` is 'fk' ([B, T, F_a, t]); `b` is either form. Zero points (affine
+  numerics) are None for symmetric operands.
+  """
+  bsz, n, fa, t = a.values.shape
+  va, za = as_int8(a.values, a.zero_point)
+  vb, zb = as_int8(b.values, b.zero_point)
+  za = None if za is None else per_row(za, a.values.shape, a.form)
+  zb = None if zb is None else per_row(zb, b.values.shape, b.form)
+  qa = va.reshape(bsz * n, fa, t).astype(a.dot_dtype)
+  qb = vb.reshape((bsz * n,) + vb.shape[2:]).astype(b.dot_dtype)
+  fb, b_contract = (qb.shape[1], 2) if b.form == 'fk' else (qb.shape[2], 1)
+  dn = (((2,), (b_contract,)), ((0,), (0,)))
   da, db = qa.dtype, qb.dtype
   if _is_int(da) and _is_int(db) and raw.accumulator != 'float32':
-    qa, qb = (
-      x.astype(jnp.int8) if x.dtype == jnp.int4 else x for x in (qa, qb)
-    )
     qa, qb = lax.optimization_barrier((qa, qb))
     out = lax.dot_general(qa, qb, dn, preferred_element_type=jnp.int32)
+    out = int_corrections(out, qa, qb, za, zb, b_contract)
     out = out.astype(jnp.float32)
   elif _is_fp8(da) and _is_fp8(db) and raw.accumulator != 'int32':
     qa, qb = lax.optimization_barrier((qa, qb))
@@ -107,125 +323,67 @@ def _contract(a: _Q, b: _Q, raw: DotGeneralRaw, precision) -> jax.Array:
   else:
     floats = [d for d in (da, db) if not (_is_int(d) or _is_fp8(d))]
     ct = jnp.result_type(*floats) if floats else jnp.float32
+    qa, qb = qa.astype(ct), qb.astype(ct)
+    if za is not None:  # Subtracted in float: exact for integer values.
+      qa = qa - za[:, :, None].astype(ct)
+    if zb is not None:
+      qb = (
+        qb - zb[:, :, None].astype(ct)
+        if b_contract == 2
+        else qb - zb[:, None, :].astype(ct)
+      )
     out = lax.dot_general(
-      qa.astype(ct),
-      qb.astype(ct),
-      dn,
-      precision=precision,
-      preferred_element_type=jnp.float32,
+      qa, qb, dn, precision=precision, preferred_element_type=jnp.float32
     )
   out = out.reshape(bsz, n, fa, fb)
-  if a.s is not None:
-    out = out * a.s
-  if b.s is not None:
-    out = out * (b.s.transpose(0, 1, 3, 2) if b.form == 'fk' else b.s)
+  if a.scale is not None:
+    out = out * a.scale
+  if b.scale is not None:
+    out = out * (b.scale.transpose(0, 1, 3, 2) if b.form == 'fk' else b.scale)
   return out[:, 0] if n == 1 else out.sum(axis=1)
 
 
-def _pass(a: _Operand, b: _Operand, raw: DotGeneralRaw, precision):
-  """One canonical dot: `a` is [B, Fa, K] ('fk'), `b` either form."""
-  tile = _tile([a, b], a.x.shape[2])
-  qa, qb = _prepare(a, tile), _prepare(b, tile)
-  return _contract(qa, qb, raw, precision), qa, qb
+def quantized_dot(
+  a: Operand, b: Operand, raw: DotGeneralRaw, precision
+) -> jax.Array:
+  """One backward dot: quantize `a` ('fk') and `b` as `raw` says; contract."""
+  tile = common_tile([a.config, b.config], a.x.shape[2])
+  qa, qb = quantize_tiled(a, tile), quantize_tiled(b, tile)
+  return contract(qa, qb, raw, precision)
 
 
-def _noise(cfg: TensorConfig, key, shape):
-  if key is None or not (cfg.quantized and cfg.rounding.stochastic):
-    return None
-  return cfg.rounding.noise(key, shape)
+def fold_scale(
+  g: jax.Array, q: QuantizedOperand, axis: int
+) -> tuple[jax.Array, int]:
+  """g * s_q along g's `axis` (1 or 2), one copy per tile of `q`.
 
-
-def _keys(key, n: int):
-  return (None,) * n if key is None else tuple(jax.random.split(key, n))
-
-
-def _fold(g3: jax.Array, q: _Q, axis: int):
-  """Folds the forward scale of `q` into g along g's `axis` (1 or 2).
-
-  Returns g * s as [B * T, ., .] matching q's tiles, and T.
+  The reuse identity `(g * s) . q == g . dequant(q)` per tile: returns
+  g * s as [B * T, ., .] (tiles merged into the batch) and T.
   """
-  s = q.s[..., 0] if q.form == 'fk' else q.s[:, :, 0, :]  # [B|1, T|1, F]
+  s = q.free_scale()  # [B|1, T|1, F]
   s = s[:, :, None, :] if axis == 2 else s[:, :, :, None]
-  g4 = g3[:, None].astype(jnp.float32) * s
-  bsz, n = g3.shape[0], q.q.shape[1]
+  g4 = g[:, None].astype(jnp.float32) * s
+  bsz, n = g.shape[0], q.n_tiles
   g4 = jnp.broadcast_to(g4, (bsz, n) + g4.shape[2:])
   return g4.reshape((bsz * n,) + g4.shape[2:]), n
 
 
-def _tiled(n: int, x: jax.Array | None):
+def repeat_tiles(x: jax.Array | None, n: int) -> jax.Array | None:
+  """[B, ., .] -> [B * n, ., .]: one copy of `x` per tile (as `fold_scale`)."""
   if x is None:
     return None
   x = jnp.broadcast_to(x[:, None], (x.shape[0], n) + x.shape[1:])
   return x.reshape((-1,) + x.shape[2:])
 
 
-def _as_given(q: _Q) -> _Operand:
-  """A forward QTensor as an operand of a backward dot (scale folded)."""
-  bsz, n = q.q.shape[:2]
-  return _Operand(q.q.reshape((bsz * n,) + q.q.shape[2:]), q.form)
+def merge_tiles(x3: jax.Array, n: int, form: str) -> jax.Array:
+  """Tiles back into K: [B*T, F, t] / [B*T, t, F] -> [B, F, K] / [B, K, F]."""
+  return from_view(x3.reshape((-1, n) + x3.shape[1:]), form)
 
 
-def _flip(form: str) -> str:
-  return 'kf' if form == 'fk' else 'fk'
-
-
-def _untile(x3: jax.Array, n: int, form: str) -> jax.Array:
-  """Merges tiles back: [B*T, F, t] / [B*T, t, F] -> [B, F, K] / [B, K, F]."""
-  x4 = x3.reshape((-1, n) + x3.shape[1:])
-  return from_view(x4, form)
-
-
-def _mask(q: _Q | None, layout, form):
-  if q is None or q.mask is None:
-    return None
-  return layout.from_canonical(from_view(q.mask, form), form)
-
-
-def _dequant(q: _Q, layout, dtype):
-  v = q.q.astype(jnp.float32) * q.s
-  return layout.from_canonical(from_view(v, q.form), q.form).astype(dtype)
-
-
-def _shape_dtype(x):
+def struct_of(x: jax.Array | QTensor) -> jax.ShapeDtypeStruct:
+  """Shape and dtype of an operand as the user sees it (a QTensor's original
+  shape, and its scale's float dtype)."""
   if isinstance(x, QTensor):
     return jax.ShapeDtypeStruct(x.layout.shape, x.scale.dtype)
   return jax.ShapeDtypeStruct(x.shape, x.dtype)
-
-
-def _given(x: QTensor, raw_side: TensorConfig, layout, form, tile, name):
-  """A stored QTensor as a forward operand, checked against the config."""
-  n = raw_side.numerics
-  b, f, k = layout.b, layout.f, layout.k
-  t = tile or k
-  view = (b, k // t, f, t) if form == 'fk' else (b, k // t, t, f)
-  problems = []
-  if not raw_side.quantized:
-    problems.append(f'config.fwd.{name} is not quantized')
-  elif jnp.dtype(x.qvalue.dtype) != jnp.dtype(n.dtype):
-    problems.append(
-      f'qvalue dtype {x.qvalue.dtype} != config numerics dtype {n.dtype}'
-    )
-  if x.layout != layout or x.form != form:
-    problems.append(f"layout {x.layout}/{x.form} != the dot's {layout}/{form}")
-  if tuple(x.qvalue.shape) != view:
-    problems.append(f'qvalue shape {x.qvalue.shape} != expected {view}')
-  if x.scale is None or jnp.ndim(x.scale) != 4:
-    problems.append('scale missing or not in the tiled view')
-  if problems:
-    raise ValueError(
-      f'the QTensor given as {name} does not match this dot and config: '
-      + '; '.join(problems)
-      + '. Quantize it with aqtr.quantize_operand(x, dimension_numbers, '
-      'config, operand=...) using the same config and dimension numbers.'
-    )
-  return _Q(x.qvalue, x.scale, None, form)
-
-
-def _tile_cfg(raw: DotGeneralRaw, k: int) -> int | None:
-  ops = [_Operand(None, 'fk', raw.lhs), _Operand(None, 'fk', raw.rhs)]
-  return _tile(ops, k)
-
-
-def _canon_noise(cfg, key, layout, form):
-  n = _noise(cfg, key, layout.shape)
-  return None if n is None else layout.to_canonical(n, form)

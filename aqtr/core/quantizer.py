@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from aqtr.core.config import TensorConfig
-from aqtr.core.dimension_numbers import OperandLayout, _axes
+from aqtr.core.dimension_numbers import OperandLayout, normalize_axes
 from aqtr.core.qtensor import ROLE_AXES, QTensor, from_view, to_view
 from aqtr.core.rounding import as_typed_key
 
@@ -93,8 +93,8 @@ def check_float(x, field: str) -> None:
 
 def _layout(x, contracting_axes, batch_axes) -> OperandLayout:
   rank = jnp.ndim(x)
-  contract = _axes(contracting_axes, rank, 'contracting_axes')
-  batch = _axes(batch_axes, rank, 'batch_axes')
+  contract = normalize_axes(contracting_axes, rank, 'contracting_axes')
+  batch = normalize_axes(batch_axes, rank, 'batch_axes')
   if set(contract) & set(batch):
     raise ValueError(
       'an axis cannot be both in batch_axes and contracting_axes.'

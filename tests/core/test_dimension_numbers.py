@@ -109,9 +109,7 @@ def test_out_shape_is_lax_output_shape(problem):
   assert lay.out_shape == want
   assert math.prod(want) == lay.lhs.b * lay.lhs.f * lay.rhs.f
   assert lay.lhs.k == lay.rhs.k and lay.lhs.b == lay.rhs.b
-  # the output seen as the operand of the gradient dots
-  assert lay.out.k == lay.rhs.f and lay.out.f == lay.lhs.f
-  assert lay.out_t.k == lay.lhs.f and lay.out_t.f == lay.rhs.f
+  assert lay.dimension_numbers == normalize(lshape, rshape, dn)
 
 
 def test_normalize_makes_axes_non_negative_tuples():
