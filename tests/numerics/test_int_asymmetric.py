@@ -129,3 +129,77 @@ def test_properties():
   assert (n.qmin, n.qmax, n.max_value) == (-128, 127, 128.0)
   assert n.asymmetric and n.kind == 'int' and n.supports_stochastic_rounding
   assert numerics.get('int_asymmetric') is IntAsymmetric
+
+
+_KN = (((1,), (0,)), ((), ()))  # w [K, N]
+_NK = (((1,), (1,)), ((), ()))  # w [N, K]
+
+
+def _asym_cfg(bwd_bits=None):
+  a = _t(IntAsymmetric(bits=8, storage='uint8'))
+  if bwd_bits is None:
+    g = aqtr.TensorConfig(numerics=numerics.NoNumerics())
+  else:
+    g = aqtr.TensorConfig(numerics=numerics.IntSymmetric(bits=bwd_bits))
+  return aqtr.DotGeneralConfig(
+    fwd=aqtr.DotGeneralRaw(lhs=a, rhs=a),
+    dlhs=aqtr.DotGeneralRaw(lhs=g, rhs=a, use_fwd_quant=True),
+    drhs=aqtr.DotGeneralRaw(lhs=g, rhs=a, use_fwd_quant=True),
+  )
+
+
+def test_forward_is_a_real_int8_dot_with_zero_point_corrections():
+  cfg = _asym_cfg()
+  jaxpr = str(
+    jax.make_jaxpr(lambda x, w: aqtr.dot_general(x, w, _KN, cfg))(
+      jnp.ones((4, 64)), jnp.ones((64, 8))
+    )
+  )
+  assert 'i8[1,4,64]' in jaxpr and 'preferred_element_type=int32' in jaxpr
+
+
+@pytest.mark.parametrize('dn', [_KN, _NK], ids=['kn', 'nk'])
+def test_quantized_backward_reusing_affine_operands(dn):
+  # dlhs / drhs quantize g to int8 and reuse the uint8 forward operands:
+  # the zero points enter as a correction term, so the gradients are
+  # g . dequant(partner) up to the int8 rounding of g.
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.standard_normal((32, 64)) + 1.0, jnp.float32)
+  wshape = (64, 48) if dn == _KN else (48, 64)
+  w = jnp.asarray(rng.standard_normal(wshape) - 0.7, jnp.float32)
+  g = jnp.asarray(rng.standard_normal((32, 48)), jnp.float32)
+  cfg = _asym_cfg(bwd_bits=8)
+  t = cfg.fwd.lhs
+
+  @jax.jit
+  def run(x, w, g):
+    _, vjp = jax.vjp(lambda x, w: aqtr.dot_general(x, w, dn, cfg), x, w)
+    fx = aqtr.fake_quant(x, t)
+    fw = aqtr.fake_quant(w, t, contracting_axes=dn[0][1])
+    _, ref = jax.vjp(lambda x, w: jax.lax.dot_general(x, w, dn), fx, fw)
+    return vjp(g), ref(g)
+
+  got, want = run(x, w, g)
+  for a, b in zip(got, want, strict=True):
+    err = float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+    assert err < 0.02, err
+
+
+def test_a_stored_affine_qtensor_serves_bit_identically():
+  cfg = _asym_cfg()
+  rng = np.random.default_rng(1)
+  x = jnp.asarray(rng.standard_normal((8, 64)), jnp.float32)
+  w = jnp.asarray(rng.standard_normal((64, 16)) + 0.3, jnp.float32)
+
+  @jax.jit
+  def both(x, w):
+    qw = aqtr.quantize_operand(w, _KN, cfg)
+    return aqtr.dot_general(x, qw, _KN, cfg), aqtr.dot_general(x, w, _KN, cfg)
+
+  served, trained = both(x, w)
+  np.testing.assert_array_equal(served, trained)
+  qw = aqtr.quantize_operand(w, _KN, cfg)
+  assert qw.qvalue.dtype == jnp.uint8 and qw.zero_point is not None
+  bad = aqtr.QTensor(qw.qvalue, qw.scale, qw.layout, qw.form)
+  with pytest.raises(ValueError, match='zero_point missing'):
+    aqtr.dot_general(x, bad, _KN, cfg)
