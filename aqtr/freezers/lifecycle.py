@@ -8,7 +8,8 @@ forward operands of one `dot_general` and their freezers:
   CALIBRATE  same output; each 'calibration' operand updates its running
              statistics (mean bound, count)
   CONVERT    writes the frozen entry: 'weights' operands {qvalue, scale}
-             (`quantize_operand`), 'calibration' operands {bound}; returns
+             (`quantize_operand`; and zero_point for affine numerics),
+             'calibration' operands {bound}; returns
              the SERVE output computed from it
   SERVE      reads the frozen entry: QTensor operands for 'weights', and for
              'calibration' operands with bound b (constant along the
@@ -193,7 +194,10 @@ def _static_config(config: DotGeneralConfig, sides) -> DotGeneralConfig:
 def _freeze(side, f, x, config, dn, stats, key, where, how_stats):
   if isinstance(f, WeightsFreezer):
     q = quantize_operand(x, dn, config, operand=side, key=key)
-    return {'qvalue': q.qvalue, 'scale': q.scale}
+    parts = {'qvalue': q.qvalue, 'scale': q.scale}
+    if q.zero_point is not None:  # Affine numerics (int_asymmetric).
+      parts['zero_point'] = q.zero_point
+    return parts
   if isinstance(f, CalibrationFreezer):
     s = (stats or {}).get(side)
     count = None if s is None else s['count']
@@ -228,7 +232,9 @@ def _serve(lhs, rhs, dn, config, frozen, key, precision, preferred, where):
       )
     if isinstance(f, WeightsFreezer):
       form = 'fk' if side == 'lhs' else side_lay.natural_form()
-      ops[side] = QTensor(part['qvalue'], part['scale'], side_lay, form)
+      ops[side] = QTensor(
+        part['qvalue'], part['scale'], side_lay, form, part.get('zero_point')
+      )
     else:
       b = jnp.asarray(part['bound'], jnp.float32)
       shape = stats_shape(f, side_lay)
