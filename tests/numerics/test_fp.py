@@ -61,7 +61,7 @@ def test_value_set_and_rounding_equal_ml_dtypes(e, m, enc, dtype, storage):
   assert set(np.unique(q)) <= set(every)
 
 
-@pytest.mark.parametrize('e, m, enc, dtype, storage', FORMATS[:5])
+@pytest.mark.parametrize('e, m, enc, dtype, storage', FORMATS[::4])
 def test_saturates_and_keeps_nan(e, m, enc, dtype, storage):
   n = Fp(exponent_bits=e, mantissa_bits=m, encoding=enc)
   mx = n.max_value
@@ -118,7 +118,7 @@ def test_float_grid_stochastic_rounding_stays_in_range():
   g = FloatGrid.of_dtype(ml_dtypes.float8_e4m3fn)
   v = jnp.array([448.0, -448.0, 447.0, 1e6, 2.0**-9 * 0.25])
   u = jnp.full(v.shape, 0.5 - 2.0**-17)  # the largest noise value
-  q = np.asarray(g.round(v, u))
+  q = np.asarray(jax.jit(g.round)(v, u))
   np.testing.assert_array_equal(q, [448, -448, 448, 448, 2.0**-9])
 
 
