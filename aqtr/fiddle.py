@@ -152,7 +152,7 @@ def build(cfg: Any) -> Any:
   """
   try:
     return fdl.build(cfg)
-  except Exception as e:  # noqa: BLE001 (re-raised with the path)
+  except Exception as e:  # Re-raised with the path.
     failed = _innermost_failure(cfg)
     if failed is None:
       raise
@@ -170,7 +170,7 @@ def _innermost_failure(cfg: Any):
   for p, node in sorted(nodes, key=lambda pv: -len(pv[0])):
     try:
       fdl.build(node)
-    except Exception as e:  # noqa: BLE001 (reported to the caller)
+    except Exception as e:  # Reported to the caller.
       name = getattr(fdl.get_callable(node), '__name__', repr(node))
       return path_str(p), name, e
   return None

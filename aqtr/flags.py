@@ -59,7 +59,7 @@ _HELP = (
 )
 
 
-def DEFINE_config(  # noqa: N802 (absl's naming)
+def DEFINE_config(  # Absl's naming.
   name: str = 'config',
   *,
   help_string: str = _HELP,
@@ -87,7 +87,7 @@ def DEFINE_config(  # noqa: N802 (absl's naming)
   )
 
 
-def DEFINE_imports(  # noqa: N802 (absl's naming)
+def DEFINE_imports(  # Absl's naming.
   name: str = 'import',
   *,
   flag_values: flags.FlagValues = flags.FLAGS,

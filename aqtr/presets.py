@@ -90,7 +90,7 @@ def _raw(lhs: TensorConfig, rhs: TensorConfig, fwd_quant: bool):
   )
 
 
-def float() -> DotGeneralConfig:  # noqa: A001 (the preset's name)
+def float() -> DotGeneralConfig:  # The preset's name.
   """No quantization anywhere: `lax.dot_general` bit for bit."""
   return DotGeneralConfig(
     fwd=_raw(_none(), _none(), False),

@@ -2,11 +2,14 @@
 
 Two kinds of tags:
 
-* Field tags sit on a class's fields as `Annotated[type, Tag]`, so every
-  `fdl.Config` of that class carries them: `Bits` (IntSymmetric.bits),
-  `ClipGradient`, `Po2Scale`, the TensorConfig slots `Numerics`,
-  `Calibration`, `Tiling`, `Rounding` and the DotGeneralRaw fields
-  `UseFwdQuant`, `Accumulator`.
+* Field tags sit on a class's fields: the class marks the field with a
+  fiddle-free marker of `aqtr.core.markers` (`Annotated[int, markers.Bits]`)
+  and every `fdl.Config` of that class carries the tag of the same name
+  here: `Bits` (IntSymmetric.bits), `ClipGradient`, `Po2Scale`, the
+  TensorConfig slots `Numerics`, `Calibration`, `Tiling`, `Rounding` and
+  the DotGeneralRaw fields `UseFwdQuant`, `Accumulator`. (Fiddle reads
+  only its own tags from annotations; importing this module extends that
+  lookup to the markers, see `field_tags`.)
 * Role tags depend on where an operand sits in a DotGeneralConfig (one
   TensorConfig class serves all six operands), so `tag_roles` adds them by
   position; `aqtr.fiddle.as_config` / `config`, the fiddlers and
@@ -37,12 +40,16 @@ Example:
 from __future__ import annotations
 
 import inspect
+import typing
 from typing import Any
 
 import fiddle as fdl
 from fiddle import daglish
+from fiddle._src import tag_type as fiddle_tag_type
 
-# Field tags (declared on the classes with Annotated[...]).
+from aqtr.core import markers
+
+# Field tags (the classes mark their fields with aqtr.core.markers).
 
 
 class Bits(fdl.Tag):
@@ -80,6 +87,61 @@ class UseFwdQuant(fdl.Tag):
 class Accumulator(fdl.Tag):
   """The accumulator of a dot ('auto', 'int32', 'float32')."""
 
+
+# marker -> the Fiddle tag it stands for.
+FIELD_TAGS = {
+  markers.Bits: Bits,
+  markers.ClipGradient: ClipGradient,
+  markers.Po2Scale: Po2Scale,
+  markers.Numerics: Numerics,
+  markers.Calibration: Calibration,
+  markers.Tiling: Tiling,
+  markers.Rounding: Rounding,
+  markers.UseFwdQuant: UseFwdQuant,
+  markers.Accumulator: Accumulator,
+}
+
+
+def field_tags(fn_or_cls: Any) -> dict[str, set[fdl.Tag]]:
+  """The tags of the fields `fn_or_cls` marks in its annotations.
+
+  Example:
+    >>> import aqtr
+    >>> field_tags(aqtr.numerics.IntSymmetric)['bits'] == {Bits}
+    True
+  """
+  try:
+    hints = typing.get_type_hints(fn_or_cls, include_extras=True)
+  except (TypeError, NameError):  # As Fiddle: unresolvable hints, no tags.
+    return {}
+  found = {}
+  for name, hint in hints.items():
+    if typing.get_origin(hint) is typing.Annotated:
+      tags = {FIELD_TAGS[m] for m in hint.__metadata__ if m in FIELD_TAGS}
+      if tags:
+        found[name] = tags
+  return found
+
+
+def _find_tags(fn_or_cls: Any) -> dict[str, set]:
+  """Fiddle's tags from annotations, plus those of the aqtr markers."""
+  found = {
+    name: set(tags) for name, tags in _fiddle_find_tags(fn_or_cls).items()
+  }
+  for name, tags in field_tags(fn_or_cls).items():
+    found.setdefault(name, set()).update(tags)
+  return found
+
+
+# Fiddle calls `find_tags_from_annotations` when it builds any fdl.Config;
+# wrap it once (idempotent under reloads).
+_fiddle_find_tags = getattr(
+  fiddle_tag_type.find_tags_from_annotations,
+  'wrapped_by_aqtr',
+  fiddle_tag_type.find_tags_from_annotations,
+)
+_find_tags.wrapped_by_aqtr = _fiddle_find_tags
+fiddle_tag_type.find_tags_from_annotations = _find_tags
 
 # Role tags (added by position by `tag_roles`).
 

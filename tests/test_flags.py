@@ -10,11 +10,11 @@ import pytest
 
 pytest.importorskip('etils.epath')  # fiddle[flags]
 
-import fiddle as fdl  # noqa: E402
-from absl import flags  # noqa: E402
+import fiddle as fdl
+from absl import flags
 
-import aqtr  # noqa: E402
-from aqtr import flags as aqtr_flags  # noqa: E402
+import aqtr
+from aqtr import flags as aqtr_flags
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MY_CALIBRATION = str(ROOT / 'configs' / 'my_calibration.py')

@@ -20,8 +20,9 @@ class MinMax(Calibration):
   inference): the range of each scale group G, widened to hold 0 so that
   0 is exactly representable. Asymmetric numerics (`int_asymmetric`) map
   it onto their integer range with a zero point. A calibration serves
-  asymmetric numerics by defining `calibrate_range`; `calibrate` (the
-  symmetric bound) is `max(-lo, hi) = max_G |x|`, as `absmax`.
+  asymmetric numerics by defining `calibrate_range` (with `gives_range`);
+  `calibrate` (the symmetric bound) is `max(-lo, hi) = max_G |x|`, as
+  `absmax`.
 
   Example:
     >>> import jax.numpy as jnp
@@ -29,6 +30,8 @@ class MinMax(Calibration):
     >>> lo.tolist(), hi.tolist()
     ([[0.0]], [[3.0]])
   """
+
+  gives_range = True
 
   def calibrate(self, x: jax.Array, axes: Sequence[int]) -> jax.Array:
     lo, hi = self.calibrate_range(x, axes)

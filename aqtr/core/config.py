@@ -9,7 +9,9 @@
 
 Every node is a frozen kw-only dataclass with defaults, hence hashable: a
 config is a static argument of `jit` and of the engine's VJP. The
-defaults are int8 symmetric, per-channel absmax, round-to-nearest-even.
+defaults are int8 symmetric, per-channel absmax, round-to-nearest-even and
+no freezer, built by registry name ('int_symmetric', 'absmax',
+'per_channel', 'none'): the core imports no concrete algorithm.
 Validation happens at construction and names the field and the fix.
 
 Example:
@@ -24,21 +26,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Annotated
 
-from aqtr import tags
-from aqtr.calibrations.absmax import AbsMax
-from aqtr.calibrations.base import Calibration
-from aqtr.calibrations.base import registry as calibrations_registry
+from aqtr.core import markers
+from aqtr.core.algorithms import Calibration, Numerics, Tiling
+from aqtr.core.registry import factory, family
 from aqtr.core.rounding import NearestEven, Rounding
-from aqtr.freezers.base import Freezer, NoFreezer
-from aqtr.numerics.base import Numerics
-from aqtr.numerics.int_symmetric import IntSymmetric
-from aqtr.tilings.base import Tiling
-from aqtr.tilings.block2d import Block2d
-from aqtr.tilings.per_channel import PerChannel
-from aqtr.tilings.subchannel import SubChannel
-
-# core/ imports two concrete algorithms for its defaults; the families import
-# nothing from core/config, so there is no cycle.
 
 _ACCUMULATORS = ('auto', 'int32', 'float32')
 
@@ -51,12 +42,6 @@ def _check_type(owner: str, field: str, value, cls: type) -> None:
     )
 
 
-def _range_calibrations() -> tuple[str, ...]:
-  """Registered calibrations that give (lo, hi): `calibrate_range`."""
-  reg = calibrations_registry
-  return tuple(n for n in reg.names() if hasattr(reg.get(n), 'calibrate_range'))
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TensorConfig:
   """How one operand of one dot is quantized.
@@ -66,61 +51,36 @@ class TensorConfig:
     calibration: how the bound of each scale group is found.
     tiling: which elements share a scale.
     rounding: NearestEven() or Stochastic(...) (needs a key at call time).
-    freezer: what a Flax model stores of this operand for serving
-      (registry 'freezers'; only config.fwd operands are frozen).
+    freezer: an `aqtr.freezers.Freezer`: what a model stores of this
+      operand for serving (only config.fwd operands are frozen).
   """
 
-  numerics: Annotated[Numerics, tags.Numerics] = dataclasses.field(
-    default_factory=IntSymmetric
+  numerics: Annotated[Numerics, markers.Numerics] = dataclasses.field(
+    default_factory=factory('numerics', 'int_symmetric')
   )
-  calibration: Annotated[Calibration, tags.Calibration] = dataclasses.field(
-    default_factory=AbsMax
+  calibration: Annotated[Calibration, markers.Calibration] = dataclasses.field(
+    default_factory=factory('calibrations', 'absmax')
   )
-  tiling: Annotated[Tiling, tags.Tiling] = dataclasses.field(
-    default_factory=PerChannel
+  tiling: Annotated[Tiling, markers.Tiling] = dataclasses.field(
+    default_factory=factory('tilings', 'per_channel')
   )
-  rounding: Annotated[Rounding, tags.Rounding] = dataclasses.field(
+  rounding: Annotated[Rounding, markers.Rounding] = dataclasses.field(
     default_factory=NearestEven
   )
-  freezer: Freezer = dataclasses.field(default_factory=NoFreezer)
+  freezer: object = dataclasses.field(
+    default_factory=factory('freezers', 'none')
+  )
 
   def __post_init__(self):
     _check_type('TensorConfig', 'numerics', self.numerics, Numerics)
     _check_type('TensorConfig', 'calibration', self.calibration, Calibration)
     _check_type('TensorConfig', 'tiling', self.tiling, Tiling)
     _check_type('TensorConfig', 'rounding', self.rounding, Rounding)
-    _check_type('TensorConfig', 'freezer', self.freezer, Freezer)
-    n = self.numerics
-    if n.asymmetric and not hasattr(self.calibration, 'calibrate_range'):
-      allowed = _range_calibrations()
-      raise ValueError(
-        f'TensorConfig.calibration: {type(n).__name__} is asymmetric and '
-        'needs lo/hi bounds from a range calibration; allowed: '
-        f'{allowed}, got {type(self.calibration).__name__}.'
-      )
-    block = n.block_size if n.quantizes else None
-    t = self.tiling
-    if block is not None and not (
-      isinstance(t, SubChannel | Block2d) and t.tile_size == block
-    ):
-      raise ValueError(
-        f'TensorConfig.tiling: {type(n).__name__} uses blocks of {block} '
-        f'along the contraction; allowed: SubChannel(tile_size={block}) or '
-        f'Block2d(tile_size={block}, free_size=...), got {t!r}.'
-      )
-    if self.rounding.stochastic and n.quantizes:
-      if not n.supports_stochastic_rounding:
-        raise ValueError(
-          f'TensorConfig.rounding: {type(n).__name__} does not support '
-          'stochastic rounding; use NearestEven() or a numerics that does '
-          '(int_symmetric, fp, fp8).'
-        )
-      if getattr(n, 'preserve_max_val', True) is False:
-        raise ValueError(
-          'TensorConfig.rounding: stochastic rounding with '
-          'IntSymmetric(preserve_max_val=False) maps the bound outside the '
-          'clip range and biases the top bucket; set preserve_max_val=True.'
-        )
+    freezer_base = family('freezers').base
+    _check_type('TensorConfig', 'freezer', self.freezer, freezer_base)
+    if self.numerics.quantizes:
+      self.numerics.check_rounding(self.rounding)
+      self.numerics.check_operand(self.calibration, self.tiling)
 
   @property
   def quantized(self) -> bool:
@@ -145,8 +105,8 @@ class DotGeneralRaw:
 
   lhs: TensorConfig = dataclasses.field(default_factory=TensorConfig)
   rhs: TensorConfig = dataclasses.field(default_factory=TensorConfig)
-  use_fwd_quant: Annotated[bool, tags.UseFwdQuant] = False
-  accumulator: Annotated[str, tags.Accumulator] = 'auto'
+  use_fwd_quant: Annotated[bool, markers.UseFwdQuant] = False
+  accumulator: Annotated[str, markers.Accumulator] = 'auto'
 
   def __post_init__(self):
     _check_type('DotGeneralRaw', 'lhs', self.lhs, TensorConfig)
@@ -179,9 +139,7 @@ class DotGeneralRaw:
 
 
 def _float_raw(**kw) -> DotGeneralRaw:
-  from aqtr.numerics.none import NoNumerics
-
-  t = TensorConfig(numerics=NoNumerics())
+  t = TensorConfig(numerics=factory('numerics', 'none')())
   return DotGeneralRaw(lhs=t, rhs=t, **kw)
 
 

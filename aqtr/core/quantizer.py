@@ -1,6 +1,6 @@
 """One tensor: calibrate -> scale -> numerics -> QTensor; and fake quant.
 
-Math (DESIGN.md section 3): for each scale group G (the view axes the tiling
+Math: for each scale group G (the view axes the tiling
 shares) `bound = calibration(x_G)`, `s = numerics.scale_from_bound(bound)`
 (by default `bound / numerics.max_value`; a bound of 0, or one too small to
 divide by, gives s = 1), optionally `s <- 2^ceil(log2 s)`;

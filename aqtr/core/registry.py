@@ -13,6 +13,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
@@ -108,6 +109,30 @@ class Registry(Generic[T]):
 
   def __repr__(self) -> str:
     return f'Registry({self.family!r}, names={self.names()})'
+
+
+def family(name: str) -> Registry:
+  """The registry of family `name` ('numerics', 'freezers', ...).
+
+  Imports the family package `aqtr.<name>` on first use, so the core can
+  name algorithms without importing the families (which import the core).
+  """
+  return importlib.import_module(f'aqtr.{name}').registry
+
+
+def factory(family_name: str, name: str) -> Callable[[], object]:
+  """A `default_factory`: the registered class `name` built with defaults.
+
+  Example:
+    >>> factory('numerics', 'int_symmetric')().bits
+    8
+  """
+
+  def build():
+    return family(family_name).get(name)()
+
+  build.__qualname__ = build.__name__ = f'{family_name}_{name}'
+  return build
 
 
 def _key(cls: type) -> str:

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 
-from aqtr import tags
+from aqtr.core import markers
 from aqtr.numerics.base import Numerics, register, within_range
 
 ENCODINGS = ('auto', 'ieee', 'fn', 'finite', 'fnuz')
@@ -61,8 +61,9 @@ class FloatGrid:
     `ulp = 2^(e - m)`; nearest: `q = round_half_even(a / ulp) * ulp`;
     stochastic with `u ~ U[-1/2, 1/2)`: `q = sign(a) floor(|a|/ulp + u +
     1/2) ulp`, i.e. uniform random bits added below the kept mantissa of
-    `|a|`, then truncation, so `E[q] = a` (to the 2^-17 grid of `u`) and
-    `|q| <= max` (max is a grid point). NaN stays NaN.
+    `|a|`, then truncation, so `E[q] = a` (up to half the grid step of `u`,
+    2^-(noise_bits+1) ulp, see `aqtr.Stochastic`) and `|q| <= max` (max is
+    a grid point). NaN stays NaN.
 
     Example:
       >>> import jax.numpy as jnp
@@ -124,7 +125,7 @@ class Fp(Numerics):
   exponent_bits: int = 4
   mantissa_bits: int = 3
   encoding: str = 'auto'
-  clip_gradient: Annotated[bool, tags.ClipGradient] = False
+  clip_gradient: Annotated[bool, markers.ClipGradient] = False
 
   supports_stochastic_rounding = True
 

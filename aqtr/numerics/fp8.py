@@ -8,7 +8,7 @@ from typing import Annotated
 import jax
 import jax.numpy as jnp
 
-from aqtr import tags
+from aqtr.core import markers
 from aqtr.numerics.base import Numerics, register, within_range
 from aqtr.numerics.fp import FloatGrid
 
@@ -48,7 +48,7 @@ class Fp8(Numerics):
   """
 
   dtype_name: str = 'float8_e4m3fn'
-  clip_gradient: Annotated[bool, tags.ClipGradient] = False
+  clip_gradient: Annotated[bool, markers.ClipGradient] = False
 
   supports_stochastic_rounding = True
 

@@ -8,7 +8,7 @@ from typing import Annotated
 import jax
 import jax.numpy as jnp
 
-from aqtr import tags
+from aqtr.core import markers
 from aqtr.numerics.base import Numerics, register
 
 _STORAGE = ('int8', 'uint8')
@@ -43,9 +43,9 @@ class IntAsymmetric(Numerics):
     (0, 255)
   """
 
-  bits: Annotated[int, tags.Bits] = 8
+  bits: Annotated[int, markers.Bits] = 8
   storage: str = 'int8'
-  clip_gradient: Annotated[bool, tags.ClipGradient] = False
+  clip_gradient: Annotated[bool, markers.ClipGradient] = False
 
   supports_stochastic_rounding = True
   kind = 'int'

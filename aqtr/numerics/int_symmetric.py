@@ -8,7 +8,8 @@ from typing import Annotated
 import jax
 import jax.numpy as jnp
 
-from aqtr import tags
+from aqtr.core import markers
+from aqtr.core.rounding import Rounding
 from aqtr.numerics.base import Numerics, register, within_range
 
 _STORAGE = ('int8', 'int4')
@@ -43,10 +44,10 @@ class IntSymmetric(Numerics):
     127.0
   """
 
-  bits: Annotated[int, tags.Bits] = 8
+  bits: Annotated[int, markers.Bits] = 8
   preserve_zero: bool = True
   preserve_max_val: bool = True
-  clip_gradient: Annotated[bool, tags.ClipGradient] = False
+  clip_gradient: Annotated[bool, markers.ClipGradient] = False
   storage: str = 'int8'
 
   supports_stochastic_rounding = True
@@ -106,6 +107,16 @@ class IntSymmetric(Numerics):
   @property
   def dot_dtype(self) -> jnp.dtype:
     return jnp.dtype(jnp.int8) if self.storage == 'int4' else self.dtype
+
+  def check_rounding(self, rounding: Rounding) -> None:
+    """Stochastic rounding needs preserve_max_val=True to be unbiased."""
+    super().check_rounding(rounding)
+    if rounding.stochastic and not self.preserve_max_val:
+      raise ValueError(
+        'TensorConfig.rounding: stochastic rounding with '
+        'IntSymmetric(preserve_max_val=False) maps the bound outside the '
+        'clip range and biases the top bucket; set preserve_max_val=True.'
+      )
 
   def quantize(self, v: jax.Array, noise: jax.Array | None = None) -> jax.Array:
     top = self.edge - 0.5

@@ -9,7 +9,7 @@ from typing import Annotated, ClassVar
 import jax
 import jax.numpy as jnp
 
-from aqtr import tags
+from aqtr.core import markers
 from aqtr.numerics.base import Numerics, register, within_range
 from aqtr.numerics.fp import Fp
 
@@ -77,7 +77,7 @@ class Mx(Numerics):
   """
 
   element: str = 'fp8_e4m3'
-  clip_gradient: Annotated[bool, tags.ClipGradient] = False
+  clip_gradient: Annotated[bool, markers.ClipGradient] = False
 
   BLOCK_SIZE: ClassVar[int] = 32
 

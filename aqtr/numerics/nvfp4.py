@@ -8,7 +8,7 @@ from typing import Annotated, ClassVar
 import jax
 import jax.numpy as jnp
 
-from aqtr import tags
+from aqtr.core import markers
 from aqtr.numerics.base import Numerics, register, within_range
 from aqtr.numerics.fp import Fp
 
@@ -44,7 +44,7 @@ class NvFp4(Numerics):
     (6.0, 16)
   """
 
-  clip_gradient: Annotated[bool, tags.ClipGradient] = False
+  clip_gradient: Annotated[bool, markers.ClipGradient] = False
 
   BLOCK_SIZE: ClassVar[int] = 16
 

@@ -37,20 +37,19 @@ import fiddle as fdl
 import aqtr
 from aqtr import fiddle as aqtr_fiddle
 from aqtr.data import stdlib
-from aqtr.train import models
 
-try:  # Registry-name fiddlers, usable on the `custom` run's tree.
-  from aqtr.fiddlers import (  # noqa: F401 (resolved by the flags)
-    set_fields,
-    set_tag,
-    use,
-    use_calibration,
-    use_numerics,
-    use_rounding,
-    use_tiling,
-  )
-except ImportError:  # pragma: no cover (older checkouts)
-  pass
+# Registry-name fiddlers, usable on the `custom` run's tree (the flags
+# resolve them by name in this module).
+from aqtr.fiddlers import (  # noqa: F401
+  set_fields,
+  set_tag,
+  use,
+  use_calibration,
+  use_numerics,
+  use_rounding,
+  use_tiling,
+)
+from aqtr.train import models
 
 __all__ = [
   'TASKS',

@@ -95,7 +95,7 @@ def _write_config(out: pathlib.Path, cfg: fdl.Config, exp, runs) -> None:
   (out / 'config.txt').write_text('\n'.join(lines) + '\n')
   try:
     text = aqtr_fiddle.dumps(full)
-  except Exception as e:  # noqa: BLE001 (a custom model may not serialize)
+  except Exception as e:  # A custom model may not serialize.
     warnings.warn(f'config.json not written: {e}', stacklevel=2)
     return
   (out / 'config.json').write_text(text)

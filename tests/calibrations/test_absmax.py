@@ -1,4 +1,4 @@
-"""Tests of aqtr.calibrations.AbsMax (ALGORITHMS.md, absmax)."""
+"""Tests of aqtr.calibrations.AbsMax."""
 
 import functools
 

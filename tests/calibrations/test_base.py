@@ -1,6 +1,6 @@
 """Tests of aqtr.calibrations.base: the base class, guard and registry.
 
-The registration rules (DESIGN.md section 4) are tested on the calibrations
+The registration rules are tested on the calibrations
 registry, with every registration undone after each test.
 """
 

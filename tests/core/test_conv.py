@@ -199,7 +199,7 @@ def _q(x, axis):
 
 
 def _hand(x, w, g, p):
-  """int8 fwd/dlhs/drhs of the conv, from DESIGN.md section 3 by hand.
+  """int8 fwd/dlhs/drhs of the conv, by hand from the dot_general math.
 
   P [M, K] patches, W [K, N]: per-channel scales; the backward passes fold
   the partner's forward scale into g and quantize it per channel.

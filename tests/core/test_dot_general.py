@@ -1,6 +1,6 @@
 """Tests for aqtr.core.dot_general: the quantized dot and its custom VJP.
 
-The properties checked (issue 2, DESIGN.md sections 3 and 8):
+The properties checked:
   * float configs equal `lax.dot_general` bit for bit, values and gradients;
   * with power-of-two scales the real int8 dot equals the fake-quant
     reference bit for bit, in the forward pass and in both gradients
@@ -224,11 +224,11 @@ def hand_reference(
 ):
   """int8 fwd, dlhs and drhs on x [B, M, K], w [B, K, N], g [B, M, N].
 
-  Written from DESIGN.md section 3, independently of the engine: forward
-  operands quantized per `lhs_tiling` / `rhs_tiling` ('channel', 'tensor', 'sub'
-  with `tiles` tiles along K); the gradient is quantized per channel, with
-  the forward scale of the residual folded in (`reuse`) or with the float
-  residual quantized again per channel.
+  Written from the math of aqtr.core.dot_general, independently of the
+  engine: forward operands quantized per `lhs_tiling` / `rhs_tiling`
+  ('channel', 'tensor', 'sub' with `tiles` tiles along K); the gradient
+  is quantized per channel, with the forward scale of the residual folded
+  in (`reuse`) or with the float residual quantized again per channel.
   """
   b, m, k = x.shape
   n = w.shape[2]

@@ -21,25 +21,42 @@ def test_nearest_even_has_no_noise():
   assert hash(r) == hash(aqtr.NearestEven()) and r == aqtr.NearestEven()
 
 
-def test_stochastic_noise_is_uniform_and_centered():
-  r = aqtr.Stochastic()
+@pytest.mark.parametrize('bits', [8, 16])
+def test_stochastic_noise_is_uniform_and_centered(bits):
+  r = aqtr.Stochastic(noise_bits=bits)
   assert r.stochastic
   u = np.asarray(r.noise(jax.random.key(0), (400, 500)))
   assert u.shape == (400, 500) and u.dtype == np.float32
   assert u.min() >= -0.5 and u.max() < 0.5
   n = u.size
   assert abs(u.mean()) < 5 * math.sqrt(1 / 12 / n)
-  hist, _ = np.histogram(u, bins=10, range=(-0.5, 0.5))
+  # 16 bins hold equally many grid points.
+  hist, _ = np.histogram(u, bins=16, range=(-0.5, 0.5))
   p = hist / n
-  assert np.abs(p - 0.1).max() < 5 * math.sqrt(0.09 / n)
+  assert np.abs(p - 1 / 16).max() < 5 * math.sqrt(15 / 256 / n)
 
 
-def test_uniform16_grid():
-  u = np.asarray(rounding.uniform16(jax.random.key(1), (3, 7)))
+@pytest.mark.parametrize('bits', [8, 16])
+def test_uniform_grid(bits):
+  u = np.asarray(rounding.uniform_grid(jax.random.key(1), (3, 7), bits))
   assert u.shape == (3, 7)
-  j = (u + 0.5) * 65536 - 0.5
+  j = (u + 0.5) * 2**bits - 0.5
   np.testing.assert_array_equal(j, np.round(j))
-  assert j.min() >= 0 and j.max() <= 65535
+  assert j.min() >= 0 and j.max() <= 2**bits - 1
+  assert np.unique(j).size > 15  # Every draw gets its own bits.
+
+
+def test_uniform16_is_the_16_bit_grid():
+  key = jax.random.key(2)
+  np.testing.assert_array_equal(
+    rounding.uniform16(key, (5,)), rounding.uniform_grid(key, (5,), 16)
+  )
+
+
+@pytest.mark.parametrize('bits', [4, 32, True, '8'])
+def test_noise_bits_are_checked(bits):
+  with pytest.raises(ValueError, match='noise_bits'):
+    aqtr.Stochastic(noise_bits=bits)
 
 
 def test_noise_is_deterministic_per_key():

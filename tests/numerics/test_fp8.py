@@ -1,4 +1,4 @@
-"""Tests of aqtr.numerics.Fp8 (ALGORITHMS.md, fp8)."""
+"""Tests of aqtr.numerics.Fp8 (Micikevicius et al. 2022, arXiv 2209.05433)."""
 
 import functools
 

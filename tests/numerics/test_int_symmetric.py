@@ -1,4 +1,4 @@
-"""Tests of aqtr.numerics.IntSymmetric (ALGORITHMS.md, int symmetric)."""
+"""Tests of aqtr.numerics.IntSymmetric."""
 
 import functools
 import itertools
@@ -22,7 +22,7 @@ VALID = [
 
 
 def _grid(bits, preserve_zero):
-  """The representable values in units of the scale s (ALGORITHMS.md)."""
+  """The representable values in units of the scale s."""
   if preserve_zero:
     top = 2 ** (bits - 1) - 1
     return np.arange(-top, top + 1, dtype=np.float64)

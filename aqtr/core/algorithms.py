@@ -1,0 +1,255 @@
+"""The interfaces the quantizer calls: Calibration, Numerics, Tiling.
+
+Quantizing one operand (`quantizer.quantize_view`) asks three algorithms,
+each from its own registry family (`aqtr.calibrations`, `aqtr.numerics`,
+`aqtr.tilings`), which subclass these base types:
+
+  Tiling       which elements of the view [batch, tile, free, k] share
+               one scale (and the tile size along the contraction; 2-D
+               blocks also share it over `free_block` rows);
+  Calibration  bound = calibrate(x, shared axes), one per scale group
+               (range calibrations: (lo, hi) = calibrate_range(...));
+  Numerics     s = scale_from_bound(bound) (default bound / max_value),
+               q = quantize(x / s (+ noise)); asymmetric numerics:
+               s = scale_from_range(lo, hi), z = zero_point(lo, s),
+               q = quantize(x / s + z (+ noise)).
+
+The families import these from here (through their `base` modules); the
+core never imports a concrete algorithm.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from collections.abc import Sequence
+from typing import Annotated, ClassVar
+
+import jax
+import jax.numpy as jnp
+
+from aqtr.core import markers
+from aqtr.core.rounding import Rounding
+
+# ------------------------------------------------------------- calibrations
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Calibration(abc.ABC):
+  """Base class of the `calibrations` registry: the bound of a scale group.
+
+  `calibrate` reduces a tensor over the axes that share one scale and
+  returns `bound` with those axes kept (size 1). The quantizer then sets
+  `s = bound / numerics.max_value` (bound 0 -> s = 1), optionally rounded up
+  to a power of two. Contract (checked for every registered calibration):
+  the bound is >= 0, and non-finite wherever its group holds a non-finite
+  value, so NaN/inf inputs surface in the output instead of being clipped.
+
+  Attributes:
+    po2_scale: round the scale up to a power of two, `s <- 2^ceil(log2 s)`.
+      Then fake quant and the real integer dot agree bit for bit.
+  """
+
+  po2_scale: Annotated[bool, markers.Po2Scale] = False
+
+  # Whether `calibrate_range` gives (lo, hi) bounds for asymmetric numerics.
+  gives_range: ClassVar[bool] = False
+
+  def __post_init__(self):
+    if not isinstance(self.po2_scale, bool):
+      raise TypeError(
+        f'{type(self).__name__}.po2_scale must be a bool, got '
+        f'{self.po2_scale!r}.'
+      )
+
+  @abc.abstractmethod
+  def calibrate(self, x: jax.Array, axes: Sequence[int]) -> jax.Array:
+    """The bound per scale group: `x` reduced over `axes`, keepdims.
+
+    (Named `calibrate` rather than `bound` so that algorithms may have a
+    field called `bound`, as `Constant` does.)
+    """
+
+  def calibrate_range(
+    self, x: jax.Array, axes: Sequence[int]
+  ) -> tuple[jax.Array, jax.Array]:
+    """(lo, hi) per scale group, keepdims, for asymmetric numerics.
+
+    Only calibrations with `gives_range = True` (e.g. `minmax`) define it.
+    """
+    raise NotImplementedError(
+      f'{type(self).__name__} gives no (lo, hi) range (gives_range=False).'
+    )
+
+
+# ----------------------------------------------------------------- numerics
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Numerics(abc.ABC):
+  """Base class of the `numerics` registry: the number format.
+
+  A numerics maps an already scaled float `v = x / s` to stored values `q`
+  (int8, fp8, ...) such that `x ~ s * unit * q`. It declares the largest
+  magnitude `max_value` the calibration bound is mapped to, the dtype fed
+  to the dot and, with `grad_mask`, a straight-through gradient mask.
+  Subclasses are frozen kw-only dataclasses; validate in `__post_init__`.
+  """
+
+  # False only for the passthrough numerics ('none').
+  quantizes: ClassVar[bool] = True
+  # Whether `quantize` accepts additive rounding noise (stochastic rounding).
+  supports_stochastic_rounding: ClassVar[bool] = False
+  # The dot family: 'int' (integer dot, int32 accumulation) or 'float'.
+  kind: ClassVar[str] = 'float'
+  # Affine numerics: `x ~ s * (q - z)` with s, z from `scale_from_range` and
+  # `zero_point`, fed by a range calibration (`Calibration.gives_range`).
+  asymmetric: ClassVar[bool] = False
+
+  @property
+  @abc.abstractmethod
+  def max_value(self) -> float:
+    """The magnitude the calibration bound maps to: `s = bound/max_value`."""
+
+  @property
+  def unit(self) -> float:
+    """Value of one stored step: `x ~ s * unit * q` (0.5 on half grids)."""
+    return 1.0
+
+  @property
+  @abc.abstractmethod
+  def dtype(self) -> jnp.dtype:
+    """The stored dtype of `q`."""
+
+  @property
+  def dot_dtype(self) -> jnp.dtype:
+    """The dtype `q` is given to the dot in (e.g. int4 is widened to int8)."""
+    return self.dtype
+
+  @property
+  def block_size(self) -> int | None:
+    """Block formats (MX, NVFP4): elements per block along the contraction.
+
+    The operand's tiling must tile the contraction in blocks of this size
+    (`check_operand`); None: any tiling.
+    """
+    return None
+
+  def scale_from_bound(self, bound: jax.Array) -> jax.Array:
+    """The scale per group from its calibrated bound (keepdims shape).
+
+    Default: `s = bound / max_value`, and 1 where the bound is too small to
+    divide by (an all-zero group). Override to constrain the scale (MX: a
+    power of two). The quantizer then applies the calibration's
+    `po2_scale` and computes `q = quantize(x / s)`.
+    """
+    qmax = self.max_value
+    tiny = qmax * float(jnp.finfo(jnp.float32).tiny)
+    return jnp.where(bound < tiny, jnp.float32(1), bound / qmax)
+
+  def scale_from_range(self, lo: jax.Array, hi: jax.Array) -> jax.Array:
+    """Asymmetric numerics: the scale per group from its (lo, hi)."""
+    raise NotImplementedError(f'{type(self).__name__} is not asymmetric.')
+
+  def zero_point(self, lo: jax.Array, s: jax.Array) -> jax.Array:
+    """Asymmetric numerics: the zero point per group (float32)."""
+    raise NotImplementedError(f'{type(self).__name__} is not asymmetric.')
+
+  @abc.abstractmethod
+  def quantize(self, v: jax.Array, noise: jax.Array | None = None) -> jax.Array:
+    """Rounds the scaled tensor `v` to stored values of `self.dtype`.
+
+    Args:
+      v: the scaled float tensor `x / s`.
+      noise: uniform noise in [-1/2, 1/2) for stochastic rounding, or None.
+    """
+
+  def grad_mask(self, v: jax.Array) -> jax.Array | None:
+    """Straight-through gradient mask for `v`, or None to pass all."""
+    del v
+    return None
+
+  def check_rounding(self, rounding: Rounding) -> None:
+    """Raises ValueError when this numerics cannot round with `rounding`.
+
+    `TensorConfig` calls it at construction. Subclasses with more
+    conditions (e.g. an unbiased top bucket) extend it.
+    """
+    if rounding.stochastic and not self.supports_stochastic_rounding:
+      raise ValueError(
+        f'TensorConfig.rounding: {type(self).__name__} does not support '
+        'stochastic rounding; use NearestEven() or a numerics that does '
+        '(int_symmetric, int_asymmetric, fp, fp8).'
+      )
+
+  def check_operand(self, calibration: Calibration, tiling: Tiling) -> None:
+    """Raises ValueError when this numerics cannot use `calibration` or
+    `tiling` (`TensorConfig` calls it at construction).
+
+    Asymmetric numerics need a range calibration; block formats need the
+    contraction tiled in their blocks (and the scale not shared across
+    rows or batch, except by 2-D blocks).
+    """
+    if self.asymmetric and not calibration.gives_range:
+      raise ValueError(
+        f'TensorConfig.calibration: {type(self).__name__} is asymmetric and '
+        "needs lo/hi bounds; allowed: 'minmax' (a calibration with "
+        f'gives_range=True), got {type(calibration).__name__}.'
+      )
+    block = self.block_size
+    if block is not None and not _tiles_in_blocks(tiling, block):
+      raise ValueError(
+        f'TensorConfig.tiling: {type(self).__name__} uses blocks of {block} '
+        f'along the contraction; allowed: SubChannel(tile_size={block}) or '
+        f'Block2d(tile_size={block}, free_size=...), got {tiling!r}.'
+      )
+
+
+def _tiles_in_blocks(tiling: Tiling, block: int) -> bool:
+  """Whether `tiling` tiles every contraction in blocks of `block`."""
+  if tiling.shared != frozenset({'k'}):
+    return False
+  try:
+    return tiling.tile(block) == block == tiling.tile(3 * block)
+  except ValueError:
+    return False
+
+
+# ------------------------------------------------------------------ tilings
+
+# The axes of the 4-D view of an operand in a dot.
+ROLES = ('batch', 'tile', 'free', 'k')
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Tiling(abc.ABC):
+  """Base class of the `tilings` registry: which elements share one scale.
+
+  In a dot every operand is seen as the 4-D view [batch, tile, free, k]:
+  the contraction axes (flattened, in dot order) are split into `tile`
+  blocks of `k` elements each (one block when not tiled). A tiling names
+  the view axes its scale is shared along (the calibration reduces over
+  them) and, for sub-channel tilings, the block size. Scales constant
+  along `k` factor out of the integer dot, so every tiling runs the real
+  int dot.
+  """
+
+  # The view axes (a subset of ROLES) that share one scale.
+  shared: ClassVar[frozenset[str]]
+
+  @abc.abstractmethod
+  def tile(self, k: int) -> int | None:
+    """Block size along the flattened contraction size `k`; None: untiled.
+
+    Raises:
+      ValueError: when the tiling does not fit `k`.
+    """
+
+  def free_block(self, f: int) -> int | None:
+    """Rows per scale block along the flattened free size `f` (2-D blocks).
+
+    None (the default): the scale is not shared across rows (unless 'free'
+    is in `shared`).
+    """
+    del f
+    return None
