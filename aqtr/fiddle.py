@@ -26,6 +26,9 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
+import re
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -45,6 +48,7 @@ __all__ = [
   'loads',
   'path_str',
   'to_text',
+  'value_text',
 ]
 
 Preset = str | Callable[..., DotGeneralConfig] | DotGeneralConfig
@@ -219,7 +223,8 @@ def to_text(cfg: Any, *, show_tags: bool = False) -> str:
 
   Returns:
     Lines like `fwd.lhs.calibration: AbsMax` and
-    `fwd.lhs.numerics.bits = 8`, in tree order.
+    `fwd.lhs.numerics.bits = 8`, in tree order; functions by dotted name
+    (`value_text`), so equal configs give equal text.
 
   Example:
     >>> import aqtr
@@ -241,7 +246,7 @@ def to_text(cfg: Any, *, show_tags: bool = False) -> str:
     elif _holds_buildable(value):
       continue
     else:
-      line = f'{path} = {value!r}'
+      line = f'{path} = {value_text(value)}'
       plain.append(p)
     if show_tags and isinstance(p[-1], daglish.Attr):
       parent = daglish.follow_path(cfg, p[:-1])
@@ -250,6 +255,48 @@ def to_text(cfg: Any, *, show_tags: bool = False) -> str:
         line += '  # ' + ', '.join(sorted(t.__name__ for t in found))
     lines.append(line)
   return '\n'.join(lines)
+
+
+def value_text(value: Any) -> str:
+  """`repr(value)`, with functions and classes by dotted name, no address.
+
+  A function prints as the public name it is reachable by (`jax.nn.gelu`,
+  not `<function gelu at 0x7f...>`): the first of its module's non-private
+  parents that holds it, else its defining module. `functools.partial`,
+  lists, tuples and dicts are printed element by element, and any
+  remaining ` at 0x...` address is dropped, so equal configs print equal.
+
+  Example:
+    >>> import functools, jax
+    >>> value_text(functools.partial(jax.nn.gelu, approximate=False))
+    'functools.partial(jax.nn.gelu, approximate=False)'
+  """
+  if isinstance(value, functools.partial):
+    parts = [value_text(value.func), *map(value_text, value.args)]
+    parts += [f'{k}={value_text(v)}' for k, v in value.keywords.items()]
+    return f'functools.partial({", ".join(parts)})'
+  if isinstance(value, list | tuple) and not hasattr(value, '_fields'):
+    inner = ', '.join(map(value_text, value))
+    if isinstance(value, list):
+      return f'[{inner}]'
+    return f'({inner},)' if len(value) == 1 else f'({inner})'
+  if isinstance(value, dict):
+    items = (f'{value_text(k)}: {value_text(v)}' for k, v in value.items())
+    return '{' + ', '.join(items) + '}'
+  if callable(value) and hasattr(value, '__qualname__'):
+    return _dotted_name(value)
+  return re.sub(r' at 0x[0-9a-fA-F]+>', '>', repr(value))
+
+
+def _dotted_name(fn: Any) -> str:
+  module = getattr(fn, '__module__', None) or ''
+  name = fn.__qualname__
+  public = [m for m in module.split('.') if not m.startswith('_')]
+  for i in range(len(public), 0, -1):
+    parent = sys.modules.get('.'.join(public[:i]))
+    if parent is not None and getattr(parent, name, None) is fn:
+      return f'{parent.__name__}.{name}'
+  return f'{module}.{name}' if module else name
 
 
 def _holds_buildable(value: Any) -> bool:

@@ -46,7 +46,13 @@ from typing import Any
 
 import fiddle as fdl
 from absl import flags
-from fiddle import absl_flags as fdl_flags
+
+from aqtr import extras
+
+try:
+  from fiddle import absl_flags as fdl_flags
+except ImportError as e:
+  raise extras.missing('flags', 'aqtr.flags', e) from e
 
 from aqtr import fiddle as aqtr_fiddle
 from aqtr import fiddlers, presets

@@ -30,7 +30,12 @@ import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import gin
+from aqtr import extras
+
+try:
+  import gin
+except ImportError as e:
+  raise extras.missing('gin', 'aqtr.gin', e) from e
 
 from aqtr import calibrations, freezers, numerics, tilings
 from aqtr.core.config import DotGeneralConfig, DotGeneralRaw, TensorConfig

@@ -1,13 +1,14 @@
 """A researcher's own calibration, registered by name, and a config using it.
 
 Nothing here is part of aqtr: it shows that a new algorithm is a small
-registered frozen dataclass in your own file. Import it from the command
-line with `--import=configs/my_calibration.py`; then the name 'percentile'
-works in the fiddlers:
+registered frozen dataclass in your own file (this one is a minimal
+version of the built-in `percentile`, under its own name). Import it from
+the command line with `--import=configs/my_calibration.py`; then the name
+'my_percentile' works in the fiddlers:
 
   python configs/sweep.py --import=configs/my_calibration.py \
     --config=config:int8 \
-    --config="fiddler:use_calibration('dlhs.lhs', 'percentile', q=99.0)"
+    --config="fiddler:use_calibration('dlhs.lhs', 'my_percentile', q=99.0)"
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import aqtr
 from aqtr.calibrations.base import nonfinite_guard
 
 
-@aqtr.calibrations.register('percentile')
+@aqtr.calibrations.register('my_percentile')
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Percentile(aqtr.calibrations.Calibration):
   """bound = the q-th percentile of |x| over each scale group.
@@ -56,5 +57,5 @@ def int8_percentile_gradients() -> fdl.Config:
   cfg = aqtr.fiddle.config('int8')
   cfg.dlhs.lhs.numerics.bits = 4
   aqtr.fiddlers.use_rounding(cfg, r'dlhs\.lhs', 'stochastic')
-  aqtr.fiddlers.use_calibration(cfg, r'dlhs\.lhs', 'percentile', q=99.0)
+  aqtr.fiddlers.use_calibration(cfg, r'dlhs\.lhs', 'my_percentile', q=99.0)
   return cfg

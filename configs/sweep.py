@@ -31,6 +31,8 @@ _SHAPE = flags.DEFINE_list('shape', ['64', '128', '32'], 'M,K,N of the step.')
 _SEED = flags.DEFINE_integer('seed', 0, 'PRNG seed of the data and noise.')
 _SAVE = flags.DEFINE_string('save', None, 'Write the config as JSON here.')
 
+DN = (((1,), (0,)), ((), ()))  # x[M,K] . w[K,N]
+
 
 def step(
   config: aqtr.DotGeneralConfig, m: int, k: int, n: int, seed: int = 0
@@ -40,14 +42,13 @@ def step(
   x = jax.random.normal(kx, (m, k))
   w = jax.random.normal(kw, (k, n)) / jnp.sqrt(k)
   g = jax.random.normal(kg, (m, n))
-  dn = (((1,), (0,)), ((), ()))
-  aqtr.validation.check_shapes(config, x.shape, w.shape, dn)
+  aqtr.validation.check_shapes(config, x.shape, w.shape, DN)
 
   def quantized(a, b):
-    return aqtr.dot_general(a, b, dn, config, key=kn)
+    return aqtr.dot_general(a, b, DN, config, key=kn)
 
   def reference(a, b):
-    return lax.dot_general(a, b, dn)
+    return lax.dot_general(a, b, DN)
 
   errors = {}
   out, vjp = jax.vjp(jax.jit(quantized), x, w)
@@ -65,17 +66,21 @@ def main(argv: list[str]) -> None:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
   aqtr_flags.import_modules(_IMPORTS.value)
   try:
+    m, k, n = (int(s) for s in _SHAPE.value)
+  except ValueError:
+    sys.exit(f'--shape: give three integers M,K,N, got {_SHAPE.value}.')
+  try:
     cfg = _CONFIG.value
     if cfg is None:
       raise app.UsageError('Give a base config, e.g. --config=config:int8.')
     built = aqtr.fiddle.build(cfg)
+    aqtr.validation.check_shapes(built, (m, k), (k, n), DN)
   except (ValueError, TypeError, KeyError, AttributeError) as e:
     sys.exit(f'config error: {e}')
   print(aqtr.fiddle.to_text(cfg))
   if _SAVE.value:
     with open(_SAVE.value, 'w') as f:
       f.write(aqtr.fiddle.dumps(cfg))
-  m, k, n = (int(s) for s in _SHAPE.value)
   errors = step(built, m, k, n, _SEED.value)
   print(f'# x[{m}x{k}] . w[{k}x{n}], relative error vs float32:')
   print('  '.join(f'{name} {err:.4f}' for name, err in errors.items()))

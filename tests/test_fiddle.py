@@ -159,3 +159,27 @@ def test_json_round_trip_keeps_tags_usable():
   built = fdl.build(again)
   assert built.dlhs.lhs.numerics.bits == 4
   assert built.fwd.lhs.numerics.bits == 8
+
+
+class _Holder:
+  def __init__(self, fn=None, fns=(), obj=None):
+    self.fn, self.fns, self.obj = fn, fns, obj
+
+
+def test_to_text_names_functions_without_addresses():
+  import functools
+
+  import jax
+
+  cfg = fdl.Config(
+    _Holder,
+    fn=functools.partial(jax.nn.gelu, approximate=False),
+    fns=(jax.nn.relu, aqtr.fiddle.to_text),
+    obj=object(),
+  )
+  lines = aqtr.fiddle.to_text(cfg).splitlines()
+  assert lines == [
+    'fn = functools.partial(jax.nn.gelu, approximate=False)',
+    'fns = (jax.nn.relu, aqtr.fiddle.to_text)',
+    'obj = <object object>',
+  ]

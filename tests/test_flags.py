@@ -74,13 +74,13 @@ def test_user_file_import_and_dotted_config(scratch_registries):
   cfg = _parse(
     f'--import={MY_CALIBRATION}',
     '--config=config:int8',
-    "--config=fiddler:use_calibration('drhs.lhs', 'percentile', q=98.0)",
+    "--config=fiddler:use_calibration('drhs.lhs', 'my_percentile', q=98.0)",
   )
   assert type(fdl.build(cfg).drhs.lhs.calibration).__name__ == 'Percentile'
 
 
 def test_user_registrations_do_not_leak():
-  assert 'percentile' not in aqtr.calibrations.names()
+  assert 'my_percentile' not in aqtr.calibrations.names()
 
 
 def test_config_file_round_trip(tmp_path):
@@ -103,7 +103,7 @@ def test_errors():
       '--config=config:int8',
       "--config=fiddler:use_calibration('fwd.lhs', 'pct')",
     )
-  with pytest.raises(ValueError, match='available names: float, fp8'):
+  with pytest.raises(ValueError, match='available names: aqt_v4, float, fp8'):
     _parse('--config=config:int9')
 
 
@@ -134,3 +134,21 @@ def test_readme_walkthrough_runs_verbatim():
   assert 'drhs.lhs.rounding: NearestEven' in lines
   assert 'fwd.lhs.numerics.bits = 8' in lines
   assert re.match(r'out [\d.]+  dlhs [\d.]+  drhs [\d.]+$', lines[-1])
+
+
+def test_sweep_reports_a_tile_that_does_not_divide_in_one_line():
+  out = subprocess.run(
+    [
+      sys.executable,
+      'configs/sweep.py',
+      '--config=config:int8',
+      "--config=fiddler:use_tiling('fwd.lhs', 'subchannel', tile_size=48)",
+    ],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+  )
+  assert out.returncode == 1 and out.stdout == ''
+  (line,) = out.stderr.strip().splitlines()
+  assert line.startswith('config error: fwd.lhs.tiling: ')
+  assert 'tile_size=48 does not divide' in line and '128' in line

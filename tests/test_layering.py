@@ -33,6 +33,7 @@ LAYERS = {
   'gin': 3,
   'flags': 3,
   'testing': 3,
+  'extras': 1,  # Imports nothing of aqtr: the pip hint of every adapter.
   '': 4,  # The facade, aqtr/__init__.py.
   'flax': 5,
   'pax': 5,

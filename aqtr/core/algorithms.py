@@ -81,6 +81,23 @@ class Calibration(abc.ABC):
       f'{type(self).__name__} gives no (lo, hi) range (gives_range=False).'
     )
 
+  def bound_for(
+    self, x: jax.Array, axes: Sequence[int], numerics: Numerics
+  ) -> jax.Array:
+    """The bound for quantizing `x` with `numerics` (the quantizer's call).
+
+    Defaults to `calibrate(x, axes)`; a calibration that searches over the
+    quantization error (e.g. `Mse`) overrides it to see the numerics.
+    (Named `bound_for`, not `bound`, for the same reason as `calibrate`.)
+
+    Args:
+      x: float tensor.
+      axes: the axes sharing one scale.
+      numerics: the operand's numerics.
+    """
+    del numerics
+    return self.calibrate(x, axes)
+
 
 # ----------------------------------------------------------------- numerics
 
@@ -105,6 +122,8 @@ class Numerics(abc.ABC):
   # Affine numerics: `x ~ s * (q - z)` with s, z from `scale_from_range` and
   # `zero_point`, fed by a range calibration (`Calibration.gives_range`).
   asymmetric: ClassVar[bool] = False
+  # False: rejected on the gradient operand (lhs) of the dlhs/drhs passes.
+  for_gradients: ClassVar[bool] = True
 
   @property
   @abc.abstractmethod

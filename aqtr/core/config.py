@@ -173,6 +173,14 @@ class DotGeneralConfig:
         'DotGeneralConfig.fwd.use_fwd_quant must be False: only the backward '
         'passes (dlhs, drhs) can reuse the forward quantization.'
       )
+    for name in ('dlhs', 'drhs'):
+      n = getattr(self, name).lhs.numerics
+      if n.quantizes and not n.for_gradients:
+        raise ValueError(
+          f'DotGeneralConfig.{name}.lhs.numerics: {type(n).__name__} is not '
+          f'meant for gradients (the lhs operand of {name}); use int, fp8 or '
+          "'none' numerics there."
+        )
 
   @property
   def needs_key(self) -> bool:

@@ -62,7 +62,13 @@ def quantize_view(x4: jax.Array, cfg: TensorConfig, form: str, noise=None):
   x = x4.astype(jnp.float32)
   axes = tuple(sorted(ROLE_AXES[form][r] for r in cfg.tiling.shared))
   cal = cfg.calibration
-  calibrate = cal.calibrate_range if n.asymmetric else cal.calibrate
+  if n.asymmetric:
+    calibrate = cal.calibrate_range
+  else:
+
+    def calibrate(x, axes):
+      return cal.bound_for(x, axes, n)
+
   free_axis = ROLE_AXES[form]['free']
   rows = cfg.tiling.free_block(x.shape[free_axis])
   if rows is not None and free_axis not in axes:

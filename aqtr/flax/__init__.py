@@ -11,3 +11,10 @@ hold the conversion and the shared plumbing; the per-mode math is in
 `aqtr.freezers.lifecycle`. `import aqtr` never imports flax. Inside this
 package `flax` is the real Flax (absolute imports), not `aqtr.flax`.
 """
+
+from aqtr import extras
+
+try:  # Name the extra to install when one is missing.
+  import flax  # noqa: F401
+except ImportError as e:
+  raise extras.missing('flax', 'aqtr.flax', e) from e

@@ -10,14 +10,79 @@ frozen_1a2b3c4d.rhs.qvalue'). Restoring needs the tree's structure: pass a
   nnx:   nnx.state(nnx.eval_shape(lambda: convert(make_model(), x)))
 
 int8 / int4 / fp8 values keep their dtype.
+
+Integrity: `save` also writes `aqtr_checksum.json` in the checkpoint folder
+(a sha256 of every array's dtype, shape and bytes); `restore` recomputes it
+and refuses data that changed since it was saved. Every way a checkpoint
+cannot be restored (no folder, missing or garbled metadata, truncated or
+corrupted data, a checksum mismatch) raises one `CheckpointError` whose
+one-line message starts with the checkpoint's path.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 
 import jax
-import orbax.checkpoint as ocp
+import numpy as np
+
+from aqtr import extras
+
+try:
+  import orbax.checkpoint as ocp
+except ImportError as e:
+  raise extras.missing('flax', 'aqtr.flax.checkpoint', e) from e
+
+CHECKSUM_FILE = 'aqtr_checksum.json'
+_FORMAT = 'aqtr.flax.checkpoint/1'
+
+
+class CheckpointError(ValueError):
+  """A checkpoint cannot be restored as saved; the message names its path."""
+
+  def __init__(self, path: str, message: str):
+    super().__init__(f'{path}: {message}')
+    self.path = path
+
+
+def _one_line(err: BaseException, limit: int = 200) -> str:
+  text = ' '.join(str(err).split())
+  text = text if len(text) <= limit else text[: limit - 3] + '...'
+  return f'{type(err).__name__}: {text}' if text else type(err).__name__
+
+
+def _digests(flat: dict) -> dict[str, str]:
+  """sha256 of each array's dtype, shape and bytes, by key."""
+  out = {}
+  for key in sorted(flat):
+    a = np.ascontiguousarray(np.asarray(flat[key]))
+    h = hashlib.sha256(f'{a.dtype.name}{a.shape}'.encode())
+    h.update(a.tobytes())
+    out[key] = h.hexdigest()
+  return out
+
+
+def _read_digests(path: str) -> dict[str, str]:
+  file = os.path.join(path, CHECKSUM_FILE)
+  if not os.path.isfile(file):
+    raise CheckpointError(
+      path,
+      f'{CHECKSUM_FILE} is missing: not written by aqtr.flax.checkpoint.save, '
+      'or the save did not finish.',
+    )
+  try:
+    with open(file, 'rb') as f:
+      meta = json.loads(f.read().decode())
+    digests = meta['sha256']
+    if meta['format'] != _FORMAT or not isinstance(digests, dict):
+      raise ValueError(f'format {meta["format"]!r}, expected {_FORMAT!r}')
+  except Exception as e:  # Reported with the path.
+    raise CheckpointError(
+      path, f'{CHECKSUM_FILE} is garbled ({_one_line(e, 80)}).'
+    ) from e
+  return digests
 
 
 def _name(entry) -> str:
@@ -47,9 +112,13 @@ def save(path: str | os.PathLike, tree, *, force: bool = False) -> None:
     force: overwrite an existing checkpoint.
   """
   flat, _ = _flat(tree)
+  path = os.path.abspath(path)
   ckpt = ocp.StandardCheckpointer()
-  ckpt.save(os.path.abspath(path), flat, force=force)
+  ckpt.save(path, flat, force=force)
   ckpt.wait_until_finished()
+  meta = {'format': _FORMAT, 'sha256': _digests(flat)}
+  with open(os.path.join(path, CHECKSUM_FILE), 'w') as f:
+    json.dump(meta, f, indent=1)
 
 
 def restore(path: str | os.PathLike, target):
@@ -63,6 +132,11 @@ def restore(path: str | os.PathLike, target):
   Returns:
     `target`'s structure with the saved arrays.
 
+  Raises:
+    CheckpointError: no checkpoint at `path`, missing or garbled metadata,
+      unreadable data, data that changed since `save` (checksum), or a
+      target of another structure. The message starts with the path.
+
   Example:
     >>> import tempfile, jax.numpy as jnp
     >>> d = tempfile.mkdtemp() + '/ckpt'
@@ -74,14 +148,44 @@ def restore(path: str | os.PathLike, target):
   abstract = {
     k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in flat.items()
   }
-  ckpt = ocp.StandardCheckpointer()
   path = os.path.abspath(path)
-  _check_keys(set(ckpt.metadata(path).item_metadata.tree), set(abstract))
-  out = ckpt.restore(path, abstract)
+  if not os.path.isdir(path):
+    raise CheckpointError(path, 'no checkpoint here (no such directory).')
+  expected = _read_digests(path)
+  ckpt = ocp.StandardCheckpointer()
+  try:
+    saved = set(ckpt.metadata(path).item_metadata.tree)
+  except Exception as e:  # Reported with the path.
+    raise CheckpointError(
+      path,
+      'the orbax metadata cannot be read: the checkpoint is incomplete or '
+      f'corrupted ({_one_line(e, 80)}).',
+    ) from e
+  if saved != set(expected):
+    raise CheckpointError(
+      path, f'the orbax metadata and {CHECKSUM_FILE} list different arrays.'
+    )
+  _check_keys(path, saved, set(abstract))
+  try:
+    out = ckpt.restore(path, abstract)
+  except Exception as e:  # Reported with the path.
+    raise CheckpointError(
+      path,
+      'the array data cannot be read: truncated or corrupted '
+      f'({_one_line(e)}).',
+    ) from e
+  actual = _digests(out)
+  bad = [k for k in sorted(flat) if actual[k] != expected[k]]
+  if bad:
+    raise CheckpointError(
+      path,
+      f'checksum mismatch for {bad[:3]}: the data changed since it was '
+      'saved (corrupted); do not serve from it.',
+    )
   return jax.tree_util.tree_unflatten(treedef, [out[k] for k in flat])
 
 
-def _check_keys(saved: set, wanted: set) -> None:
+def _check_keys(path: str, saved: set, wanted: set) -> None:
   """Reports a structure mismatch; frozen entries of another config first."""
   missing, extra = sorted(wanted - saved), sorted(saved - wanted)
   if not (missing or extra):
@@ -91,16 +195,18 @@ def _check_keys(saved: set, wanted: set) -> None:
     return [k for k in keys if '.frozen_' in f'.{k}']
 
   if frozen(missing) and frozen(extra):
-    raise ValueError(
+    raise CheckpointError(
+      path,
       'the checkpoint holds frozen values converted with a different '
       f'forward quantization config ({frozen(extra)[:3]}) than the target '
       f'expects ({frozen(missing)[:3]}); build the target with the config '
-      'used for CONVERT, or convert again.'
+      'used for CONVERT, or convert again.',
     )
-  raise ValueError(
+  raise CheckpointError(
+    path,
     f'the checkpoint does not match the target: missing {missing[:5]}, '
-    f'unexpected {extra[:5]}.'
+    f'unexpected {extra[:5]}.',
   )
 
 
-__all__ = ['restore', 'save']
+__all__ = ['CHECKSUM_FILE', 'CheckpointError', 'restore', 'save']

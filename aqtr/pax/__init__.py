@@ -24,6 +24,13 @@ Example:
   ...
 """
 
+from aqtr import extras
+
+try:  # Name the extra to install when one is missing.
+  import flax  # noqa: F401
+except ImportError as e:
+  raise extras.missing('flax', 'aqtr.pax', e) from e
+
 from aqtr.pax import mixed_precision, paths, tags, templates
 from aqtr.pax.attention import Attention
 from aqtr.pax.classifier import Cnn, Conv, Mlp

@@ -14,6 +14,17 @@ runs). Needs the `train` extra (flax, optax, orbax, matplotlib, rich, and
 scikit-learn for the digits task). Not imported by `import aqtr`.
 """
 
+from aqtr import extras
+
+try:  # Name the extra to install when one is missing.
+  import fiddle.absl_flags  # noqa: F401
+  import flax  # noqa: F401
+  import matplotlib  # noqa: F401
+  import optax  # noqa: F401
+  import orbax.checkpoint  # noqa: F401
+except ImportError as e:
+  raise extras.missing('train', 'aqtr.train (aqtr-train)', e) from e
+
 from aqtr.train import experiment, job
 from aqtr.train.experiment import Experiment
 from aqtr.train.job import run

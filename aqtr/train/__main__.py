@@ -2,7 +2,9 @@
 
 Trains the same model on the same offline data (no download) under float,
 int8 and fp8 (and a config of your own), then prints a summary table and
-writes the outputs (see `aqtr.train.report`) to --out_dir.
+writes the outputs (see `aqtr.train.report`) to a fresh folder
+`aqtr_train_out/<config>-<timestamp>` (printed at start), or to --out_dir
+(which must be empty, or hold an earlier output and --overwrite be given).
 
   aqtr-train                                   # default: stdlib byte LM
   aqtr-train --config=config:digits            # MLP on sklearn digits
@@ -12,27 +14,30 @@ writes the outputs (see `aqtr.train.report`) to --out_dir.
   aqtr-train --config="fiddler:custom('fully_quantized', bwd_bits=4)"
   aqtr-train --config="fiddler:custom('int8')" \\
     --config="fiddler:use_rounding('custom\\.d.hs\\.lhs', 'stochastic')"
-  aqtr-train --config=config_file:aqtr_train_out/config.json   # rerun
+  aqtr-train --config=config_file:aqtr_train_out/NAME/config.json  # rerun
 
 --config directives apply in order; the first one may pick a named config
-(`config:NAME`, NAME from `aqtr.train.experiment`: default, tiny, digits,
-large), else `config:default` is used. `set:` sets a field by its dotted
-path (Python literals), `fiddler:` calls a function of
-`aqtr.train.experiment` (`custom`, and the registry-name fiddlers of
-`aqtr.fiddlers`) or any importable dotted name.
+(`config:NAME`, NAME in `aqtr.train.experiment.CONFIGS`: default, tiny,
+digits, long, large), else `config:default` is used. `set:` sets a field
+by its dotted path (Python literals), `fiddler:` calls `custom` (a run of
+your own config), a registry-name fiddler of `aqtr.fiddlers`, or any
+importable dotted name.
+
+Exit status: 0 all runs trained; 1 some run diverged (non-finite loss or
+parameters; the others still ran and are reported); 2 a command-line
+mistake (one line on stderr naming the flag and the valid choices); 130
+interrupted (Ctrl-C: a line says where the partial results are).
 """
 
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Sequence
 
 from absl import app, flags
-from fiddle import absl_flags as fdl_flags
 
-from aqtr.train import experiment, job
-
-_BASE = ('config:', 'config_file:', 'config_str:')
+from aqtr.train import cli, experiment, job, report
 
 _FLAGS: dict[str, flags.FlagHolder] = {}
 
@@ -41,27 +46,33 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> dict:
   """Defines the job's flags once (not at import: no global side effects).
 
   Returns:
-    {'config', 'out_dir', 'progress', 'print_config', 'import'} holders.
+    {'config', 'out_dir', 'overwrite', 'progress', 'print_config',
+    'import'} holders.
   """
   if _FLAGS:
     return _FLAGS
-  _FLAGS['config'] = fdl_flags.DEFINE_fiddle_config(
+  _FLAGS['config'] = flags.DEFINE_multi_string(
     'config',
-    default_module=experiment,
-    allow_imports=True,
-    help_string=(
-      'The experiment, built in order from directives: config:NAME '
-      '(default, tiny, digits, large; default when omitted), '
-      'set:PATH=VALUE (e.g. set:steps=100), fiddler:NAME(ARGS) (e.g. '
-      "fiddler:custom('int8')), config_file:PATH (a config.json this job "
-      'wrote).'
-    ),
+    [],
+    'The experiment, built in order from directives: config:NAME '
+    f'(NAME: {", ".join(experiment.CONFIGS)}; default when omitted), '
+    'set:PATH=VALUE (e.g. set:steps=100), fiddler:NAME(ARGS) (NAME: '
+    f"{', '.join(cli.fiddler_names())}; e.g. fiddler:custom('int8')), "
+    'config_file:PATH (a config.json this job wrote). Runs: '
+    f'{", ".join(experiment.RUNS)}.',
     flag_values=flag_values,
   )
   _FLAGS['out_dir'] = flags.DEFINE_string(
     'out_dir',
-    'aqtr_train_out',
-    'Output folder (files in it are replaced).',
+    None,
+    'Output folder; must be empty or new (see --overwrite). Default: a '
+    f'fresh {cli.DEFAULT_ROOT}/<config>-<YYYYmmdd-HHMMSS>.',
+    flag_values=flag_values,
+  )
+  _FLAGS['overwrite'] = flags.DEFINE_bool(
+    'overwrite',
+    False,
+    'Clear a non-empty --out_dir that holds an earlier aqtr-train output.',
     flag_values=flag_values,
   )
   _FLAGS['progress'] = flags.DEFINE_bool(
@@ -100,34 +111,87 @@ def with_default_config(argv: Sequence[str]) -> list[str]:
       values.append(a.removeprefix('--config='))
     elif a == '--config' and i + 1 < len(argv):
       values.append(argv[i + 1])
-  if not any(v.startswith(_BASE) for v in values):
+  if not any(v.startswith(cli.BASE_DIRECTIVES) for v in values):
     argv.insert(1, '--config=config:default')
   if not any(a.startswith(('--verbosity', '-v', '--v=')) for a in argv):
     argv.insert(1, '--verbosity=-1')  # absl WARNING: no orbax INFO lines.
   return argv
 
 
+def _fail(message: str, status: int = 2) -> None:
+  print(f'aqtr-train: {message}', file=sys.stderr, flush=True)
+  sys.exit(status)
+
+
+def _out_dir(f: dict, directives: Sequence[str]) -> str:
+  if f['out_dir'].value:
+    return f['out_dir'].value
+  stamp = time.strftime('%Y%m%d-%H%M%S')
+  return cli.default_out_dir(cli.config_name(directives), stamp)
+
+
 def _main(argv: Sequence[str]) -> None:
   if len(argv) > 1:
-    raise app.UsageError(f'unexpected arguments: {" ".join(argv[1:])}')
+    _fail(f'unexpected arguments: {" ".join(argv[1:])} (flags: --help)')
   f = define_flags()
   if f['import'].value:
     from aqtr import flags as aqtr_flags
 
-    aqtr_flags.import_modules(f['import'].value)
-  cfg = f['config'].value
+    try:
+      aqtr_flags.import_modules(f['import'].value)
+    except (ImportError, OSError) as e:
+      _fail(f'--import: {e}')
+  directives = f['config'].value
+  try:
+    cfg = cli.config_from_directives(directives)
+    cli.experiment_of(cfg)
+  except cli.CommandLineError as e:
+    _fail(str(e))
   if f['print_config'].value:
     from aqtr import fiddle as aqtr_fiddle
 
     print(aqtr_fiddle.to_text(job.resolved(cfg)))
     return
-  job.run(cfg, f['out_dir'].value, show_progress=f['progress'].value)
+  out = _out_dir(f, directives)
+  try:
+    report.prepare_out_dir(out, f['overwrite'].value)
+  except report.OutDirError as e:
+    _fail(f'--out_dir: {e}')
+  try:
+    rows = job.run(cfg, out, show_progress=f['progress'].value)
+  except KeyboardInterrupt:
+    _fail(
+      f'interrupted; partial results in {out} (what did not finish holds '
+      f'a {report.INCOMPLETE} file)',
+      130,
+    )
+  diverged = [r['run'] for r in rows if r['status'] != 'ok']
+  if diverged:
+    _fail(f'run(s) diverged: {", ".join(diverged)}; see {out}', 1)
+
+
+def _help_for(program: str) -> None:
+  """Makes --help show this job's docstring and flags under any launcher.
+
+  absl's --help prints `__main__`'s docstring and the flags defined by the
+  module named `program`; a console script (`aqtr-train`) is neither.
+  """
+  launcher = sys.modules.get('__main__')
+  if launcher is not None and not launcher.__doc__:
+    launcher.__doc__ = __doc__
+  for holder in _FLAGS.values():
+    flags.FLAGS.register_key_flag_for_module(program, flags.FLAGS[holder.name])
 
 
 def main(argv: Sequence[str] | None = None) -> None:
   """Entry point of `aqtr-train` and `python -m aqtr.train`."""
-  define_flags()
-  app.run(_main, argv=with_default_config(sys.argv if argv is None else argv))
+  argv = list(sys.argv if argv is None else argv)
+  try:
+    define_flags()
+    _help_for(argv[0])
+    app.run(_main, argv=with_default_config(argv))
+  except KeyboardInterrupt:
+    _fail('interrupted before training started; nothing was written', 130)
 
 
 if __name__ == '__main__':

@@ -30,6 +30,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
+import numbers
+from collections.abc import Callable
 from typing import Any
 
 import fiddle as fdl
@@ -52,18 +55,71 @@ from aqtr.fiddlers import (  # noqa: F401
 from aqtr.train import models
 
 __all__ = [
+  'CONFIGS',
+  'RUNS',
   'TASKS',
   'Experiment',
+  'check_field',
   'custom',
   'default',
   'digits',
   'large',
   'long',
+  'run_config',
   'split',
   'tiny',
 ]
 
 TASKS = ('lm', 'digits')
+
+# The runs an experiment may name in `runs`: name -> DotGeneralConfig maker.
+# Every preset; add an entry here to offer another run by name.
+RUNS: dict[str, Callable[[], aqtr.DotGeneralConfig]] = {
+  name: getattr(aqtr.presets, name) for name in aqtr.presets.__all__
+}
+
+# Numeric fields: (type, allowed range as text, range test).
+_RANGES: dict[str, tuple[type, str, Callable[[Any], bool]]] = {
+  'steps': (int, '>= 1', lambda v: v >= 1),
+  'batch_size': (int, '>= 1', lambda v: v >= 1),
+  'seq_len': (int, '>= 2', lambda v: v >= 2),
+  'learning_rate': (float, '> 0', lambda v: v > 0),
+  'warmup_steps': (int, '>= 0', lambda v: v >= 0),
+  'weight_decay': (float, '>= 0', lambda v: v >= 0),
+  'grad_clip': (float, '> 0', lambda v: v > 0),
+  'eval_every': (int, '>= 1', lambda v: v >= 1),
+  'eval_batches': (int, '>= 1', lambda v: v >= 1),
+  'log_every': (int, '>= 1', lambda v: v >= 1),
+  'seed': (int, '>= 0', lambda v: v >= 0),
+  'max_corpus_bytes': (int, '>= 1 or None', lambda v: v >= 1),
+  'val_percent': (int, 'in 1..99', lambda v: 1 <= v <= 99),
+}
+
+
+def check_field(name: str, value: Any) -> None:
+  """Raises ValueError naming `name` unless `value` has its type and range.
+
+  Ints must be integers (not bools, not 2.5); floats may be given as ints
+  and must be finite.
+
+  Example:
+    >>> check_field('steps', 'abc')
+    Traceback (most recent call last):
+    ...
+    ValueError: steps must be an int >= 1, got 'abc'.
+  """
+  kind, allowed, test = _RANGES[name]
+  if value is None and allowed.endswith('or None'):
+    return
+  number = numbers.Integral if kind is int else numbers.Real
+  ok = isinstance(value, number) and not isinstance(value, bool)
+  if kind is int:
+    what = f'an int {allowed}'
+  else:
+    ok = ok and math.isfinite(value)
+    what = f'a finite number {allowed}'
+  if not (ok and test(value)):
+    raise ValueError(f'{name} must be {what}, got {value!r}.')
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -75,8 +131,8 @@ class Experiment:
       'digits' (MLP classifier, reports accuracy).
     model: the float model template (a Fiddle config, see
       `aqtr.train.models`); None: the task's default model.
-    runs: preset names of `aqtr.presets` to run, in order ('float' first
-      gives the speed baseline).
+    runs: names of `RUNS` (the presets of `aqtr.presets`) to run, in order
+      ('float' first gives the speed baseline).
     custom: a user-chosen DotGeneralConfig (Fiddle tree), run last under
       the name 'custom'; None: no custom run.
     steps: optimizer steps per run.
@@ -90,7 +146,7 @@ class Experiment:
     eval_batches: validation batches per evaluation (lm).
     log_every: record the train loss every this many steps.
     seed: parameters, data order and stochastic rounding keys.
-    max_corpus_bytes: train text read from the stdlib (lm).
+    max_corpus_bytes: train text read from the stdlib (lm); None: all.
     val_percent: share of stdlib files held out (lm).
   """
 
@@ -109,33 +165,45 @@ class Experiment:
   eval_batches: int = 8
   log_every: int = 10
   seed: int = 0
-  max_corpus_bytes: int = 2_000_000
+  max_corpus_bytes: int | None = 2_000_000
   val_percent: int = 10
 
   def __post_init__(self):
     if self.task not in TASKS:
       raise ValueError(f'task must be one of {TASKS}, got {self.task!r}.')
+    if self.model is not None and not isinstance(self.model, fdl.Buildable):
+      raise ValueError(
+        f'model must be a Fiddle model template or None, got {self.model!r}.'
+      )
+    runs = self.runs
+    if isinstance(runs, list):
+      object.__setattr__(self, 'runs', tuple(runs))
+    if not isinstance(self.runs, tuple) or not all(
+      isinstance(n, str) for n in self.runs
+    ):
+      raise ValueError(
+        f"runs must be a tuple of run names, e.g. ('float',), got {runs!r}."
+      )
     for name in self.runs:
-      if name not in aqtr.presets.__all__:
+      if name not in RUNS:
         raise ValueError(
-          f'runs: unknown preset {name!r}; presets: '
-          f'{", ".join(aqtr.presets.__all__)} (a config of your own goes '
-          'in `custom`, e.g. --config="fiddler:custom(\'int8\')").'
+          f'runs: unknown run {name!r}; runs: {", ".join(RUNS)} (a config '
+          'of your own goes in `custom`, e.g. '
+          '--config="fiddler:custom(\'int8\')").'
         )
     if len(set(self.runs)) != len(self.runs):
       raise ValueError(f'runs has duplicates: {self.runs}.')
+    if self.custom is not None and not isinstance(
+      self.custom, aqtr.DotGeneralConfig
+    ):
+      raise ValueError(
+        'custom must be a DotGeneralConfig or None (set it with '
+        f'--config="fiddler:custom(\'int8\')"), got {self.custom!r}.'
+      )
     if not self.runs and self.custom is None:
       raise ValueError('nothing to run: runs is empty and custom is None.')
-    for name in (
-      'steps',
-      'batch_size',
-      'seq_len',
-      'eval_every',
-      'eval_batches',
-      'log_every',
-    ):
-      if getattr(self, name) < 1:
-        raise ValueError(f'{name} must be >= 1, got {getattr(self, name)}.')
+    for name in _RANGES:
+      check_field(name, getattr(self, name))
 
   @property
   def run_names(self) -> tuple[str, ...]:
@@ -211,6 +279,23 @@ def large() -> fdl.Config:
   )
 
 
+# The named configs of `--config=config:NAME`, in the order help lists them.
+CONFIGS: dict[str, Callable[[], fdl.Config]] = {
+  'default': default,
+  'tiny': tiny,
+  'digits': digits,
+  'long': long,
+  'large': large,
+}
+
+
+def run_config(
+  name: str, custom: aqtr.DotGeneralConfig | None = None
+) -> aqtr.DotGeneralConfig:
+  """The DotGeneralConfig of the run `name` ('custom': `custom`)."""
+  return custom if name == 'custom' else RUNS[name]()
+
+
 def custom(
   cfg: fdl.Config, preset: str = 'int8', *args: Any, **kwargs: Any
 ) -> None:
@@ -238,7 +323,13 @@ def split(cfg: fdl.Config) -> tuple[Experiment, Any, Any]:
     (experiment, model template, custom DotGeneralConfig or None). The
     template is a copy; an LM's `max_len` is set to `seq_len`.
   """
+  if not (isinstance(cfg, fdl.Config) and fdl.get_callable(cfg) is Experiment):
+    raise ValueError(f'not an Experiment config: {cfg!r:.200}')
   exp = aqtr_fiddle.build(fdl.copy_with(cfg, model=None))
+  if cfg.model is not None and not isinstance(cfg.model, fdl.Buildable):
+    raise ValueError(
+      f'model must be a Fiddle model template or None, got {cfg.model!r}.'
+    )
   template = copy.deepcopy(cfg.model)
   if template is None:
     template = models.mlp(10) if exp.task == 'digits' else _lm()

@@ -26,7 +26,6 @@ from typing import Any
 
 import fiddle as fdl
 
-import aqtr
 from aqtr import fiddle as aqtr_fiddle
 from aqtr.flax import common
 from aqtr.train import experiment, loop, models, report, serving, tasks
@@ -57,10 +56,6 @@ FORMATS = {
   'serving KB': '.1f',
   'x params': '.3f',
 }
-
-
-def _config_of(name: str, custom: Any) -> aqtr.DotGeneralConfig:
-  return custom if name == 'custom' else getattr(aqtr.presets, name)()
 
 
 def resolved(
@@ -108,6 +103,10 @@ def _row(
   serve: dict[str, Any] | None,
   float_bytes: int,
 ) -> dict[str, Any]:
+  if r.diverged:
+    row = dict.fromkeys(columns(metric))
+    row.update({'run': r.name, 'train loss': 'diverged'})
+    return {**row, 'serve==train': '-', 'status': r.diverged}
   kb = (serve['serving_bytes'] if serve else float_bytes) / 1024
   return {
     'run': r.name,
@@ -120,7 +119,34 @@ def _row(
     'serving KB': kb,
     'x params': kb * 1024 / float_bytes,
     'serve==train': serve['serve_equal'] if serve else '-',
+    'status': 'ok',
   }
+
+
+def _serve(r: loop.RunResult, task, run_dir: pathlib.Path, say) -> dict:
+  serve = serving.check(
+    r.injected,
+    r.params,
+    r.config,
+    r.logits_fn,
+    task.eval_set,
+    run_dir / 'serving',
+  )
+  (run_dir / 'serving.json').write_text(json.dumps(serve, indent=1))
+  say(
+    f'  {r.name}: serving checkpoint {serve["checkpoint"]}: '
+    f'{serve["serving_bytes"] / 1024:.1f} KB, serve == train: '
+    f'{serve["serve_equal"]} (max |diff| {serve["max_abs_diff"]:g})',
+    flush=True,
+  )
+  return serve
+
+
+def _write_summary(out: pathlib.Path, rows: list, metric: str) -> str:
+  text = report.table(rows, columns(metric), FORMATS)
+  (out / 'summary.md').write_text(text + '\n')
+  (out / 'summary.json').write_text(json.dumps(rows, indent=1))
+  return text
 
 
 def run(
@@ -129,78 +155,81 @@ def run(
   *,
   show_progress: bool = True,
   echo: bool = True,
+  overwrite: bool = False,
 ) -> list[dict[str, Any]]:
   """Runs the experiment `cfg` and writes its outputs to `out_dir`.
 
+  A run whose loss or parameters become non-finite stops early and is
+  reported as diverged (row 'status'); the other runs go on. Interrupted
+  (KeyboardInterrupt), the job writes the summary of the finished runs
+  and leaves `INCOMPLETE` in the folders of what did not finish.
+
   Args:
     cfg: `fdl.Config(Experiment)` (see `aqtr.train.experiment`).
-    out_dir: output folder (created; files in it are overwritten).
+    out_dir: output folder: created, or empty (see `overwrite`).
     show_progress: draw progress bars (stderr).
     echo: print the data line, per-run serving checks and the summary.
+    overwrite: clear `out_dir` when it holds an earlier job's output
+      (`report.prepare_out_dir`); otherwise a non-empty one is refused.
 
   Returns:
-    The summary rows (dicts keyed by `columns(metric)`).
+    The summary rows (dicts keyed by `columns(metric)`, plus 'status':
+    'ok' or why the run diverged).
+
+  Raises:
+    report.OutDirError: `out_dir` is not empty or cannot be created.
   """
   say = print if echo else (lambda *a, **k: None)
   t_start = time.perf_counter()
   exp, template, custom = experiment.split(cfg)
-  out = pathlib.Path(out_dir)
-  out.mkdir(parents=True, exist_ok=True)
-  task = tasks.make(exp)
-  runs = [(n, _config_of(n, custom)) for n in exp.run_names]
-  _write_config(out, cfg, exp, runs)
-  say(f'aqtr-train: {exp.task}, {task.info}')
+  out = report.prepare_out_dir(out_dir, overwrite)
+  job_marker = report.mark_incomplete(out, 'this job')
   say(f'output: {out.absolute()}', flush=True)
+  task = tasks.make(exp)
+  runs = [(n, experiment.run_config(n, custom)) for n in exp.run_names]
+  _write_config(out, cfg, exp, runs)
+  say(f'aqtr-train: {exp.task}, {task.info}', flush=True)
   params = loop.init_params(template, task, exp.seed)
   float_bytes = common.nbytes(params)
-  results, rows, records = [], [], []
+  rows, records = [], []
   base = None
-  with report.Metrics(out / 'metrics.jsonl') as metrics:
+  try:
+    with report.Metrics(out / 'metrics.jsonl') as metrics:
 
-    def on_record(rec):
-      records.append(rec)
-      metrics.write(rec)
+      def on_record(rec):
+        records.append(rec)
+        metrics.write(rec)
 
-    for name, config in runs:
-      r = loop.train(
-        name,
-        config,
-        exp,
-        task,
-        template,
-        params=params,
-        on_record=on_record,
-        show_progress=show_progress,
-      )
-      run_dir = out / name
-      run_dir.mkdir(exist_ok=True)
-      (run_dir / 'injection.txt').write_text(str(r.report) + '\n')
-      serve = None
-      if models.has_frozen_weights(r.injected):
-        serve = serving.check(
-          r.injected,
-          r.params,
+      for name, config in runs:
+        run_dir = out / name
+        run_dir.mkdir()
+        marker = report.mark_incomplete(run_dir, f'run {name!r}')
+        r = loop.train(
+          name,
           config,
-          r.logits_fn,
-          task.eval_set,
-          run_dir / 'serving',
+          exp,
+          task,
+          template,
+          params=params,
+          on_record=on_record,
+          show_progress=show_progress,
         )
-        (run_dir / 'serving.json').write_text(json.dumps(serve, indent=1))
-        say(
-          f'  {name}: serving checkpoint {serve["checkpoint"]}: '
-          f'{serve["serving_bytes"] / 1024:.1f} KB, serve == train: '
-          f'{serve["serve_equal"]} (max |diff| {serve["max_abs_diff"]:g})',
-          flush=True,
-        )
-      if name == 'float':
-        base = r
-      results.append(r)
-      rows.append(_row(r, task.metric, base, serve, float_bytes))
-      metrics.write({'run': name, 'summary': rows[-1]})
-  cols = columns(task.metric)
-  text = report.table(rows, cols, FORMATS)
-  (out / 'summary.md').write_text(text + '\n')
-  (out / 'summary.json').write_text(json.dumps(rows, indent=1))
+        (run_dir / 'injection.txt').write_text(str(r.report) + '\n')
+        serve = None
+        if r.diverged:
+          say(f'  {name}: DIVERGED ({r.diverged}); the other runs go on.')
+        elif models.has_frozen_weights(r.injected):
+          serve = _serve(r, task, run_dir, say)
+        if name == 'float' and not r.diverged:
+          base = r
+        rows.append(_row(r, task.metric, base, serve, float_bytes))
+        metrics.write({'run': name, 'summary': rows[-1]})
+        marker.unlink()
+  except KeyboardInterrupt:
+    if rows:
+      _write_summary(out, rows, task.metric)
+    raise
+  text = _write_summary(out, rows, task.metric)
   report.plot(
     records,
     out / 'loss.png',
@@ -208,10 +237,14 @@ def run(
   )
   say('')
   say(text)
+  for row in rows:
+    if row['status'] != 'ok':
+      say(f'{row["run"]} DIVERGED: {row["status"]} (its numbers are not shown)')
   say(
     f'\n{len(runs)} run(s) in {time.perf_counter() - t_start:.0f} s; '
     f'outputs in {out}',
     flush=True,
   )
+  job_marker.unlink()
   sys.stdout.flush()
   return rows

@@ -6,6 +6,11 @@ batches (`Task.batches()` from the same seed). Compile time is measured
 ahead of time (`jit(...).lower(...).compile()`); steps/s counts training
 steps only (no compile, no evaluation).
 
+Divergence: every step also reports whether its loss and all updated
+parameters are finite; the flags are read every `CHECK_EVERY` steps (and at
+every log or eval step). The first non-finite step ends the run early with
+`RunResult.diverged` saying where; no NaN reaches the metrics.
+
 Example:
   >>> import aqtr
   >>> from aqtr.train import experiment, loop, tasks
@@ -36,7 +41,9 @@ from aqtr.train import models, progress
 from aqtr.train.experiment import Experiment
 from aqtr.train.tasks import Task, cross_entropy, evaluate_logits
 
-__all__ = ['RunResult', 'init_params', 'optimizer', 'train']
+__all__ = ['CHECK_EVERY', 'RunResult', 'init_params', 'optimizer', 'train']
+
+CHECK_EVERY = 5  # Steps between two reads of the finite flags.
 
 Record = dict[str, Any]
 
@@ -58,6 +65,7 @@ class RunResult:
   compile_s: float
   train_s: float
   logits_fn: Callable[[Any, np.ndarray], jax.Array]  # eval batches' shape
+  diverged: str | None = None  # Why and where training stopped, if so.
 
 
 def optimizer(exp: Experiment) -> optax.GradientTransformation:
@@ -136,13 +144,17 @@ def train(
 
     loss, grads = jax.value_and_grad(loss_fn)(params)
     updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss
+    params = optax.apply_updates(params, updates)
+    leaves = [jnp.isfinite(p).all() for p in jax.tree.leaves(params)]
+    finite = jnp.isfinite(loss) & jnp.stack(leaves).all()
+    return params, opt_state, loss, finite
 
   def logits_fn(params, x):
     return module.apply({'params': params}, x, rngs=_rngs(config, exp.seed, 0))
 
   history: list[Record] = []
-  losses, window, train_s = [], [], 0.0
+  losses, window, flags, train_s = [], [], [], 0.0
+  diverged, done = None, exp.steps
   with progress.Bar(name, exp.steps, task.unit, show_progress) as bar:
     bar.status('compiling')
     t0 = time.perf_counter()
@@ -167,13 +179,26 @@ def train(
     t = time.perf_counter()
     for i in range(1, exp.steps + 1):
       x, y = next(batches)
-      params, opt_state, loss = step_c(params, opt_state, x, y, jnp.int32(i))
+      params, opt_state, loss, finite = step_c(
+        params, opt_state, x, y, jnp.int32(i)
+      )
       window.append(loss)
+      flags.append(finite)
       log = i % exp.log_every == 0 or i == exp.steps
       ev = i % exp.eval_every == 0 or i == exp.steps
+      if not (log or ev or i % CHECK_EVERY == 0):
+        continue
+      ok = np.asarray(jax.device_get(flags))
+      flags = []
+      if not ok.all():
+        train_s += time.perf_counter() - t
+        done = i - len(ok) + 1 + int(np.argmin(ok))
+        diverged = f'non-finite loss or parameters at step {done}'
+        emit({'run': name, 'step': done, 'diverged': diverged})
+        bar.status('diverged')
+        break
       if not (log or ev):
         continue
-      jax.block_until_ready(loss)
       train_s += time.perf_counter() - t
       if log:
         losses.append(float(np.mean(jax.device_get(window))))
@@ -202,12 +227,13 @@ def train(
     injected=injected,
     report=report,
     params=params,
-    step=exp.steps,
-    train_loss=losses[-1],
+    step=done,
+    train_loss=float('nan') if diverged else losses[-1],
     final=final,
     history=history,
-    steps_per_s=exp.steps / train_s,
+    steps_per_s=done / max(train_s, 1e-9),
     compile_s=compile_s,
     train_s=train_s,
     logits_fn=eval_c,
+    diverged=diverged,
   )

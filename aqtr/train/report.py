@@ -11,6 +11,12 @@ Files written in the output folder:
                   step, val_loss, bpc | accuracy}
   loss.png        train and validation loss of every run (matplotlib, Agg)
   summary.md      the summary table (also printed); summary.json its rows
+                  (with each run's 'status': 'ok' or why it diverged)
+  INCOMPLETE      present while the job (top folder) or a run (its folder)
+                  has not finished: an interrupted job leaves it behind
+
+`prepare_out_dir` refuses a non-empty folder (stale results of an earlier
+job would sit beside the new ones) unless asked to clear it.
 
 Example:
   >>> from aqtr.train import report
@@ -22,11 +28,87 @@ Example:
 from __future__ import annotations
 
 import json
+import math
 import pathlib
+import shutil
 from collections.abc import Sequence
 from typing import Any, TextIO
 
-__all__ = ['Metrics', 'parse_table', 'plot', 'table']
+__all__ = [
+  'INCOMPLETE',
+  'Metrics',
+  'OutDirError',
+  'mark_incomplete',
+  'parse_table',
+  'plot',
+  'prepare_out_dir',
+  'table',
+]
+
+INCOMPLETE = 'INCOMPLETE'
+
+
+class OutDirError(ValueError):
+  """The output folder cannot be used; the message names it."""
+
+
+def _is_job_output(path: pathlib.Path) -> bool:
+  for name, start in (('config.txt', '# experiment'), (INCOMPLETE, 'aqtr')):
+    f = path / name
+    if f.is_file() and f.read_text(errors='replace').startswith(start):
+      return True
+  return False
+
+
+def prepare_out_dir(
+  path: str | pathlib.Path, overwrite: bool = False
+) -> pathlib.Path:
+  """Creates the output folder; a non-empty one only with `overwrite`.
+
+  Args:
+    path: the folder.
+    overwrite: clear it first when it holds an earlier aqtr-train output
+      (a folder with other content is never cleared).
+
+  Returns:
+    The folder, existing and empty.
+
+  Raises:
+    OutDirError: it is not empty (and not `overwrite`), or it cannot be
+      created.
+  """
+  path = pathlib.Path(path)
+  if path.is_dir() and any(path.iterdir()):
+    if not overwrite:
+      raise OutDirError(
+        f'{path} is not empty (results of an earlier job?); pass '
+        '--overwrite (overwrite=True) to replace them, or another folder.'
+      )
+    if not _is_job_output(path):
+      raise OutDirError(
+        f'{path} is not empty and holds no aqtr-train output; --overwrite '
+        'only clears those: choose another folder.'
+      )
+    for child in path.iterdir():
+      if child.is_dir() and not child.is_symlink():
+        shutil.rmtree(child)
+      else:
+        child.unlink()
+  try:
+    path.mkdir(parents=True, exist_ok=True)
+  except OSError as e:
+    raise OutDirError(f'cannot create {path}: {e.strerror or e}') from e
+  return path
+
+
+def mark_incomplete(folder: pathlib.Path, what: str) -> pathlib.Path:
+  """Writes `folder/INCOMPLETE` (remove it when `what` has finished)."""
+  marker = folder / INCOMPLETE
+  marker.write_text(
+    f'aqtr-train: {what} has not finished (interrupted, or still '
+    'running): the files here are partial.\n'
+  )
+  return marker
 
 
 class Metrics:
@@ -115,6 +197,11 @@ def parse_table(text: str) -> list[dict[str, str]]:
   return [dict(zip(header, row, strict=True)) for row in body]
 
 
+def _finite(record: dict[str, Any], key: str) -> bool:
+  value = record.get(key)
+  return isinstance(value, int | float) and math.isfinite(value)
+
+
 def _ema(values: list[float], alpha: float = 0.3) -> list[float]:
   out, acc = [], None
   for v in values:
@@ -130,7 +217,7 @@ def plot(
 
   Args:
     records: metrics records (train records have 'train_loss', eval
-      records 'val_loss').
+      records 'val_loss'); non-finite values (a diverged run) are left out.
     path: the PNG file.
     title: the figure title.
 
@@ -146,8 +233,8 @@ def plot(
   fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), dpi=100)
   for i, run in enumerate(runs):
     color = f'C{i}'
-    tr = [r for r in records if r['run'] == run and 'train_loss' in r]
-    ev = [r for r in records if r['run'] == run and 'val_loss' in r]
+    tr = [r for r in records if r['run'] == run and _finite(r, 'train_loss')]
+    ev = [r for r in records if r['run'] == run and _finite(r, 'val_loss')]
     axes[0].plot(
       [r['step'] for r in tr],
       _ema([r['train_loss'] for r in tr]),
@@ -170,7 +257,9 @@ def plot(
     ax.grid(alpha=0.3)
     ax.legend()
   # Zoom on the end of training, where the runs differ.
-  last = [r['val_loss'] for r in records if 'val_loss' in r and r['step']]
+  last = [
+    r['val_loss'] for r in records if _finite(r, 'val_loss') and r['step']
+  ]
   if last:
     axes[1].set_ylim(min(last) - 0.05, max(last) + 0.05)
   fig.suptitle(title)

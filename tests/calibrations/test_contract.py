@@ -44,6 +44,32 @@ BAD_FIELDS = {
     {'bound': False},
     {'bound': 'x'},
   ],
+  'mse': [
+    {'steps': 1},
+    {'steps': 2.5},
+    {'steps': True},
+    {'rounds': 0},
+    {'rounds': '2'},
+  ],
+  'percentile': [
+    {'q': 0.0},
+    {'q': 100.5},
+    {'q': math.nan},
+    {'q': '99'},
+    {'q': True},
+    {'method': 'quantile'},
+    {'bins': 1},
+    {'bins': 8.0},
+  ],
+  'rms': [
+    {'p': 0.5},
+    {'p': math.inf},
+    {'p': True},
+    {'c': 0.0},
+    {'c': -1.0},
+    {'c': math.nan},
+    {'c': '3'},
+  ],
 }
 
 # 4-D inputs (the quantizer's [batch, tile, free, k] view) and reductions.

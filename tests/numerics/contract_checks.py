@@ -107,10 +107,12 @@ def _fake_quant_dot(x, w, dn, t):
 
 def _engine(x, w, dn, fwd, bwd):
   raw = aqtr.DotGeneralRaw
+  # Numerics not meant for gradients (nf4) quantize only the residuals.
+  g = bwd if bwd.numerics.for_gradients else _FLOAT
   cfg = aqtr.DotGeneralConfig(
     fwd=raw(lhs=fwd, rhs=fwd),
-    dlhs=raw(lhs=bwd, rhs=bwd, use_fwd_quant=True),
-    drhs=raw(lhs=bwd, rhs=bwd, use_fwd_quant=True),
+    dlhs=raw(lhs=g, rhs=bwd, use_fwd_quant=True),
+    drhs=raw(lhs=g, rhs=bwd, use_fwd_quant=True),
   )
   return aqtr.dot_general(x, w, dn, cfg)
 
@@ -133,7 +135,7 @@ def _run_dot(x, w, g, dn, t, t_po2, quantized_bwd):
     'engine_po2': _engine(x, w, dn, t_po2, _FLOAT),
     'reference_po2': _fake_quant_dot(x, w, dn, t_po2),
   }
-  if quantized_bwd:  # Every pass quantized by `t`, the gradient operand too.
+  if quantized_bwd:  # Every pass quantized by `t` (the gradient operand too).
     r['quantized_bwd'] = _value_and_grads(
       lambda x, w: _engine(x, w, dn, t, t), x, w, g
     )

@@ -59,8 +59,13 @@ BAD_FIELDS = {
     {'element': 'int4'},
     {'clip_gradient': 'yes'},
   ],
+  'nf4': [],
   'none': [],
   'nvfp4': [{'clip_gradient': 0}],
+  'ternary': [
+    {'clip_gradient': 1},
+    {'clip_gradient': 'yes'},
+  ],
 }
 
 

@@ -1,5 +1,7 @@
 """The job's pieces that need no training: flags, config, tables."""
 
+import dataclasses
+
 import fiddle as fdl
 import pytest
 
@@ -32,9 +34,25 @@ def test_split_and_custom():
 @pytest.mark.parametrize(
   'field, value, match',
   [
-    ('runs', ('float', 'int9'), 'unknown preset'),
+    ('runs', ('float', 'int9'), 'unknown run'),
+    ('runs', 'float', r"runs must be a tuple of run names, e.g. \('float',\)"),
+    ('runs', ('int8', 'int8'), 'duplicates'),
     ('task', 'images', 'task must be'),
-    ('steps', 0, 'steps must be'),
+    ('steps', 0, 'steps must be an int >= 1, got 0'),
+    ('steps', 'abc', "steps must be an int >= 1, got 'abc'"),
+    ('steps', 2.5, 'steps must be an int >= 1, got 2.5'),
+    ('steps', True, 'steps must be an int'),
+    ('learning_rate', -1.0, 'learning_rate must be a finite number > 0'),
+    ('learning_rate', float('inf'), 'learning_rate must be a finite'),
+    ('learning_rate', '1e-3', 'learning_rate must be a finite number'),
+    ('grad_clip', 0.0, 'grad_clip must be a finite number > 0'),
+    ('weight_decay', -0.1, 'weight_decay must be a finite number >= 0'),
+    ('warmup_steps', -1, 'warmup_steps must be an int >= 0'),
+    ('seed', -1, 'seed must be an int >= 0'),
+    ('val_percent', 100, 'val_percent must be an int in 1..99'),
+    ('max_corpus_bytes', 0, 'max_corpus_bytes must be an int >= 1 or None'),
+    ('custom', 'int8', 'custom must be a DotGeneralConfig or None'),
+    ('model', 3, 'model must be a Fiddle model template or None'),
   ],
 )
 def test_bad_experiment(field, value, match):
@@ -42,6 +60,29 @@ def test_bad_experiment(field, value, match):
   setattr(cfg, field, value)
   with pytest.raises(ValueError, match=match):
     experiment.split(cfg)
+
+
+def test_every_numeric_field_is_checked():
+  numeric = {
+    f.name
+    for f in dataclasses.fields(experiment.Experiment)
+    if f.type in ('int', 'float', 'int | None')
+  }
+  assert numeric and all(
+    _rejects(name, bad) for name in numeric for bad in ('x', -(10**9))
+  )
+  cfg = experiment.tiny()
+  cfg.runs, cfg.learning_rate, cfg.max_corpus_bytes = ['float'], 1, None
+  exp = experiment.split(cfg)[0]
+  assert exp.runs == ('float',) and exp.learning_rate == 1
+
+
+def _rejects(name, value):
+  try:
+    experiment.check_field(name, value)
+  except ValueError as e:
+    return str(e).startswith(f'{name} must be')
+  return False
 
 
 def test_injection_quantizes_weights_only():

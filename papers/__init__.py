@@ -1,0 +1,1 @@
+"""Small-scale reproductions of published quantization claims (see README)."""

@@ -1,0 +1,100 @@
+"""The experiment: float vs fp8 recipes, scaled and unscaled gradients.
+
+Runs (all with an e4m3 forward, per-channel absmax scaling):
+  float            no quantization
+  fp8              e4m3 forward, e5m2 gradients, gradients scaled (absmax)
+  e4m3_grads       e4m3 gradients, scaled
+  e5m2_unscaled    e5m2 gradients, unscaled (scale 1: a plain cast)
+  e4m3_unscaled    e4m3 gradients, unscaled (small gradients flush to 0)
+
+"Unscaled" is the `constant` calibration with bound = the format's max
+(scale 1). The delayed-vs-dynamic scaling part of the claim is added when
+delayed scaling lands (see README).
+
+Example:
+  >>> cfg = small()
+  >>> cfg.runs['e4m3_unscaled'].drhs.lhs.calibration.bound
+  448.0
+"""
+
+from __future__ import annotations
+
+import fiddle as fdl
+
+from aqtr import fiddle as aqtr_fiddle
+from aqtr import fiddlers
+from aqtr.fiddlers import (  # noqa: F401 (fiddlers for --config)
+  set_fields,
+  set_tag,
+  use_calibration,
+  use_numerics,
+  use_rounding,
+  use_tiling,
+)
+from papers.lib.compare import Comparison, add_run  # noqa: F401
+from papers.lib.tasks import Task
+
+__all__ = ['full', 'gradients', 'runs', 'small']
+
+GRADIENTS = r'(dlhs|drhs)\.lhs'
+MAX = {'float8_e4m3fn': 448.0, 'float8_e5m2': 57344.0}
+
+
+def gradients(dtype_name: str, scaled: bool) -> fdl.Config:
+  """The fp8 preset with its gradient operands in `dtype_name`.
+
+  Args:
+    dtype_name: 'float8_e4m3fn' or 'float8_e5m2'.
+    scaled: per-channel absmax scaling (True) or a plain cast (False).
+  """
+  cfg = aqtr_fiddle.config('fp8')
+  fiddlers.use_numerics(
+    cfg, GRADIENTS, 'fp8', dtype_name=dtype_name, clip_gradient=False
+  )
+  if not scaled:
+    fiddlers.use_calibration(cfg, GRADIENTS, 'constant', bound=MAX[dtype_name])
+  return cfg
+
+
+def runs() -> dict[str, fdl.Config]:
+  """float, the fp8 recipe, and the three gradient-format variants."""
+  return {
+    'float': aqtr_fiddle.config('float'),
+    'fp8': aqtr_fiddle.config('fp8'),
+    'e4m3_grads': gradients('float8_e4m3fn', scaled=True),
+    'e5m2_unscaled': gradients('float8_e5m2', scaled=False),
+    'e4m3_unscaled': gradients('float8_e4m3fn', scaled=False),
+  }
+
+
+def full() -> fdl.Config:
+  """Teacher-student regression (sensitive) and digits, 3 seeds."""
+  return fdl.Config(
+    Comparison,
+    runs=runs(),
+    tasks={
+      'teacher': fdl.Config(
+        Task,
+        name='teacher',
+        hidden=(128, 128),
+        steps=2000,
+        batch_size=128,
+        teacher_dims=(8, 32, 4),
+        train_size=8192,
+        seeds=(0, 1, 2),
+      ),
+      'digits': fdl.Config(
+        Task, name='digits', hidden=(256, 256), steps=300, seeds=(0, 1, 2)
+      ),
+    },
+  )
+
+
+def small() -> fdl.Config:
+  """The test size: teacher only, one seed, one hidden layer, no serving."""
+  cfg = full()
+  t = cfg.tasks['teacher']
+  t.hidden, t.steps, t.seeds, t.train_size = (64,), 600, (0,), 4096
+  cfg.tasks, cfg.serve = {'teacher': t}, False
+  cfg.runs = {k: cfg.runs[k] for k in ('float', 'fp8', 'e4m3_unscaled')}
+  return cfg

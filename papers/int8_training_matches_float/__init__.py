@@ -1,0 +1,1 @@
+"""Claim: int8 forward and backward training matches float (AQT)."""

@@ -1,0 +1,1 @@
+"""Shared pieces of the paper reproductions: tasks, MLP training, CLI."""

@@ -1,0 +1,184 @@
+"""A ReLU MLP whose every matmul is `aqtr.dot_general`, trained in one scan.
+
+The whole training run (Adam steps over precomputed batch indices) is one
+`jax.lax.scan` inside one `jit`, so a run costs one compile per (config,
+shapes) and the seeds of a task reuse it. Every run of a comparison starts
+from the same initial weights and sees the same batches for a given seed.
+
+Serving (`serve`) freezes each weight with `aqtr.quantize_operand` (int8 /
+fp8 values and scales, the float weight dropped) and runs the same layers
+from the frozen values; `serve == train` means bit-identical outputs.
+
+Example:
+  >>> import aqtr
+  >>> from papers.lib import mlp, tasks
+  >>> task = tasks.Task(name='teacher', hidden=(16,), steps=5,
+  ...                   train_size=64, val_size=32)
+  >>> r = mlp.run(task, aqtr.presets.int8(), seed=0)  # doctest: +SKIP
+  >>> sorted(r)  # doctest: +SKIP
+  ['curve', 'metric', 'serve_bytes', 'serve_equal']
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import aqtr
+from papers.lib.tasks import Data, Task, load
+
+__all__ = ['apply', 'init', 'model_bytes', 'run', 'serve', 'train']
+
+DN = (((1,), (0,)), ((), ()))
+
+Params = list[dict[str, jax.Array]]
+
+
+def init(key: jax.Array, sizes: tuple[int, ...]) -> Params:
+  """He-normal weights [in, out], zero biases, for layer widths `sizes`."""
+  keys = jax.random.split(key, len(sizes) - 1)
+  return [
+    {
+      'w': jax.random.normal(k, (a, b)) * jnp.sqrt(2.0 / a),
+      'b': jnp.zeros((b,)),
+    }
+    for k, a, b in zip(keys, sizes[:-1], sizes[1:], strict=True)
+  ]
+
+
+def apply(params: Params, x: jax.Array, config: aqtr.DotGeneralConfig):
+  """Logits / predictions; `params[i]['w']` may be a frozen QTensor."""
+  for i, layer in enumerate(params):
+    x = aqtr.dot_general(x, layer['w'], DN, config) + layer['b'][None]
+    if i < len(params) - 1:
+      x = jax.nn.relu(x)
+  return x
+
+
+def _loss(metric: str, out: jax.Array, y: jax.Array) -> jax.Array:
+  if metric == 'mse':
+    return jnp.mean((out - y) ** 2)
+  logp = jax.nn.log_softmax(out)
+  return -jnp.take_along_axis(logp, y[:, None], axis=-1).mean()
+
+
+def _score(metric: str, out: jax.Array, y: jax.Array) -> jax.Array:
+  if metric == 'mse':
+    return jnp.mean((out - y) ** 2)
+  return jnp.mean(out.argmax(-1) == y)
+
+
+def _optimizer(task: Task) -> optax.GradientTransformation:
+  warmup = min(task.warmup_steps, task.steps // 2)
+  lr = optax.warmup_cosine_decay_schedule(
+    0.0,
+    task.learning_rate,
+    warmup,
+    max(task.steps, warmup + 1),
+    end_value=0.1 * task.learning_rate,
+  )
+  return optax.chain(optax.clip_by_global_norm(1.0), optax.adam(lr))
+
+
+@functools.partial(jax.jit, static_argnames=('config', 'task', 'metric'))
+def train(params, x, y, idx, x_val, *, config, task, metric):
+  """Trains on batches `x[idx[i]]`; returns (params, losses, val outputs).
+
+  The validation forward pass is part of the same program (one compile).
+  """
+  tx = _optimizer(task)
+
+  def step(carry, i):
+    p, s = carry
+    loss, g = jax.value_and_grad(
+      lambda p: _loss(metric, apply(p, x[i], config), y[i])
+    )(p)
+    u, s = tx.update(g, s, p)
+    return (optax.apply_updates(p, u), s), loss
+
+  (params, _), losses = jax.lax.scan(step, (params, tx.init(params)), idx)
+  return params, losses, apply(params, x_val, config)
+
+
+def _batches(n: int, task: Task, seed: int) -> np.ndarray:
+  rng = np.random.default_rng(seed)
+  per_epoch = n // task.batch_size
+  epochs = -(-task.steps // per_epoch)
+  perms = [
+    rng.permutation(n)[: per_epoch * task.batch_size] for _ in range(epochs)
+  ]
+  idx = np.concatenate(perms).reshape(-1, task.batch_size)
+  return idx[: task.steps]
+
+
+def serve(params: Params, config: aqtr.DotGeneralConfig) -> Params:
+  """The serving weights: each `w` frozen by the forward rhs of `config`."""
+  if not config.fwd.rhs.quantized:
+    return params
+  return [
+    {'w': aqtr.quantize_operand(p['w'], DN, config), 'b': p['b']}
+    for p in params
+  ]
+
+
+def model_bytes(params: Params) -> int:
+  """Bytes of the arrays in `params` (frozen weights: values + scales)."""
+  leaves = jax.tree.leaves(params)
+  return int(sum(a.size * a.dtype.itemsize for a in leaves))
+
+
+_apply = jax.jit(apply, static_argnames=('config',))
+
+
+def run(
+  task: Task,
+  config: aqtr.DotGeneralConfig,
+  seed: int,
+  data: Data | None = None,
+  check_serving: bool = True,
+) -> dict[str, Any]:
+  """Trains one seed of `task` under `config`, evaluates, serves.
+
+  Args:
+    task: the setting.
+    config: applied to every layer's matmul (weight = rhs).
+    seed: initial weights and batch order.
+    data: `tasks.load(task)`, when already loaded.
+    check_serving: also freeze the weights and serve (one more compile).
+
+  Returns:
+    {'metric': validation accuracy or MSE, 'curve': per-step train loss,
+    and with `check_serving`: 'serve_equal' (frozen-weight outputs ==
+    training outputs bit for bit), 'serve_bytes' (the frozen model)}.
+  """
+  data = data or load(task)
+  sizes = (data.x_train.shape[1], *task.hidden, data.out_dim)
+  params = init(jax.random.key(seed), sizes)
+  idx = _batches(len(data.x_train), task, seed)
+  params, losses, out = train(
+    params,
+    jnp.asarray(data.x_train),
+    jnp.asarray(data.y_train),
+    jnp.asarray(idx),
+    jnp.asarray(data.x_val),
+    config=config,
+    task=task,
+    metric=data.metric,
+  )
+  result = {
+    'metric': float(_score(data.metric, out, jnp.asarray(data.y_val))),
+    'curve': np.asarray(losses),
+  }
+  if check_serving:
+    frozen = serve(params, config)
+    served = _apply(frozen, jnp.asarray(data.x_val), config=config)
+    result['serve_equal'] = bool(
+      np.array_equal(np.asarray(out), np.asarray(served))
+    )
+    result['serve_bytes'] = model_bytes(frozen)
+  return result
