@@ -1,14 +1,27 @@
 """One tensor: calibrate -> scale -> numerics -> QTensor; and fake quant.
 
-Math: for each scale group G (the view axes the tiling
-shares) `bound = calibration(x_G)`, `s = numerics.scale_from_bound(bound)`
-(by default `bound / numerics.max_value`; a bound of 0, or one too small to
-divide by, gives s = 1), optionally `s <- 2^ceil(log2 s)`;
-`q = numerics.quantize(x / s (+ noise))`. The stored scale is
-`s * numerics.unit`. Asymmetric numerics take `(lo, hi) =
-calibration.calibrate_range(x_G)`, `s = numerics.scale_from_range(lo, hi)`,
-`z = numerics.zero_point(lo, s)` and `q = numerics.quantize(x / s + z)`.
-Quantization is computed in float32.
+Math: for each scale group G (the view axes the tiling shares)
+`bound = calibration(x_G)`, `S = numerics.scale_from_bound(bound) * unit`
+(by default `bound / (numerics.max_value / unit)`; `aqtr.core.scale`: kept
+normal, an all-zero group gets s = 1, optionally a power of two);
+`q = numerics.quantize(x / s (+ noise))`; `x ~ q * S`. Asymmetric numerics
+take `(lo, hi) = calibration.calibrate_range(x_G)`,
+`s = numerics.scale_from_range(lo, hi)`, `z = numerics.zero_point(lo, s)`
+and `q = numerics.quantize(x / s + z)`; `x ~ (q - z) * S`. Quantization is
+computed in float32.
+
+Edge cases (documented behaviour, tested):
+  * NaN / inf: a row (the elements one dot output sums over) holding a NaN
+    or inf gets a NaN scale, so its dequantized values and every dot output
+    it feeds are NaN: outputs are non-finite exactly where
+    `lax.dot_general` makes them non-finite (NaN where lax may give +-inf).
+    Other rows keep finite scales, also under per-tensor tiling, where the
+    one bound is taken over the finite values. `clip_gradient` passes the
+    gradient of non-finite values (they are never silently zeroed).
+  * Tiny magnitudes: scales work over the whole normal float32 range
+    (relative error independent of magnitude down to ~1e-36 for int8);
+    below, the smallest normal scale 2^-126 is used (fewer grid points).
+    Only an exactly zero group falls back to s = 1.
 """
 
 from __future__ import annotations
@@ -23,6 +36,14 @@ from aqtr.core.config import TensorConfig
 from aqtr.core.dimension_numbers import OperandLayout, normalize_axes
 from aqtr.core.qtensor import ROLE_AXES, QTensor, from_view, to_view
 from aqtr.core.rounding import as_typed_key
+from aqtr.core.scale import (
+  FIBER_ROLES,
+  divide,
+  row_flags,
+  scale_from_bound,
+  scale_from_range,
+  scale_shape,
+)
 
 
 def _blocked(calibrate, x: jax.Array, axes, free_axis: int, rows: int):
@@ -52,41 +73,90 @@ def _blocked(calibrate, x: jax.Array, axes, free_axis: int, rows: int):
   return jax.tree.map(back, calibrate(x5, tuple(sorted(axes5))))
 
 
+def view_scale_shape(view_shape, cfg: TensorConfig, form: str):
+  """The scale shape `quantize_view` gives a view of `view_shape`."""
+  return scale_shape(view_shape, cfg.tiling.shared, ROLE_AXES[form])
+
+
+def scale_problems(scale, view_shape, cfg: TensorConfig, form: str):
+  """[] if a stored scale fits a view of `view_shape`, else what is wrong."""
+  want = view_scale_shape(view_shape, cfg, form)
+  if tuple(jnp.shape(scale)) != want:
+    return [f'scale shape {tuple(jnp.shape(scale))} != expected {want}']
+  return []
+
+
+def _calibrator(cfg: TensorConfig, form: str, x_shape):
+  """`calibrate(x, axes)` for the numerics: a bound, or (lo, hi) if affine.
+
+  Block tilings (`free_block`) also share the free axis in blocks of rows.
+  Returns (calibrate, axes, spans_rows).
+  """
+  n = cfg.numerics
+  cal = cfg.calibration
+  roles = ROLE_AXES[form]
+  axes = tuple(sorted(roles[r] for r in cfg.tiling.shared))
+  if n.asymmetric:
+    base = cal.calibrate_range
+  else:
+
+    def base(x, axes):
+      return cal.bound_for(x, axes, n)
+
+  free_axis = roles['free']
+  rows = cfg.tiling.free_block(x_shape[free_axis])
+  if rows is not None and free_axis not in axes:
+
+    def calibrate(x, axes):
+      return _blocked(base, x, axes, free_axis, rows)
+
+    return calibrate, axes, True
+  return base, axes, not cfg.tiling.shared <= FIBER_ROLES
+
+
 def quantize_view(x4: jax.Array, cfg: TensorConfig, form: str, noise=None):
   """Quantizes a tiled view.
+
+  The scale (and zero point) have `view_scale_shape`; the scale is NaN for
+  the rows holding a NaN or inf (see the module docstring).
 
   Returns:
     (qvalue, scale, zero_point or None, grad_mask or None).
   """
   n = cfg.numerics
   x = x4.astype(jnp.float32)
-  axes = tuple(sorted(ROLE_AXES[form][r] for r in cfg.tiling.shared))
-  cal = cfg.calibration
-  if n.asymmetric:
-    calibrate = cal.calibrate_range
+  roles = ROLE_AXES[form]
+  calibrate, axes, spans_rows = _calibrator(cfg, form, x.shape)
+  if spans_rows:  # Groups span rows: bound the finite values, mark bad rows.
+    finite = jnp.isfinite(x)
+    bound = calibrate(jnp.where(finite, x, jnp.float32(0)), axes)
+    flags = row_flags(finite, sorted(roles[r] for r in FIBER_ROLES))
   else:
-
-    def calibrate(x, axes):
-      return cal.bound_for(x, axes, n)
-
-  free_axis = ROLE_AXES[form]['free']
-  rows = cfg.tiling.free_block(x.shape[free_axis])
-  if rows is not None and free_axis not in axes:
-    bound = _blocked(calibrate, x, axes, free_axis, rows)
-  else:
+    # Groups lie within rows: a non-finite bound (the calibration contract)
+    # already marks the rows holding NaN/inf.
     bound = calibrate(x, axes)
+    flags = None
+  po2 = cfg.calibration.po2_scale
+  z = None
   if n.asymmetric:
     lo, hi = (b.astype(jnp.float32) for b in bound)
-    s = n.scale_from_range(lo, hi)
+    s = scale_from_range(lo, hi, n, po2)
+    z = n.zero_point(lo, s / n.unit)
   else:
-    s = n.scale_from_bound(bound.astype(jnp.float32))
-  if cal.po2_scale:
-    s = jnp.exp2(jnp.ceil(jnp.log2(s)))
-  z = n.zero_point(lo, s) if n.asymmetric else None
-  v = x / s if z is None else x / s + z
+    s = scale_from_bound(bound.astype(jnp.float32), n, po2)
+  if flags is not None:
+    s = s + flags
+  shape = view_scale_shape(x.shape, cfg, form)
+  s = jnp.broadcast_to(s, shape)
+  v = divide(x, s, n.unit)
+  if z is not None:
+    z = jnp.broadcast_to(z, shape)
+    v = v + z
   q = n.quantize(v, noise)
-  scale = s if n.unit == 1.0 else s * n.unit
-  return q, scale, z, n.grad_mask(v)
+  mask = n.grad_mask(v)
+  if mask is not None:  # Never zero the gradient of a non-finite value.
+    mask = mask | ~jnp.isfinite(v)
+  return q, s, z, mask
 
 
 def check_float(x, field: str) -> None:

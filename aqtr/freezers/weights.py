@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from aqtr.freezers.base import Freezer, Mode, register
+from aqtr.freezers.base import Freezer, Mode, Served, register
 
 
 @register('weights')
@@ -15,7 +15,8 @@ class WeightsFreezer(Freezer):
   Math. CONVERT runs the forward quantization of the operand once,
   `q = Q(x / s)`, `s = bound(x) / qmax` (exactly what TRAIN computes on the
   fly, `aqtr.quantize_operand`), and stores `q` (int8 / int4 / fp8) and `s`
-  in the tiled view of the dot. SERVE passes them as a QTensor to
+  in the tiled view of the dot (and the zero point `z` of affine numerics,
+  `x ~ s (q - z)`). SERVE passes them as a QTensor to
   `aqtr.dot_general`, whose output is bit-identical to TRAIN's: what you
   train is what you serve. The float operand is not read in SERVE, so the
   float kernel need not be loaded (see `aqtr.flax` conversion).
@@ -26,8 +27,23 @@ class WeightsFreezer(Freezer):
   """
 
   frozen_parts = ('qvalue', 'scale')
+  optional_parts = ('zero_point',)
+  reads_float = False
 
   def stores(self, mode: Mode) -> tuple[str, ...]:
     if not isinstance(mode, Mode):
       raise TypeError(f'mode must be an aqtr.freezers.Mode, got {mode!r}.')
     return self.frozen_parts if mode is Mode.CONVERT else ()
+
+  def freeze(self, call, stats) -> dict:
+    del stats
+    q = call.quantize()
+    parts = {'qvalue': q.qvalue, 'scale': q.scale}
+    if q.zero_point is not None:  # Affine numerics (int_asymmetric).
+      parts['zero_point'] = q.zero_point
+    return parts
+
+  def serve(self, call, frozen: dict) -> Served:
+    return Served(
+      call.qtensor(frozen['qvalue'], frozen['scale'], frozen.get('zero_point'))
+    )

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import math
 import numbers
 from collections.abc import Callable
@@ -52,7 +53,7 @@ from aqtr.fiddlers import (  # noqa: F401
   use_rounding,
   use_tiling,
 )
-from aqtr.train import models
+from aqtr.train import models, qt_runs
 
 __all__ = [
   'CONFIGS',
@@ -76,6 +77,9 @@ TASKS = ('lm', 'digits')
 # Every preset; add an entry here to offer another run by name.
 RUNS: dict[str, Callable[[], aqtr.DotGeneralConfig]] = {
   name: getattr(aqtr.presets, name) for name in aqtr.presets.__all__
+} | {
+  name: functools.partial(qt_runs.config, spec)
+  for name, spec in qt_runs.SPECS.items()
 }
 
 # Numeric fields: (type, allowed range as text, range test).
@@ -131,8 +135,9 @@ class Experiment:
       'digits' (MLP classifier, reports accuracy).
     model: the float model template (a Fiddle config, see
       `aqtr.train.models`); None: the task's default model.
-    runs: names of `RUNS` (the presets of `aqtr.presets`) to run, in order
-      ('float' first gives the speed baseline).
+    runs: names of `RUNS` to run, in order ('float' first gives the speed
+      baseline): the presets of `aqtr.presets` and the quantized-training
+      runs of `qt_runs` ('qt_int8', 'qt_int8_w8a8', 'float_adam8bit').
     custom: a user-chosen DotGeneralConfig (Fiddle tree), run last under
       the name 'custom'; None: no custom run.
     steps: optimizer steps per run.

@@ -28,7 +28,15 @@ import fiddle as fdl
 
 from aqtr import fiddle as aqtr_fiddle
 from aqtr.flax import common
-from aqtr.train import experiment, loop, models, report, serving, tasks
+from aqtr.train import (
+  experiment,
+  loop,
+  models,
+  qt_runs,
+  report,
+  serving,
+  tasks,
+)
 
 __all__ = ['columns', 'resolved', 'run']
 
@@ -46,6 +54,7 @@ def columns(metric: str) -> list[str]:
     'serving KB',
     'x params',
     'serve==train',
+    'param+optimizer MB',
   ]
 
 
@@ -55,6 +64,7 @@ FORMATS = {
   'compile s': '.1f',
   'serving KB': '.1f',
   'x params': '.3f',
+  'param+optimizer MB': '.3f',
 }
 
 
@@ -120,6 +130,7 @@ def _row(
     'x params': kb * 1024 / float_bytes,
     'serve==train': serve['serve_equal'] if serve else '-',
     'status': 'ok',
+    'param+optimizer MB': r.param_opt_bytes / 2**20,
   }
 
 
@@ -213,6 +224,7 @@ def run(
           params=params,
           on_record=on_record,
           show_progress=show_progress,
+          spec=qt_runs.SPECS.get(name),
         )
         (run_dir / 'injection.txt').write_text(str(r.report) + '\n')
         serve = None
