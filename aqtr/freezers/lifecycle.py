@@ -229,7 +229,7 @@ def _checked_parts(call, parts) -> dict:
     got = sorted(parts) if isinstance(parts, Mapping) else parts
     raise TypeError(
       f'{call.where}: {type(f).__name__}.freeze must return a dict with '
-      f'the keys frozen_parts={f.frozen_parts} (and optionally '
+      f'exactly the keys frozen_parts={f.frozen_parts} (and optionally '
       f'{f.optional_parts}), got {got!r}.'
     )
   return dict(parts)

@@ -36,7 +36,10 @@ _NUMERICS_VARIANTS = {
   ],
 }
 # Tiling instances to cover; sub-channel with several tiles of every dot.
-_TILING_VARIANTS = {'subchannel': [tilings.SubChannel(tile_size=8)]}
+_TILING_VARIANTS = {
+  'subchannel': [tilings.SubChannel(tile_size=8)],
+  'block2d': [tilings.Block2d(tile_size=8, free_size=4)],
+}
 
 
 def _all(variants, registry):

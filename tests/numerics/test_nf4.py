@@ -106,7 +106,7 @@ def test_a_user_codebook_registers_and_passes_the_contract(scratch_registry):
   assert numerics.get('test_five') is Five and Five().max_value == 2.0
   # The contract minus the engine check (nf4 runs that one).
   for check in test_contract.CHECKS:
-    if check is not test_contract.check_engine:
+    if check.__name__ != 'check_engine':
       check(Five, [])
   q = jax.jit(Five().quantize)(jnp.array([-0.3, 0.2, 0.25, 1.3, 9.0]))
   np.testing.assert_array_equal(q, [-0.5, 0.0, 0.0, 2.0, 2.0])
