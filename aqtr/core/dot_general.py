@@ -342,7 +342,10 @@ def _drhs_nk_reusing(ctx, raw, g, noise, q_l: QuantizedOperand):
   g_s, n = fold_scale(g, q_l, axis=1)
   a = Operand(g_s, 'kf', raw.lhs, repeat_tiles(noise, n))
   out = quantized_dot(a, q_l.as_partner(), raw, ctx.precision)
-  return merge_tiles(_minus_zero_point(out, g_s, q_l, 2), n, 'fk')
+  z = q_l.partner_zero_point()  # g_s is [B, M, N]: sum over M, as [B, N, 1]
+  if z is not None:
+    out = out - reuse_term(g_s, z, 1).transpose(0, 2, 1)
+  return merge_tiles(out, n, 'fk')
 
 
 def _drhs_nk_requantizing(ctx, raw, g, noise, lhs, key):
