@@ -60,68 +60,26 @@ from aqtr.core.passes import (
 from aqtr.core.qtensor import QTensor
 from aqtr.core.quantizer import check_float
 from aqtr.core.ragged import ragged_bwd, ragged_fwd
+from aqtr.core.residuals import Residuals
 from aqtr.core.rounding import as_typed_key
-from aqtr.core.zero_point import reuse_term
-
-# ----------------------------------------------------------------- residuals
-
-
-@dataclasses.dataclass(frozen=True)
-class Residuals:
-  """What the forward pass keeps for the backward passes.
-
-  A backward pass that reuses the forward quantization keeps q and s of
-  its residual operand instead of the float operand (int8: a quarter of
-  the bytes); a float operand is kept only where a pass needs it.
-
-  Attributes:
-    lhs, rhs: the float operands L, R, or None where not needed.
-    q_lhs: the forward quantization of L for drhs: [B, T, M, t], or
-      [B, T, t, M] ('kf', written transposed) for [K, N] weights.
-    q_rhs: the forward quantization of R for dlhs.
-    mask_lhs, mask_rhs: the forward numerics' straight-through gradient
-      masks in the operands' layouts, or None.
-    key_dlhs, key_drhs: PRNG keys of the backward passes, or None.
-    lhs_struct, rhs_struct: the operands' shapes and dtypes (static).
-    lhs_stored, rhs_stored: whether the operand is a stored QTensor, which
-      gets no gradient (static).
-  """
-
-  lhs: jax.Array | None = None
-  rhs: jax.Array | None = None
-  q_lhs: QuantizedOperand | None = None
-  q_rhs: QuantizedOperand | None = None
-  mask_lhs: jax.Array | None = None
-  mask_rhs: jax.Array | None = None
-  key_dlhs: jax.Array | None = None
-  key_drhs: jax.Array | None = None
-  lhs_struct: jax.ShapeDtypeStruct | None = None
-  rhs_struct: jax.ShapeDtypeStruct | None = None
-  lhs_stored: bool = False
-  rhs_stored: bool = False
-
-
-jax.tree_util.register_dataclass(
-  Residuals,
-  data_fields=[
-    'lhs',
-    'rhs',
-    'q_lhs',
-    'q_rhs',
-    'mask_lhs',
-    'mask_rhs',
-    'key_dlhs',
-    'key_drhs',
-  ],
-  meta_fields=['lhs_struct', 'rhs_struct', 'lhs_stored', 'rhs_stored'],
+from aqtr.core.sharding import (
+  check_operands,
+  gather_specs,
+  keep_on_shards,
+  match_vma,
+  run_on_mesh,
+  vma_of,
+  zeros_varying,
 )
-
+from aqtr.core.zero_point import reuse_term
 
 # ------------------------------------------------------------------- forward
 
 
-def _fwd(lhs, rhs, key, dn, cfg: DotGeneralConfig, precision, preferred):
-  """out = L . R, quantized as `cfg.fwd` says; and the residuals."""
+def _fwd(
+  lhs, rhs, key, dn, cfg: DotGeneralConfig, precision, preferred, specs=None
+):
+  """out = L . R as `cfg.fwd` says, and residuals (specs: `gather_specs`)."""
   lay = DotLayout.create(struct_of(lhs).shape, struct_of(rhs).shape, dn)
   keys = PassKeys.split(key)
   stored = isinstance(lhs, QTensor) or isinstance(rhs, QTensor)
@@ -138,6 +96,7 @@ def _fwd(lhs, rhs, key, dn, cfg: DotGeneralConfig, precision, preferred):
   q_rhs = forward_operand(
     rhs, cfg.fwd.rhs, lay.rhs, rhs_form, tile, keys.fwd_rhs, 'rhs'
   )
+  q_lhs, q_rhs = keep_on_shards(q_lhs, q_rhs, lay, specs)
   q_lhs_t = None
   if _drhs_contracts_q_lhs_t(lhs, rhs, q_lhs, lay, cfg):
     q_lhs, q_lhs_t = q_lhs.with_transposed()
@@ -203,6 +162,8 @@ def _residuals(
     rhs_struct=struct_of(rhs),
     lhs_stored=lhs_stored,
     rhs_stored=rhs_stored,
+    lhs_vma=frozenset() if lhs_stored else vma_of(lhs),
+    rhs_vma=frozenset() if rhs_stored else vma_of(rhs),
   )
 
 
@@ -218,16 +179,17 @@ class _Backward:
   preferred: object
 
 
-def _bwd(dn, cfg: DotGeneralConfig, precision, preferred, res: Residuals, g):
+def _bwd(dn, cfg: DotGeneralConfig, precision, preferred, specs, res, g):
+  del specs  # Forward only.
   lay = DotLayout.create(res.lhs_struct.shape, res.rhs_struct.shape, dn)
   ctx = _Backward(lay, precision, preferred)
   dl = dr = None  # No gradient reaches a stored QTensor operand.
   if not res.lhs_stored:
     dl = _masked(_dlhs(ctx, cfg.dlhs, res, g), res.mask_lhs)
-    dl = dl.astype(res.lhs_struct.dtype)
+    dl = match_vma(dl.astype(res.lhs_struct.dtype), res.lhs_vma)
   if not res.rhs_stored:
     dr = _masked(_drhs(ctx, cfg.drhs, res, g), res.mask_rhs)
-    dr = dr.astype(res.rhs_struct.dtype)
+    dr = match_vma(dr.astype(res.rhs_struct.dtype), res.rhs_vma)
   return (*first_order_only(dl, dr), None)  # Differentiating again raises.
 
 
@@ -270,7 +232,7 @@ def _dlhs(ctx: _Backward, raw: DotGeneralRaw, res: Residuals, g):
   lay = ctx.lay
   if not raw.quantized:
     y_r = _float_residual(res.rhs, res.q_rhs, lay.rhs, res.rhs_struct)
-    zero_l = jnp.zeros(res.lhs_struct.shape, res.lhs_struct.dtype)
+    zero_l = zeros_varying(res.lhs_struct, res.lhs_vma)
     return _float_grad(ctx, zero_l, y_r, g, wrt=0)
   g3, noise = _gradient(ctx, raw, res.key_dlhs, g)
   if res.q_rhs is not None:
@@ -316,7 +278,7 @@ def _drhs(ctx: _Backward, raw: DotGeneralRaw, res: Residuals, g):
   lay = ctx.lay
   if not raw.quantized:
     y_l = _float_residual(res.lhs, res.q_lhs, lay.lhs, res.lhs_struct)
-    zero_r = jnp.zeros(res.rhs_struct.shape, res.rhs_struct.dtype)
+    zero_r = zeros_varying(res.rhs_struct, res.rhs_vma)
     return _float_grad(ctx, y_l, zero_r, g, wrt=1)
   g3, noise = _gradient(ctx, raw, res.key_drhs, g)
   key = residual_key(res.key_drhs)
@@ -385,13 +347,13 @@ def _drhs_kn_requantizing(ctx, raw, g, noise, lhs, key):
 # ------------------------------------------------------------ the custom VJP
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _qdot(lhs, rhs, key, dn, cfg, precision, preferred):
-  return _fwd(lhs, rhs, key, dn, cfg, precision, preferred)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
+def _qdot(lhs, rhs, key, dn, cfg, precision, preferred, specs):
+  return _fwd(lhs, rhs, key, dn, cfg, precision, preferred, specs)[0]
 
 
 _qdot.defvjp(_fwd, _bwd)
-_qdot_jit = jax.jit(_qdot, static_argnums=(3, 4, 5, 6))
+_qdot_jit = jax.jit(_qdot, static_argnums=(3, 4, 5, 6, 7))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
@@ -414,8 +376,12 @@ def dot_general(
   key: jax.Array | None = None,
   precision=None,
   preferred_element_type=None,
+  out_sharding=None,
 ) -> jax.Array:
   """Drop-in for `jax.lax.dot_general` quantized as `config` says.
+
+  On a mesh (auto/explicit axes, `jax.shard_map`) it computes what it
+  computes on one device, with lax's output sharding (`core.sharding`).
 
   Args:
     lhs, rhs: float operands; either may instead be a QTensor made by
@@ -427,6 +393,8 @@ def dot_general(
     key: PRNG key (typed or raw uint32[2]); required by stochastic rounding.
     precision, preferred_element_type: as in `lax.dot_general`; precision
       applies to the float dots.
+    out_sharding: as in `lax.dot_general` (a NamedSharding or
+      PartitionSpec of the output); under auto axes a sharding constraint.
 
   Returns:
     [batch..., lhs free..., rhs free...] in `preferred_element_type` or the
@@ -462,6 +430,7 @@ def dot_general(
       dimension_numbers,
       precision=precision,
       preferred_element_type=preferred_element_type,
+      out_sharding=out_sharding,
     )
   if not stored[0]:
     lhs = jnp.asarray(lhs)
@@ -483,6 +452,9 @@ def dot_general(
     if preferred_element_type is None
     else jnp.dtype(preferred_element_type)
   )
-  return _qdot_jit(
-    lhs, rhs, key, lay.dimension_numbers, config, precision, preferred
-  )
+  dn, fwd = lay.dimension_numbers, config.fwd
+  check_operands(lhs, rhs, dn, common_tile([fwd.lhs, fwd.rhs], lay.lhs.k))
+  static = (dn, config, precision, preferred, gather_specs(lhs, rhs, fwd))
+  run = lambda lhs, rhs, key: _qdot_jit(lhs, rhs, key, *static)  # noqa: E731
+  structs = [struct_of(x) if isinstance(x, QTensor) else x for x in (lhs, rhs)]
+  return run_on_mesh(run, (lhs, rhs, key), structs, dn, preferred, out_sharding)

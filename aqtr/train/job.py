@@ -37,6 +37,7 @@ from aqtr.train import (
   serving,
   tasks,
 )
+from aqtr.train import mesh as mesh_lib
 
 __all__ = ['columns', 'resolved', 'run']
 
@@ -193,6 +194,8 @@ def run(
   say = print if echo else (lambda *a, **k: None)
   t_start = time.perf_counter()
   exp, template, custom = experiment.split(cfg)
+  if exp.distributed:
+    mesh_lib.initialize_distributed()
   out = report.prepare_out_dir(out_dir, overwrite)
   job_marker = report.mark_incomplete(out, 'this job')
   say(f'output: {out.absolute()}', flush=True)

@@ -39,6 +39,7 @@ import optax
 import aqtr
 import aqtr.pax
 from aqtr import qt
+from aqtr.train import mesh as mesh_lib
 from aqtr.train import models, progress, qt_runs
 from aqtr.train.experiment import Experiment
 from aqtr.train.tasks import Task, cross_entropy, evaluate_logits
@@ -173,7 +174,29 @@ def train(
   if spec.weights is not None:  # Weights kept only quantized.
     params, _ = qt.quantize_params(params, [qt.Rule(fmt=spec.weights)])
     tx = qt.quantized_training(tx, seed=exp.seed)
+  mesh = mesh_lib.make(exp.mesh) if exp.mesh else None
+  if mesh is not None:
+    params = jax.device_put(params, mesh_lib.param_shardings(mesh, params))
+
+  def place(x):
+    """A batch split over the mesh's 'data' axis (one device: as is)."""
+    return (
+      x if mesh is None else jax.device_put(x, mesh_lib.batch_sharding(mesh))
+    )
+
+  x0, y0 = place(x0), place(y0)
   opt_state = tx.init(params)
+  state_shardings = None  # One device: wherever jit puts them.
+  if mesh is not None:  # The state keeps its shardings from step to step.
+    opt_state = jax.device_put(
+      opt_state, mesh_lib.state_shardings(mesh, opt_state)
+    )
+    state_shardings = (
+      mesh_lib.state_shardings(mesh, params),
+      mesh_lib.state_shardings(mesh, opt_state),
+      None,
+      None,
+    )
 
   def step_fn(params, opt_state, x, y, step):
     def loss_fn(p):
@@ -200,7 +223,7 @@ def train(
     bar.status('compiling')
     t0 = time.perf_counter()
     step_c = (
-      jax.jit(step_fn, donate_argnums=(0, 1))
+      jax.jit(step_fn, donate_argnums=(0, 1), out_shardings=state_shardings)
       .lower(params, opt_state, x0, y0, jnp.int32(0))
       .compile()
     )
@@ -220,7 +243,7 @@ def train(
     t = time.perf_counter()
     for i in range(1, exp.steps + 1):
       check_stop()
-      x, y = next(batches)
+      x, y = map(place, next(batches))
       params, opt_state, loss, finite = step_c(
         params, opt_state, x, y, jnp.int32(i)
       )
