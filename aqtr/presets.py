@@ -12,34 +12,62 @@ Example:
 from __future__ import annotations
 
 from aqtr.calibrations.absmax import AbsMax
+from aqtr.calibrations.base import Calibration
+from aqtr.calibrations.minmax import MinMax
 from aqtr.core.config import DotGeneralConfig, DotGeneralRaw, TensorConfig
 from aqtr.core.rounding import NearestEven, Rounding, Stochastic
 from aqtr.freezers.base import NoFreezer
 from aqtr.numerics.base import Numerics
 from aqtr.numerics.fp8 import Fp8
+from aqtr.numerics.int_asymmetric import IntAsymmetric
 from aqtr.numerics.int_symmetric import IntSymmetric
+from aqtr.numerics.mx import Mx
 from aqtr.numerics.none import NoNumerics
+from aqtr.numerics.nvfp4 import NvFp4
+from aqtr.tilings.base import Tiling
 from aqtr.tilings.per_channel import PerChannel
+from aqtr.tilings.per_tensor import PerTensor
+from aqtr.tilings.subchannel import SubChannel
 
 __all__ = [
+  'aqt_v4',
   'float',
   'fp8',
+  'fp8_nanoo',
   'fully_quantized',
+  'int4_asym_weight_only',
   'int4_weight_only',
   'int8',
   'int8_fwd',
   'int8_weight_only',
+  'mxfp4_weight_only',
+  'mxfp8',
+  'nvfp4',
+  'switchback',
 ]
 
 
-def _t(numerics: Numerics, rounding: Rounding | None = None) -> TensorConfig:
+def _t(
+  numerics: Numerics,
+  rounding: Rounding | None = None,
+  *,
+  tiling: Tiling | None = None,
+  calibration: Calibration | None = None,
+) -> TensorConfig:
+  if tiling is None:
+    block = numerics.block_size
+    tiling = PerChannel() if block is None else _tiles(block)
   return TensorConfig(
     numerics=numerics,
-    calibration=AbsMax(clip_scale=1.0, po2_scale=False),
-    tiling=PerChannel(),
+    calibration=calibration or AbsMax(clip_scale=1.0, po2_scale=False),
+    tiling=tiling,
     rounding=rounding or NearestEven(),
     freezer=NoFreezer(),
   )
+
+
+def _tiles(size: int) -> SubChannel:
+  return SubChannel(tile_size=size, tile_count=0)
 
 
 def _none() -> TensorConfig:
@@ -114,8 +142,8 @@ def int8_fwd() -> DotGeneralConfig:
   return fully_quantized(8, None, False)
 
 
-def _weight_only(numerics: Numerics) -> DotGeneralConfig:
-  w = _t(numerics)
+def _weight_only(numerics: Numerics, **kw) -> DotGeneralConfig:
+  w = _t(numerics, **kw)
   return DotGeneralConfig(
     fwd=_raw(_none(), w, False),
     dlhs=_raw(_none(), w, True),
@@ -141,4 +169,106 @@ def fp8() -> DotGeneralConfig:
     fwd=_raw(e4, e4, False),
     dlhs=_raw(e5, e4, True),
     drhs=_raw(e5, e4, True),
+  )
+
+
+def fp8_nanoo() -> DotGeneralConfig:
+  """fp8 for AMD MI300 (MaxText's nanoo_fp8): e4m3fnuz fwd, e5m2fnuz grads.
+
+  As `fp8` with the fnuz formats (exponent bias one higher, e4m3fnuz max
+  240), per-channel absmax scales.
+  """
+  e4 = _t(Fp8(dtype_name='float8_e4m3fnuz', clip_gradient=False))
+  e5 = _t(Fp8(dtype_name='float8_e5m2fnuz', clip_gradient=False))
+  return DotGeneralConfig(
+    fwd=_raw(e4, e4, False),
+    dlhs=_raw(e5, e4, True),
+    drhs=_raw(e5, e4, True),
+  )
+
+
+def switchback() -> DotGeneralConfig:
+  """SwitchBack (Wortsman et al. 2023, arXiv 2304.13013).
+
+  int8 forward and input gradient, float weight gradient: the inputs x and
+  the gradient g are quantized row-wise (per token), the weights
+  tensor-wise; dX = g . W reuses the forward int8 weights; dW = g^T . x
+  runs in float on the float operands.
+  """
+  row = _t(_int(8))
+  whole = _t(_int(8), tiling=PerTensor())
+  return DotGeneralConfig(
+    fwd=_raw(row, whole, False),
+    dlhs=_raw(row, whole, True),
+    drhs=_raw(_none(), _none(), False),
+  )
+
+
+def aqt_v4() -> DotGeneralConfig:
+  """AQT's `config_v4`: int8 fwd, int8 dlhs with stochastic rounding.
+
+  fwd: int8 per-channel absmax on both operands; dlhs: the gradient int8
+  with stochastic rounding (needs `key=`), the weights quantized again
+  to int8; drhs: float (g^T . x on the float operands). After AQT
+  (Lew et al. 2022, github.com/google/aqt) and Gupta et al. 2015
+  (arXiv 1502.02551) for the rounding.
+  """
+  q = _t(_int(8))
+  g = _t(_int(8), Stochastic(noise_sharing_axes=()))
+  return DotGeneralConfig(
+    fwd=_raw(q, q, False),
+    dlhs=_raw(g, q, False),
+    drhs=_raw(_none(), _none(), False),
+  )
+
+
+def mxfp8() -> DotGeneralConfig:
+  """MXFP8 (OCP MX v1.0): e4m3 fwd, e5m2 gradients, blocks of 32.
+
+  Every operand of every pass in 32-element blocks with an E8M0 scale
+  (the contractions must be multiples of 32); the backward passes reuse
+  the forward MXFP8 residuals.
+  """
+  e4 = _t(Mx(element='fp8_e4m3', clip_gradient=False))
+  e5 = _t(Mx(element='fp8_e5m2', clip_gradient=False))
+  return DotGeneralConfig(
+    fwd=_raw(e4, e4, False),
+    dlhs=_raw(e5, e4, True),
+    drhs=_raw(e5, e4, True),
+  )
+
+
+def mxfp4_weight_only() -> DotGeneralConfig:
+  """MXFP4 (E2M1, blocks of 32, E8M0 scales) weights; float activations."""
+  return _weight_only(Mx(element='fp4_e2m1', clip_gradient=False))
+
+
+def nvfp4() -> DotGeneralConfig:
+  """NVFP4 (E2M1, blocks of 16, e4m3 x f32 scales) forward; float grads.
+
+  Both forward operands in NVFP4; the backward passes are float dots of g
+  with the dequantized forward operands (straight-through).
+  """
+  f = _t(NvFp4(clip_gradient=False))
+  return DotGeneralConfig(
+    fwd=_raw(f, f, False),
+    dlhs=_raw(_none(), f, True),
+    drhs=_raw(_none(), f, True),
+  )
+
+
+def int4_asym_weight_only(group: int = 128) -> DotGeneralConfig:
+  """The common LLM W4 recipe: int4 affine weights in groups, float x.
+
+  Weights: `int_asymmetric` 4 bits (uint8 storage, zero point per group),
+  `minmax` range, `group` elements per group along the contraction
+  (sub-channel tiles; the contraction must be a multiple of `group`).
+
+  Args:
+    group: elements per scale group, > 0.
+  """
+  return _weight_only(
+    IntAsymmetric(bits=4, storage='uint8', clip_gradient=False),
+    tiling=_tiles(group),
+    calibration=MinMax(po2_scale=False),
   )

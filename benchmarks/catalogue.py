@@ -7,7 +7,8 @@ Three tables, every row built by iterating the registries (`aqtr.numerics`,
    numerics x calibration pair that builds (a TensorConfig that rejects the
    pair, e.g. an asymmetric numerics with a symmetric-only calibration, is
    left out; `constant` is left out: it ignores the data), per-channel
-   tiling (one scale per row of 1024, or per weight output column), on
+   tiling (one scale per row of 1024, or per weight output column; block
+   formats MX / NVFP4: their 32 / 16-element blocks), on
    (a) N(0, 1) [256, 1024], (b) Laplace(0, 1) [256, 1024], (c) the main
    job's LM trained briefly (`aqtr.train`, float): its weight kernels and
    (d) its activations (every layer's [batch*seq, features] output on a
@@ -84,8 +85,15 @@ def calibration_variants() -> Iterator[tuple[str, Any]]:
 
 def tensor_config(n, c) -> aqtr.TensorConfig | None:
   """The pair as a TensorConfig, or None when the pair is rejected."""
+  # Block formats (MX, NVFP4) bring their blocks: sub-channel tiles.
+  block = n.block_size
+  tiling = (
+    tilings.PerChannel()
+    if block is None
+    else tilings.SubChannel(tile_size=block)
+  )
   try:
-    return aqtr.TensorConfig(numerics=n, calibration=c)
+    return aqtr.TensorConfig(numerics=n, calibration=c, tiling=tiling)
   except (TypeError, ValueError):
     return None
 

@@ -86,8 +86,11 @@ def test_as_config_converts_any_tree():
   assert aqtr.tags.FwdBits in fdl.get_tags(cfg['a'][0].fwd.lhs.numerics, 'bits')
 
 
-def _fp8_with_stochastic_rounding(c):
-  c.dlhs.lhs.numerics = aqtr.fiddle.as_config(numerics.Fp8())
+def _mx_with_stochastic_rounding(c):
+  c.dlhs.lhs.numerics = aqtr.fiddle.as_config(numerics.Mx())
+  c.dlhs.lhs.tiling = aqtr.fiddle.as_config(
+    aqtr.tilings.SubChannel(tile_size=32)
+  )
   c.dlhs.lhs.rounding = fdl.Config(aqtr.Stochastic)
 
 
@@ -107,7 +110,7 @@ def _nine_bits(c):
 @pytest.mark.parametrize(
   'edit, path, words',
   [
-    (_fp8_with_stochastic_rounding, 'dlhs.lhs', ['stochastic', 'NearestEven']),
+    (_mx_with_stochastic_rounding, 'dlhs.lhs', ['stochastic', 'NearestEven']),
     (_fwd_quant_on_fwd, '', ['<root>', 'fwd.use_fwd_quant must be False']),
     (_int32_accumulator_with_fp8, 'drhs', ['drhs (DotGeneralRaw)', "'auto'"]),
     (_nine_bits, 'fwd.rhs.numerics', ['(IntSymmetric)', '1..8']),

@@ -86,3 +86,26 @@ def test_fiddlers_work_on_model_trees():
   built = fdl.build(cfg)
   assert built['mlp'].fwd.rhs.numerics.bits == 4
   assert built['attention'].fwd.rhs.numerics.bits == 8
+
+
+def test_catalogue_numerics_by_name():
+  cfg = aqtr.fiddle.config('int8')
+  fiddlers.use_numerics(cfg, r'fwd\.rhs', 'int_asymmetric', bits=4)
+  fiddlers.use_calibration(cfg, r'fwd\.rhs', 'minmax')
+  fiddlers.use_numerics(cfg, r'fwd\.lhs', 'mx', element='fp4_e2m1')
+  fiddlers.use_tiling(cfg, r'fwd\.lhs', 'subchannel', tile_size=32)
+  fiddlers.use_numerics(
+    cfg, r'dlhs\.lhs', 'fp', exponent_bits=5, mantissa_bits=2
+  )
+  fiddlers.use_numerics(cfg, r'drhs\.lhs', 'nvfp4')
+  fiddlers.use_tiling(cfg, r'drhs\.lhs', 'subchannel', tile_size=16)
+  built = aqtr.fiddle.build(cfg)
+  assert built.fwd.rhs.numerics == numerics.IntAsymmetric(bits=4)
+  assert built.fwd.lhs.numerics == numerics.Mx(element='fp4_e2m1')
+  assert built.dlhs.lhs.numerics.max_value == 57344.0
+  assert built.drhs.lhs.numerics == numerics.NvFp4()
+  # A symmetric-only calibration on the asymmetric operand fails at build
+  # with the path and the allowed calibrations.
+  fiddlers.use_calibration(cfg, r'fwd\.rhs', 'absmax')
+  with pytest.raises(ValueError, match=r'fwd\.rhs.*allowed.*minmax'):
+    aqtr.fiddle.build(cfg)

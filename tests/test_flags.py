@@ -103,7 +103,7 @@ def test_errors():
       '--config=config:int8',
       "--config=fiddler:use_calibration('fwd.lhs', 'pct')",
     )
-  with pytest.raises(ValueError, match='available names: float, fp8'):
+  with pytest.raises(ValueError, match='available names: aqt_v4, float, fp8'):
     _parse('--config=config:int9')
 
 

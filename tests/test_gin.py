@@ -27,7 +27,7 @@ def _fresh_gin():
   gin.clear_config()
 
 
-@pytest.mark.parametrize('name', ['int8', 'fp8'])
+@pytest.mark.parametrize('name', ['int8', 'fp8', 'mxfp8'])
 def test_gin_file_equals_fiddle_config(name):
   from_gin = aqtr.gin.config_from_gin(str(GIN / f'{name}.gin'))
   from_fiddle = aqtr.fiddle.build(aqtr.fiddle.config(name))

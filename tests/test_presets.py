@@ -141,9 +141,20 @@ def test_fp8():
   assert cfg.drhs.lhs.numerics.dtype_name == e5
 
 
+# Presets whose weights (or both operands) have 4 bits: looser error bound.
+FOUR_BITS = (
+  'int4_weight_only',
+  'int4_asym_weight_only',
+  'mxfp4_weight_only',
+  'nvfp4',
+)
+
+
 def test_every_preset_runs_forward_and_backward():
-  x = jnp.asarray(np.random.default_rng(0).standard_normal((4, 32)))
-  w = jnp.asarray(np.random.default_rng(1).standard_normal((32, 8)))
+  # Every contraction (128, and 32 for the backward passes) is a multiple of
+  # the block formats' blocks (16, 32) and int4_asym_weight_only's group.
+  x = jnp.asarray(np.random.default_rng(0).standard_normal((32, 128)))
+  w = jnp.asarray(np.random.default_rng(1).standard_normal((128, 32)))
   dn = (((1,), (0,)), ((), ()))
   cfgs = {n: getattr(presets, n)() for n in NAMES}
   cfgs['sr'] = presets.fully_quantized(8, 8, stochastic_rounding=True)
@@ -163,8 +174,80 @@ def test_every_preset_runs_forward_and_backward():
 
   ref = np.asarray(x) @ np.asarray(w)
   for name, (y, dx, dw) in run(x, w).items():
-    assert y.shape == (4, 8) and dx.shape == x.shape and dw.shape == w.shape
+    assert y.shape == (32, 32) and dx.shape == x.shape and dw.shape == w.shape
     for a in (y, dx, dw):
       assert np.isfinite(np.asarray(a)).all(), name
     err = np.linalg.norm(np.asarray(y) - ref) / np.linalg.norm(ref)
-    assert err < (0.2 if name == 'int4_weight_only' else 0.07), (name, err)
+    assert err < (0.2 if name in FOUR_BITS else 0.07), (name, err)
+
+
+# The dots (lhs dtype, rhs dtype) -> count in the jaxpr of fwd + grad.
+F32, I8 = 'float32', 'int8'
+E4, E5 = 'float8_e4m3fn', 'float8_e5m2'
+E4Z, E5Z = 'float8_e4m3fnuz', 'float8_e5m2fnuz'
+DOTS = {
+  'switchback': {(I8, I8): 2, (F32, F32): 1},
+  'aqt_v4': {(I8, I8): 2, (F32, F32): 1},
+  'fp8_nanoo': {(E4Z, E4Z): 1, (E5Z, E4Z): 1, (E4Z, E5Z): 1},
+  'mxfp8': {(E4, E4): 1, (E5, E4): 1, (E4, E5): 1},
+  # Weight-only: float activations, so float dots (the weights pass through
+  # their stored dtype).
+  'mxfp4_weight_only': {(F32, F32): 3},
+  'int4_asym_weight_only': {(F32, F32): 3},
+  # fp4 values are stored in (and contracted as) float8_e4m3fn.
+  'nvfp4': {(E4, E4): 1, (F32, F32): 2},
+}
+
+
+def _dot_dtypes(jaxpr) -> dict:
+  """Counts dot_general eqns by (lhs dtype, rhs dtype), recursively."""
+  found = {}
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == 'dot_general':
+      key = tuple(str(v.aval.dtype) for v in eqn.invars[:2])
+      found[key] = found.get(key, 0) + 1
+    for value in eqn.params.values():
+      subs = value if isinstance(value, tuple | list) else (value,)
+      for sub in subs:
+        sub = getattr(sub, 'jaxpr', sub)
+        if hasattr(sub, 'eqns'):
+          for k, n in _dot_dtypes(sub).items():
+            found[k] = found.get(k, 0) + n
+  return found
+
+
+@pytest.mark.parametrize('name', sorted(DOTS))
+def test_catalogue_presets_run_the_expected_dots(name):
+  cfg = getattr(presets, name)()
+  dn = (((1,), (0,)), ((), ()))
+
+  def loss(x, w):
+    return aqtr.dot_general(x, w, dn, cfg, key=jax.random.key(0)).sum()
+
+  f = jax.value_and_grad(loss, (0, 1))
+  jaxpr = jax.make_jaxpr(f)(jnp.ones((32, 128)), jnp.ones((128, 32)))
+  assert _dot_dtypes(jaxpr.jaxpr) == DOTS[name]
+  stored = {
+    'mxfp4_weight_only': E4,
+    'int4_asym_weight_only': 'uint8',
+  }.get(name)
+  if stored:
+    assert stored in str(jaxpr)
+
+
+def test_catalogue_presets_mean_what_they_say():
+  sb = presets.switchback()
+  assert sb.fwd.lhs.tiling == tilings.PerChannel()
+  assert sb.fwd.rhs.tiling == tilings.PerTensor()
+  assert sb.dlhs.use_fwd_quant and not sb.drhs.quantized
+  v4 = presets.aqt_v4()
+  assert v4.dlhs.lhs.rounding.stochastic and not v4.dlhs.use_fwd_quant
+  assert not v4.drhs.quantized and not v4.fwd.lhs.rounding.stochastic
+  assert presets.fp8_nanoo().fwd.lhs.numerics.max_value == 240.0
+  for name, block in (('mxfp8', 32), ('mxfp4_weight_only', 32), ('nvfp4', 16)):
+    assert getattr(presets, name)().fwd.rhs.tiling.tile_size == block
+  w4 = presets.int4_asym_weight_only(group=64).fwd.rhs
+  assert w4.numerics == numerics.IntAsymmetric(bits=4, storage='uint8')
+  assert w4.calibration == calibrations.MinMax()
+  assert w4.tiling == tilings.SubChannel(tile_size=64)
+  assert not presets.int4_asym_weight_only().fwd.lhs.quantized

@@ -39,13 +39,20 @@ PUBLIC = {
 }
 
 PRESETS = {
+  'aqt_v4',
   'float',
   'fp8',
+  'fp8_nanoo',
   'fully_quantized',
+  'int4_asym_weight_only',
   'int4_weight_only',
   'int8',
   'int8_fwd',
   'int8_weight_only',
+  'mxfp4_weight_only',
+  'mxfp8',
+  'nvfp4',
+  'switchback',
 }
 
 

@@ -3,6 +3,7 @@
 from aqtr.calibrations.absmax import AbsMax
 from aqtr.calibrations.base import Calibration, get, names, register, registry
 from aqtr.calibrations.constant import Constant
+from aqtr.calibrations.minmax import MinMax
 from aqtr.calibrations.mse import Mse
 from aqtr.calibrations.percentile import Percentile
 from aqtr.calibrations.rms import Rms
@@ -11,6 +12,7 @@ __all__ = [
   'AbsMax',
   'Calibration',
   'Constant',
+  'MinMax',
   'Mse',
   'Percentile',
   'Rms',

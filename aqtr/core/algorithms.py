@@ -5,9 +5,14 @@ each from its own registry family (`aqtr.calibrations`, `aqtr.numerics`,
 `aqtr.tilings`), which subclass these base types:
 
   Tiling       which elements of the view [batch, tile, free, k] share
-               one scale (and the tile size along the contraction);
-  Calibration  bound = calibrate(x, shared axes), one per scale group;
-  Numerics     s = bound / max_value,  q = quantize(x / s (+ noise)).
+               one scale (and the tile size along the contraction; 2-D
+               blocks also share it over `free_block` rows);
+  Calibration  bound = calibrate(x, shared axes), one per scale group
+               (range calibrations: (lo, hi) = calibrate_range(...));
+  Numerics     s = scale_from_bound(bound) (default bound / max_value),
+               q = quantize(x / s (+ noise)); asymmetric numerics:
+               s = scale_from_range(lo, hi), z = zero_point(lo, s),
+               q = quantize(x / s + z (+ noise)).
 
 The families import these from here (through their `base` modules); the
 core never imports a concrete algorithm.
@@ -52,6 +57,9 @@ class Calibration(abc.ABC):
 
   po2_scale: Annotated[bool, markers.Po2Scale] = False
 
+  # Whether `calibrate_range` gives (lo, hi) bounds for asymmetric numerics.
+  gives_range: ClassVar[bool] = False
+
   def __post_init__(self):
     if not isinstance(self.po2_scale, bool):
       raise TypeError(
@@ -66,6 +74,17 @@ class Calibration(abc.ABC):
     (Named `calibrate` rather than `bound` so that algorithms may have a
     field called `bound`, as `Constant` does.)
     """
+
+  def calibrate_range(
+    self, x: jax.Array, axes: Sequence[int]
+  ) -> tuple[jax.Array, jax.Array]:
+    """(lo, hi) per scale group, keepdims, for asymmetric numerics.
+
+    Only calibrations with `gives_range = True` (e.g. `minmax`) define it.
+    """
+    raise NotImplementedError(
+      f'{type(self).__name__} gives no (lo, hi) range (gives_range=False).'
+    )
 
   def bound_for(
     self, x: jax.Array, axes: Sequence[int], numerics: Numerics
@@ -105,6 +124,9 @@ class Numerics(abc.ABC):
   supports_stochastic_rounding: ClassVar[bool] = False
   # The dot family: 'int' (integer dot, int32 accumulation) or 'float'.
   kind: ClassVar[str] = 'float'
+  # Affine numerics: `x ~ s * (q - z)` with s, z from `scale_from_range` and
+  # `zero_point`, fed by a range calibration (`Calibration.gives_range`).
+  asymmetric: ClassVar[bool] = False
   # False: rejected on the gradient operand (lhs) of the dlhs/drhs passes.
   for_gradients: ClassVar[bool] = True
 
@@ -127,6 +149,34 @@ class Numerics(abc.ABC):
   def dot_dtype(self) -> jnp.dtype:
     """The dtype `q` is given to the dot in (e.g. int4 is widened to int8)."""
     return self.dtype
+
+  @property
+  def block_size(self) -> int | None:
+    """Block formats (MX, NVFP4): elements per block along the contraction.
+
+    The operand's tiling must tile the contraction in blocks of this size
+    (`check_operand`); None: any tiling.
+    """
+    return None
+
+  def scale_from_bound(self, bound: jax.Array) -> jax.Array:
+    """The scale per group from its calibrated bound (keepdims shape).
+
+    Default: `s = bound / max_value`. Override to constrain the scale (MX:
+    a power of two). `aqtr.core.scale` then keeps the stored scale
+    `s * unit` normal (an all-zero group gets s = 1, a non-finite bound a
+    NaN scale), applies the calibration's `po2_scale`, and the quantizer
+    computes `q = quantize(x / s)`.
+    """
+    return bound / self.max_value
+
+  def scale_from_range(self, lo: jax.Array, hi: jax.Array) -> jax.Array:
+    """Asymmetric numerics: the scale per group from its (lo, hi)."""
+    raise NotImplementedError(f'{type(self).__name__} is not asymmetric.')
+
+  def zero_point(self, lo: jax.Array, s: jax.Array) -> jax.Array:
+    """Asymmetric numerics: the zero point per group (float32)."""
+    raise NotImplementedError(f'{type(self).__name__} is not asymmetric.')
 
   @abc.abstractmethod
   def quantize(self, v: jax.Array, noise: jax.Array | None = None) -> jax.Array:
@@ -151,8 +201,41 @@ class Numerics(abc.ABC):
     if rounding.stochastic and not self.supports_stochastic_rounding:
       raise ValueError(
         f'TensorConfig.rounding: {type(self).__name__} does not support '
-        'stochastic rounding; use NearestEven() or an int numerics.'
+        'stochastic rounding; use NearestEven() or a numerics that does '
+        '(int_symmetric, int_asymmetric, fp, fp8).'
       )
+
+  def check_operand(self, calibration: Calibration, tiling: Tiling) -> None:
+    """Raises ValueError when this numerics cannot use `calibration` or
+    `tiling` (`TensorConfig` calls it at construction).
+
+    Asymmetric numerics need a range calibration; block formats need the
+    contraction tiled in their blocks (and the scale not shared across
+    rows or batch, except by 2-D blocks).
+    """
+    if self.asymmetric and not calibration.gives_range:
+      raise ValueError(
+        f'TensorConfig.calibration: {type(self).__name__} is asymmetric and '
+        "needs lo/hi bounds; allowed: 'minmax' (a calibration with "
+        f'gives_range=True), got {type(calibration).__name__}.'
+      )
+    block = self.block_size
+    if block is not None and not _tiles_in_blocks(tiling, block):
+      raise ValueError(
+        f'TensorConfig.tiling: {type(self).__name__} uses blocks of {block} '
+        f'along the contraction; allowed: SubChannel(tile_size={block}) or '
+        f'Block2d(tile_size={block}, free_size=...), got {tiling!r}.'
+      )
+
+
+def _tiles_in_blocks(tiling: Tiling, block: int) -> bool:
+  """Whether `tiling` tiles every contraction in blocks of `block`."""
+  if tiling.shared != frozenset({'k'}):
+    return False
+  try:
+    return tiling.tile(block) == block == tiling.tile(3 * block)
+  except ValueError:
+    return False
 
 
 # ------------------------------------------------------------------ tilings
@@ -186,3 +269,12 @@ class Tiling(abc.ABC):
     Raises:
       ValueError: when the tiling does not fit `k`.
     """
+
+  def free_block(self, f: int) -> int | None:
+    """Rows per scale block along the flattened free size `f` (2-D blocks).
+
+    None (the default): the scale is not shared across rows (unless 'free'
+    is in `shared`).
+    """
+    del f
+    return None

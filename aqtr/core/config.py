@@ -91,6 +91,7 @@ class TensorConfig:
     _check_type('TensorConfig', 'freezer', self.freezer, freezer_base)
     if self.numerics.quantizes:
       self.numerics.check_rounding(self.rounding)
+      self.numerics.check_operand(self.calibration, self.tiling)
 
   @property
   def quantized(self) -> bool:

@@ -60,6 +60,7 @@ from aqtr.core.passes import (
 from aqtr.core.qtensor import QTensor
 from aqtr.core.quantizer import check_float
 from aqtr.core.ragged import ragged_bwd, ragged_fwd
+from aqtr.core.residuals import Residuals
 from aqtr.core.rounding import as_typed_key
 from aqtr.core.sharding import (
   check_operands,
@@ -70,68 +71,7 @@ from aqtr.core.sharding import (
   vma_of,
   zeros_varying,
 )
-
-# ----------------------------------------------------------------- residuals
-
-
-@dataclasses.dataclass(frozen=True)
-class Residuals:
-  """What the forward pass keeps for the backward passes.
-
-  A backward pass that reuses the forward quantization keeps q and s of
-  its residual operand instead of the float operand (int8: a quarter of
-  the bytes); a float operand is kept only where a pass needs it.
-
-  Attributes:
-    lhs, rhs: the float operands L, R, or None where not needed.
-    q_lhs: the forward quantization of L for drhs: [B, T, M, t], or
-      [B, T, t, M] ('kf', written transposed) for [K, N] weights.
-    q_rhs: the forward quantization of R for dlhs.
-    mask_lhs, mask_rhs: the forward numerics' straight-through gradient
-      masks in the operands' layouts, or None.
-    key_dlhs, key_drhs: PRNG keys of the backward passes, or None.
-    lhs_struct, rhs_struct: the operands' shapes and dtypes (static).
-    lhs_stored, rhs_stored: whether the operand is a stored QTensor, which
-      gets no gradient (static).
-    lhs_vma, rhs_vma: the manual mesh axes the operand varies along under
-      `shard_map` (static; empty elsewhere).
-  """
-
-  lhs: jax.Array | None = None
-  rhs: jax.Array | None = None
-  q_lhs: QuantizedOperand | None = None
-  q_rhs: QuantizedOperand | None = None
-  mask_lhs: jax.Array | None = None
-  mask_rhs: jax.Array | None = None
-  key_dlhs: jax.Array | None = None
-  key_drhs: jax.Array | None = None
-  lhs_struct: jax.ShapeDtypeStruct | None = None
-  rhs_struct: jax.ShapeDtypeStruct | None = None
-  lhs_stored: bool = False
-  rhs_stored: bool = False
-  lhs_vma: frozenset = frozenset()
-  rhs_vma: frozenset = frozenset()
-
-
-jax.tree_util.register_dataclass(
-  Residuals,
-  data_fields=[
-    'lhs',
-    'rhs',
-    'q_lhs',
-    'q_rhs',
-    'mask_lhs',
-    'mask_rhs',
-    'key_dlhs',
-    'key_drhs',
-  ],
-  meta_fields=[
-    f'{side}_{f}'
-    for f in ('struct', 'stored', 'vma')
-    for side in ('lhs', 'rhs')
-  ],
-)
-
+from aqtr.core.zero_point import reuse_term
 
 # ------------------------------------------------------------------- forward
 
@@ -303,12 +243,18 @@ def _dlhs(ctx: _Backward, raw: DotGeneralRaw, res: Residuals, g):
   return lay.lhs.from_canonical(dl3, 'fk')
 
 
+def _minus_zero_point(out, g_s, q: QuantizedOperand, axis: int):
+  """Subtracts (g s) . z of a reused affine operand (`zero_point.py`)."""
+  z = q.partner_zero_point()
+  return out if z is None else out - reuse_term(g_s, z, axis)
+
+
 def _dlhs_reusing(ctx, raw, g, noise, q_r: QuantizedOperand):
   """(g * s_R) . q_R, per tile of R."""
   g_s, n = fold_scale(g, q_r, axis=2)
   a = Operand(g_s, 'fk', raw.lhs, repeat_tiles(noise, n))
   out = quantized_dot(a, q_r.as_partner(), raw, ctx.precision)
-  return merge_tiles(out, n, 'fk')
+  return merge_tiles(_minus_zero_point(out, g_s, q_r, 2), n, 'fk')
 
 
 def _dlhs_requantizing(ctx, raw, g, noise, rhs, key):
@@ -358,6 +304,9 @@ def _drhs_nk_reusing(ctx, raw, g, noise, q_l: QuantizedOperand):
   g_s, n = fold_scale(g, q_l, axis=1)
   a = Operand(g_s, 'kf', raw.lhs, repeat_tiles(noise, n))
   out = quantized_dot(a, q_l.as_partner(), raw, ctx.precision)
+  z = q_l.partner_zero_point()  # g_s is [B, M, N]: sum over M, as [B, N, 1]
+  if z is not None:
+    out = out - reuse_term(g_s, z, 1).transpose(0, 2, 1)
   return merge_tiles(out, n, 'fk')
 
 
@@ -379,7 +328,7 @@ def _drhs_kn_reusing(ctx, raw, g, noise, q_lt: QuantizedOperand):
   g_s, n = fold_scale(g, q_lt, axis=1)
   b = Operand(g_s, 'kf', raw.lhs, repeat_tiles(noise, n))
   out = quantized_dot(q_lt.as_partner(), b, raw, ctx.precision)
-  return merge_tiles(out, n, 'kf')
+  return merge_tiles(_minus_zero_point(out, g_s, q_lt, 1), n, 'kf')
 
 
 def _drhs_kn_requantizing(ctx, raw, g, noise, lhs, key):

@@ -105,4 +105,4 @@ def quantize_in_layout(
   keys = PassKeys.split(as_typed_key(key))
   key = keys.fwd_lhs if operand == 'lhs' else keys.fwd_rhs
   q = forward_operand(x, cfg, layout, form, tile, key, operand)
-  return QTensor(q.values, q.scale, layout, form)
+  return QTensor(q.values, q.scale, layout, form, q.zero_point)

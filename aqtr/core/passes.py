@@ -30,6 +30,7 @@ from aqtr.core.config import DotGeneralRaw, TensorConfig
 from aqtr.core.dimension_numbers import OperandLayout
 from aqtr.core.qtensor import QTensor, from_view, to_view
 from aqtr.core.quantizer import quantize_view, scale_problems
+from aqtr.core.zero_point import as_int8, int_corrections, per_row
 
 
 def flip(form: str) -> str:
@@ -105,6 +106,8 @@ class QuantizedOperand:
     form: 'fk' or 'kf' (static).
     dot_dtype: the dtype `values` enter the dot in (static; the numerics'
       `dot_dtype`, e.g. int8 for int4 storage).
+    zero_point: z shaped like `scale` for affine numerics (x ~ s (q - z)),
+      else None (see `zero_point.py`).
   """
 
   values: jax.Array
@@ -112,6 +115,7 @@ class QuantizedOperand:
   mask: jax.Array | None
   form: str
   dot_dtype: jnp.dtype
+  zero_point: jax.Array | None = None
 
   @property
   def n_tiles(self) -> int:
@@ -136,6 +140,7 @@ class QuantizedOperand:
       _swap_last(self.mask),
       flip(self.form),
       self.dot_dtype,
+      _swap_last(self.zero_point),
     )
     return dataclasses.replace(self, values=values), transposed
 
@@ -148,8 +153,18 @@ class QuantizedOperand:
     that dot (and [B, T, t, F] the 'fk' operand [B*T, t, F]).
     """
     bsz, n = self.values.shape[:2]
-    x = self.values.reshape((bsz * n,) + self.values.shape[2:])
+    values, _ = as_int8(self.values, self.zero_point)
+    x = values.reshape((bsz * n,) + values.shape[2:])
     return Operand(x, flip(self.form), dot_dtype=self.dot_dtype)
+
+  def partner_zero_point(self) -> jax.Array | None:
+    """The zero point of `as_partner()`'s values per row, [B*T, F], or None.
+
+    The backward dot contracts F, so it is subtracted with
+    `zero_point.reuse_term`.
+    """
+    _, z = as_int8(self.values, self.zero_point)
+    return None if z is None else per_row(z, self.values.shape, self.form)
 
   def grad_mask(self, layout: OperandLayout) -> jax.Array | None:
     """The gradient mask in the operand's own layout, or None."""
@@ -158,8 +173,11 @@ class QuantizedOperand:
     return layout.from_canonical(from_view(self.mask, self.form), self.form)
 
   def dequantized(self, layout: OperandLayout, dtype) -> jax.Array:
-    """`values * scale` in the operand's own layout and `dtype`."""
-    v = self.values.astype(jnp.float32) * self.scale
+    """`(values - zero_point) * scale` in the operand's layout and `dtype`."""
+    v = self.values.astype(jnp.float32)
+    if self.zero_point is not None:
+      v = v - self.zero_point
+    v = v * self.scale
     return layout.from_canonical(from_view(v, self.form), self.form).astype(
       dtype
     )
@@ -167,7 +185,7 @@ class QuantizedOperand:
 
 jax.tree_util.register_dataclass(
   QuantizedOperand,
-  data_fields=['values', 'scale', 'mask'],
+  data_fields=['values', 'scale', 'mask', 'zero_point'],
   meta_fields=['form', 'dot_dtype'],
 )
 
@@ -235,9 +253,9 @@ def quantize_tiled(op: Operand, tile: int | None) -> QuantizedOperand:
     dot_dtype = jnp.dtype(op.dot_dtype or x4.dtype)
     return QuantizedOperand(x4, None, None, op.form, dot_dtype)
   noise = None if op.noise is None else to_view(op.noise, op.form, tile)
-  q, s, mask = quantize_view(x4, op.config, op.form, noise)
+  q, s, z, mask = quantize_view(x4, op.config, op.form, noise)
   dot_dtype = jnp.dtype(op.config.numerics.dot_dtype)
-  return QuantizedOperand(q, s, mask, op.form, dot_dtype)
+  return QuantizedOperand(q, s, mask, op.form, dot_dtype, z)
 
 
 def _stored_operand(
@@ -264,6 +282,8 @@ def _stored_operand(
     problems.append(f"layout {x.layout}/{x.form} != the dot's {layout}/{form}")
   if tuple(x.qvalue.shape) != view:
     problems.append(f'qvalue shape {x.qvalue.shape} != expected {view}')
+  if numerics.asymmetric != (x.zero_point is not None):
+    problems.append('zero_point missing or unexpected for the numerics')
   if x.scale is None or jnp.ndim(x.scale) != 4:
     problems.append('scale missing or not in the tiled view')
   elif cfg.quantized:
@@ -276,7 +296,9 @@ def _stored_operand(
       'config, operand=...) using the same config and dimension numbers.'
     )
   dot_dtype = jnp.dtype(numerics.dot_dtype)
-  return QuantizedOperand(x.qvalue, x.scale, None, form, dot_dtype)
+  return QuantizedOperand(
+    x.qvalue, x.scale, None, form, dot_dtype, x.zero_point
+  )
 
 
 def forward_operand(
@@ -311,19 +333,25 @@ def _is_fp8(dtype) -> bool:
 def contract(
   a: QuantizedOperand, b: QuantizedOperand, raw: DotGeneralRaw, precision
 ) -> jax.Array:
-  """sum_tiles (q_a . q_b) * s_a * s_b -> [B, F_a, F_b] float32.
+  """sum_tiles (q_a - z_a) . (q_b - z_b) * s_a * s_b -> [B, F_a, F_b] f32.
 
-  `a` is 'fk' ([B, T, F_a, t]); `b` is either form.
+  `a` is 'fk' ([B, T, F_a, t]); `b` is either form. Zero points (affine
+  numerics) are None for symmetric operands.
   """
   bsz, n, fa, t = a.values.shape
-  qa = a.values.reshape(bsz * n, fa, t).astype(a.dot_dtype)
-  qb = b.values.reshape((bsz * n,) + b.values.shape[2:]).astype(b.dot_dtype)
+  va, za = as_int8(a.values, a.zero_point)
+  vb, zb = as_int8(b.values, b.zero_point)
+  za = None if za is None else per_row(za, a.values.shape, a.form)
+  zb = None if zb is None else per_row(zb, b.values.shape, b.form)
+  qa = va.reshape(bsz * n, fa, t).astype(a.dot_dtype)
+  qb = vb.reshape((bsz * n,) + vb.shape[2:]).astype(b.dot_dtype)
   fb, b_contract = (qb.shape[1], 2) if b.form == 'fk' else (qb.shape[2], 1)
   dn = (((2,), (b_contract,)), ((0,), (0,)))
   da, db = qa.dtype, qb.dtype
   if _is_int(da) and _is_int(db) and raw.accumulator != 'float32':
     qa, qb = lax.optimization_barrier((qa, qb))
     out = lax.dot_general(qa, qb, dn, preferred_element_type=jnp.int32)
+    out = int_corrections(out, qa, qb, za, zb, b_contract)
     out = out.astype(jnp.float32)
   elif _is_fp8(da) and _is_fp8(db) and raw.accumulator != 'int32':
     qa, qb = lax.optimization_barrier((qa, qb))
@@ -331,12 +359,17 @@ def contract(
   else:
     floats = [d for d in (da, db) if not (_is_int(d) or _is_fp8(d))]
     ct = jnp.result_type(*floats) if floats else jnp.float32
+    qa, qb = qa.astype(ct), qb.astype(ct)
+    if za is not None:  # Subtracted in float: exact for integer values.
+      qa = qa - za[:, :, None].astype(ct)
+    if zb is not None:
+      qb = (
+        qb - zb[:, :, None].astype(ct)
+        if b_contract == 2
+        else qb - zb[:, None, :].astype(ct)
+      )
     out = lax.dot_general(
-      qa.astype(ct),
-      qb.astype(ct),
-      dn,
-      precision=precision,
-      preferred_element_type=jnp.float32,
+      qa, qb, dn, precision=precision, preferred_element_type=jnp.float32
     )
   out = out.reshape(bsz, n, fa, fb)
   if a.scale is not None:

@@ -44,13 +44,16 @@ class QTensor:
   """Stored values and scale of a quantized tensor: `x ~ qvalue * scale`.
 
   `qvalue` is held in the dot's tiled view (see `ROLE_AXES`) and `scale`
-  broadcasts against it; `dequant()` returns the original layout.
+  broadcasts against it; `dequant()` returns the original layout. Affine
+  numerics (`int_asymmetric`) add a zero point: `x ~ (qvalue - zp) * scale`.
 
   Attributes:
     qvalue: int8/int4/fp8 values (float when not quantized), tiled view.
     scale: float32 scale broadcastable to `qvalue` (None: not quantized).
     layout: the original operand layout (static).
     form: 'fk' or 'kf' (static).
+    zero_point: float32 (integer-valued) zero point shaped like `scale`, or
+      None for symmetric numerics.
 
   Example:
     >>> import jax.numpy as jnp, aqtr
@@ -63,10 +66,13 @@ class QTensor:
   scale: jax.Array | None
   layout: OperandLayout
   form: str = 'fk'
+  zero_point: jax.Array | None = None
 
   def dequant(self, dtype=jnp.float32) -> jax.Array:
-    """`qvalue * scale` in the original layout and `dtype`."""
+    """`(qvalue - zero_point) * scale` in the original layout and `dtype`."""
     v = self.qvalue.astype(jnp.float32)
+    if self.zero_point is not None:
+      v = v - self.zero_point
     if self.scale is not None:
       v = v * self.scale
     x3 = from_view(v, self.form)
@@ -74,5 +80,7 @@ class QTensor:
 
 
 jax.tree_util.register_dataclass(
-  QTensor, data_fields=['qvalue', 'scale'], meta_fields=['layout', 'form']
+  QTensor,
+  data_fields=['qvalue', 'scale', 'zero_point'],
+  meta_fields=['layout', 'form'],
 )

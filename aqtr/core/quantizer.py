@@ -1,10 +1,14 @@
 """One tensor: calibrate -> scale -> numerics -> QTensor; and fake quant.
 
 Math: for each scale group G (the view axes the tiling shares)
-`bound = calibration(x_G)`, `S = bound / (numerics.max_value / unit)`
-(`aqtr.core.scale`: kept normal, an all-zero group gets s = 1, optionally a
-power of two); `q = numerics.quantize(x / s (+ noise))`; `x ~ q * S`.
-Quantization is computed in float32.
+`bound = calibration(x_G)`, `S = numerics.scale_from_bound(bound) * unit`
+(by default `bound / (numerics.max_value / unit)`; `aqtr.core.scale`: kept
+normal, an all-zero group gets s = 1, optionally a power of two);
+`q = numerics.quantize(x / s (+ noise))`; `x ~ q * S`. Asymmetric numerics
+take `(lo, hi) = calibration.calibrate_range(x_G)`,
+`s = numerics.scale_from_range(lo, hi)`, `z = numerics.zero_point(lo, s)`
+and `q = numerics.quantize(x / s + z)`; `x ~ (q - z) * S`. Quantization is
+computed in float32.
 
 Edge cases (documented behaviour, tested):
   * NaN / inf: a row (the elements one dot output sums over) holding a NaN
@@ -26,6 +30,7 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from aqtr.core.config import TensorConfig
 from aqtr.core.dimension_numbers import OperandLayout, normalize_axes
@@ -36,8 +41,36 @@ from aqtr.core.scale import (
   divide,
   row_flags,
   scale_from_bound,
+  scale_from_range,
   scale_shape,
 )
+
+
+def _blocked(calibrate, x: jax.Array, axes, free_axis: int, rows: int):
+  """`calibrate(x, axes)` with the free axis also shared in blocks of `rows`.
+
+  The free axis is split into blocks (the last one padded by repeating its
+  last row), the blocks' rows are reduced with `axes`, and the result is
+  repeated back to one entry per row. Works for bounds and (lo, hi) pairs.
+  """
+  f = x.shape[free_axis]
+  pad = [(0, 0)] * x.ndim
+  pad[free_axis] = (0, -f % rows)
+  xp = jnp.pad(x, pad, mode='edge')
+  nb = xp.shape[free_axis] // rows
+  x5 = xp.reshape(x.shape[:free_axis] + (nb, rows) + x.shape[free_axis + 1 :])
+  axes5 = tuple(a + (a > free_axis) for a in axes) + (free_axis + 1,)
+
+  def back(b5):
+    b5 = jnp.broadcast_to(
+      b5, b5.shape[: free_axis + 1] + (rows,) + b5.shape[free_axis + 2 :]
+    )
+    b = b5.reshape(
+      b5.shape[:free_axis] + (nb * rows,) + b5.shape[free_axis + 2 :]
+    )
+    return lax.slice_in_dim(b, 0, f, axis=free_axis)
+
+  return jax.tree.map(back, calibrate(x5, tuple(sorted(axes5))))
 
 
 def view_scale_shape(view_shape, cfg: TensorConfig, form: str):
@@ -53,36 +86,77 @@ def scale_problems(scale, view_shape, cfg: TensorConfig, form: str):
   return []
 
 
-def quantize_view(x4: jax.Array, cfg: TensorConfig, form: str, noise=None):
-  """Quantizes a tiled view; returns (qvalue, scale, grad_mask or None).
+def _calibrator(cfg: TensorConfig, form: str, x_shape):
+  """`calibrate(x, axes)` for the numerics: a bound, or (lo, hi) if affine.
 
-  The scale has `view_scale_shape`; it is NaN for the rows holding a NaN or
-  inf (see the module docstring).
+  Block tilings (`free_block`) also share the free axis in blocks of rows.
+  Returns (calibrate, axes, spans_rows).
+  """
+  n = cfg.numerics
+  cal = cfg.calibration
+  roles = ROLE_AXES[form]
+  axes = tuple(sorted(roles[r] for r in cfg.tiling.shared))
+  if n.asymmetric:
+    base = cal.calibrate_range
+  else:
+
+    def base(x, axes):
+      return cal.bound_for(x, axes, n)
+
+  free_axis = roles['free']
+  rows = cfg.tiling.free_block(x_shape[free_axis])
+  if rows is not None and free_axis not in axes:
+
+    def calibrate(x, axes):
+      return _blocked(base, x, axes, free_axis, rows)
+
+    return calibrate, axes, True
+  return base, axes, not cfg.tiling.shared <= FIBER_ROLES
+
+
+def quantize_view(x4: jax.Array, cfg: TensorConfig, form: str, noise=None):
+  """Quantizes a tiled view.
+
+  The scale (and zero point) have `view_scale_shape`; the scale is NaN for
+  the rows holding a NaN or inf (see the module docstring).
+
+  Returns:
+    (qvalue, scale, zero_point or None, grad_mask or None).
   """
   n = cfg.numerics
   x = x4.astype(jnp.float32)
   roles = ROLE_AXES[form]
-  axes = tuple(sorted(roles[r] for r in cfg.tiling.shared))
-  if cfg.tiling.shared <= FIBER_ROLES:
+  calibrate, axes, spans_rows = _calibrator(cfg, form, x.shape)
+  if spans_rows:  # Groups span rows: bound the finite values, mark bad rows.
+    finite = jnp.isfinite(x)
+    bound = calibrate(jnp.where(finite, x, jnp.float32(0)), axes)
+    flags = row_flags(finite, sorted(roles[r] for r in FIBER_ROLES))
+  else:
     # Groups lie within rows: a non-finite bound (the calibration contract)
     # already marks the rows holding NaN/inf.
-    bound = cfg.calibration.bound_for(x, axes, n).astype(jnp.float32)
+    bound = calibrate(x, axes)
     flags = None
-  else:  # Groups span rows: bound the finite values, mark bad rows.
-    finite = jnp.isfinite(x)
-    xf = jnp.where(finite, x, jnp.float32(0))
-    bound = cfg.calibration.bound_for(xf, axes, n).astype(jnp.float32)
-    flags = row_flags(finite, sorted(roles[r] for r in FIBER_ROLES))
-  s = scale_from_bound(bound, n, cfg.calibration.po2_scale)
+  po2 = cfg.calibration.po2_scale
+  z = None
+  if n.asymmetric:
+    lo, hi = (b.astype(jnp.float32) for b in bound)
+    s = scale_from_range(lo, hi, n, po2)
+    z = n.zero_point(lo, s / n.unit)
+  else:
+    s = scale_from_bound(bound.astype(jnp.float32), n, po2)
   if flags is not None:
     s = s + flags
-  s = jnp.broadcast_to(s, view_scale_shape(x.shape, cfg, form))
+  shape = view_scale_shape(x.shape, cfg, form)
+  s = jnp.broadcast_to(s, shape)
   v = divide(x, s, n.unit)
+  if z is not None:
+    z = jnp.broadcast_to(z, shape)
+    v = v + z
   q = n.quantize(v, noise)
   mask = n.grad_mask(v)
   if mask is not None:  # Never zero the gradient of a non-finite value.
     mask = mask | ~jnp.isfinite(v)
-  return q, s, mask
+  return q, s, z, mask
 
 
 def check_float(x, field: str) -> None:
@@ -117,8 +191,8 @@ def _quantize(x, config, contracting_axes, batch_axes, key):
   x4 = to_view(lay.to_canonical(jnp.asarray(x), 'fk'), 'fk', tile)
   if not config.quantized:
     return QTensor(x4, None, lay, 'fk'), None
-  q, s, mask = quantize_view(x4, config, 'fk', noise)
-  return QTensor(q, s, lay, 'fk'), mask
+  q, s, z, mask = quantize_view(x4, config, 'fk', noise)
+  return QTensor(q, s, lay, 'fk', z), mask
 
 
 def quantize(

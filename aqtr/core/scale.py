@@ -1,9 +1,10 @@
 """Scales from calibration bounds, over the whole float32 range.
 
-Math. With `step = numerics.max_value / numerics.unit` (127 for int8, 448
-for e4m3) a group's stored scale is
+Math. With `s = numerics.scale_from_bound(bound)` (by default
+`bound / max_value`: 127 for int8, 448 for e4m3; MX: a power of two) a
+group's stored scale is
 
-  S = max(bound / step, 2^-126)   if 0 < bound < inf
+  S = max(s * unit, 2^-126)       if 0 < bound < inf
   S = unit                        if bound == 0 (s = 1: an all-zero group)
   S = NaN                         if bound is NaN or inf
 
@@ -71,14 +72,41 @@ def scale_from_bound(
   Returns:
     float32 S shaped like `bound`: normal and > 0, or NaN.
   """
-  step = numerics.max_value / numerics.unit
-  s = bound / step
+  s = numerics.scale_from_bound(bound)
+  return _robust(s, bound, numerics.unit, po2)
+
+
+def scale_from_range(
+  lo: jax.Array, hi: jax.Array, numerics: Numerics, po2: bool = False
+) -> jax.Array:
+  """The stored scale S per group of affine numerics, from its (lo, hi).
+
+  `S = numerics.scale_from_range(lo, hi) * unit`, kept normal like
+  `scale_from_bound` (an empty range gives s = 1; NaN / inf give NaN).
+
+  Args:
+    lo: the calibrated minimum per group, float32.
+    hi: the calibrated maximum per group, float32.
+    numerics: affine numerics (`numerics.asymmetric`).
+    po2: round S up to a power of two.
+
+  Returns:
+    float32 S shaped like `lo`: normal and > 0, or NaN.
+  """
+  s = numerics.scale_from_range(lo, hi)
+  return _robust(s, hi - lo, numerics.unit, po2)
+
+
+def _robust(s, bound, unit: float, po2: bool) -> jax.Array:
+  """`s * unit` kept normal, 1 for an all-zero group, NaN if not finite."""
+  s = s if unit == 1.0 else s * unit
   # `where`, not maximum: XLA:CPU's fast min/max may drop a NaN.
   s = jnp.where(s < TINY, TINY, s)
   if po2:
     s = po2_ceil(s)
-  s = jnp.where(bound == 0, jnp.float32(numerics.unit), s)
-  return jnp.where(jnp.isfinite(bound), s, jnp.float32(jnp.nan))
+  s = jnp.where(bound == 0, jnp.float32(unit), s)
+  ok = jnp.isfinite(bound) & jnp.isfinite(s)
+  return jnp.where(ok, s, jnp.float32(jnp.nan))
 
 
 def row_flags(finite: jax.Array, fiber_axes) -> jax.Array:

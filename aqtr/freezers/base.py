@@ -58,7 +58,8 @@ class Served:
 class Freezer(abc.ABC):
   """Base class of the `freezers` registry: one operand's life cycle.
 
-  Subclasses set `frozen_parts` (the names of the arrays CONVERT stores),
+  Subclasses set `frozen_parts` (the names of the arrays CONVERT stores;
+  `optional_parts` those it may add),
   `collects` (whether CALIBRATE keeps statistics), `reads_float` (whether
   SERVE reads the float operand; False lets the adapters drop a frozen
   float kernel from the serving tree) and override the methods below. The
@@ -67,6 +68,9 @@ class Freezer(abc.ABC):
 
   # The names of the arrays stored in CONVERT and read in SERVE.
   frozen_parts: ClassVar[tuple[str, ...]] = ()
+  # Arrays CONVERT may also store, depending on the config (e.g. the zero
+  # point of affine numerics).
+  optional_parts: ClassVar[tuple[str, ...]] = ()
   # Whether the freezer keeps running statistics in CALIBRATE.
   collects: ClassVar[bool] = False
   # Whether SERVE reads the float operand (False: the kernel can go).

@@ -100,12 +100,18 @@ class OperandCall:
       key=self.key,
     )
 
-  def qtensor(self, qvalue: jax.Array, scale: jax.Array) -> QTensor:
-    """A QTensor of this operand from stored `qvalue` and `scale`.
+  def qtensor(
+    self,
+    qvalue: jax.Array,
+    scale: jax.Array,
+    zero_point: jax.Array | None = None,
+  ) -> QTensor:
+    """A QTensor of this operand from stored `qvalue`, `scale` (and z).
 
-    They must be in the view `quantize()` returns (`.qvalue`, `.scale`).
+    They must be in the view `quantize()` returns (`.qvalue`, `.scale`,
+    `.zero_point`: None unless the numerics are affine).
     """
-    return QTensor(qvalue, scale, self.layout, self.form)
+    return QTensor(qvalue, scale, self.layout, self.form, zero_point)
 
   def over_free(self, b: jax.Array) -> jax.Array:
     """`b` (a scalar, or over the free axes) reshaped to broadcast with x."""

@@ -14,7 +14,8 @@ the dot's layout is computed once per call):
              array or a QTensor), optionally its TensorConfig and an output
              scale s: out = s * dot_general(operand, .., config').
 
-E.g. 'weights' stores {qvalue, scale} (`quantize_operand`) and serves the
+E.g. 'weights' stores {qvalue, scale} (`quantize_operand`; and zero_point
+for affine numerics) and serves the
 QTensor; 'calibration' stores {bound} b and serves b * dot(x / b, ..) with
 the operand's calibration set to Constant(1.0), exact by linearity.
 
@@ -221,11 +222,15 @@ def _out_scale(scales, calls, rank: int) -> jax.Array:
 
 def _checked_parts(call, parts) -> dict:
   f = call.tensor.freezer
-  if not isinstance(parts, Mapping) or set(parts) != set(f.frozen_parts):
+  ok = isinstance(parts, Mapping) and (
+    set(f.frozen_parts) <= set(parts) <= set(f.frozen_parts + f.optional_parts)
+  )
+  if not ok:
     got = sorted(parts) if isinstance(parts, Mapping) else parts
     raise TypeError(
       f'{call.where}: {type(f).__name__}.freeze must return a dict with '
-      f'exactly the keys frozen_parts={f.frozen_parts}, got {got!r}.'
+      f'exactly the keys frozen_parts={f.frozen_parts} (and optionally '
+      f'{f.optional_parts}), got {got!r}.'
     )
   return dict(parts)
 

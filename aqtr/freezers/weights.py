@@ -15,7 +15,8 @@ class WeightsFreezer(Freezer):
   Math. CONVERT runs the forward quantization of the operand once,
   `q = Q(x / s)`, `s = bound(x) / qmax` (exactly what TRAIN computes on the
   fly, `aqtr.quantize_operand`), and stores `q` (int8 / int4 / fp8) and `s`
-  in the tiled view of the dot. SERVE passes them as a QTensor to
+  in the tiled view of the dot (and the zero point `z` of affine numerics,
+  `x ~ s (q - z)`). SERVE passes them as a QTensor to
   `aqtr.dot_general`, whose output is bit-identical to TRAIN's: what you
   train is what you serve. The float operand is not read in SERVE, so the
   float kernel need not be loaded (see `aqtr.flax` conversion).
@@ -26,6 +27,7 @@ class WeightsFreezer(Freezer):
   """
 
   frozen_parts = ('qvalue', 'scale')
+  optional_parts = ('zero_point',)
   reads_float = False
 
   def stores(self, mode: Mode) -> tuple[str, ...]:
@@ -36,7 +38,12 @@ class WeightsFreezer(Freezer):
   def freeze(self, call, stats) -> dict:
     del stats
     q = call.quantize()
-    return {'qvalue': q.qvalue, 'scale': q.scale}
+    parts = {'qvalue': q.qvalue, 'scale': q.scale}
+    if q.zero_point is not None:  # Affine numerics (int_asymmetric).
+      parts['zero_point'] = q.zero_point
+    return parts
 
   def serve(self, call, frozen: dict) -> Served:
-    return Served(call.qtensor(frozen['qvalue'], frozen['scale']))
+    return Served(
+      call.qtensor(frozen['qvalue'], frozen['scale'], frozen.get('zero_point'))
+    )

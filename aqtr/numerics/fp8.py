@@ -1,4 +1,4 @@
-"""8-bit floating point numerics (e4m3fn, e5m2)."""
+"""8-bit floating point numerics (e4m3fn, e5m2 and the fnuz variants)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,14 @@ import jax.numpy as jnp
 
 from aqtr.core import markers
 from aqtr.numerics.base import Numerics, register, within_range
+from aqtr.numerics.fp import FloatGrid
 
-_DTYPES = ('float8_e4m3fn', 'float8_e5m2')
+DTYPES = (
+  'float8_e4m3fn',
+  'float8_e5m2',
+  'float8_e4m3fnuz',
+  'float8_e5m2fnuz',
+)
 
 
 @register('fp8')
@@ -23,8 +29,17 @@ class Fp8(Numerics):
   with round-to-nearest-even. e4m3fn: max 448, no inf; e5m2: max 57344.
   NaN stays NaN. The HFP8 recipe uses e4m3 forward and e5m2 for gradients.
 
+  The fnuz variants (AMD MI300; MaxText's `nanoo_fp8`) have an exponent
+  bias one higher than OCP, one NaN (the -0 code) and no -0:
+  float8_e4m3fnuz max 240, float8_e5m2fnuz max 57344.
+
+  Stochastic rounding (with `aqtr.Stochastic()` as the operand's rounding):
+  uniform random bits are added below the kept mantissa of the float32
+  value, which is then truncated (`FloatGrid.round`): `E[q] = x/s` inside
+  the range, saturating at the max.
+
   Attributes:
-    dtype_name: 'float8_e4m3fn' or 'float8_e5m2'.
+    dtype_name: one of DTYPES.
     clip_gradient: zero the gradient of saturated values.
 
   Example:
@@ -35,14 +50,16 @@ class Fp8(Numerics):
   dtype_name: str = 'float8_e4m3fn'
   clip_gradient: Annotated[bool, markers.ClipGradient] = False
 
+  supports_stochastic_rounding = True
+
   def __post_init__(self):
     if not isinstance(self.clip_gradient, bool):
       raise TypeError(
         f'Fp8.clip_gradient must be a bool, got {self.clip_gradient!r}.'
       )
-    if self.dtype_name not in _DTYPES:
+    if self.dtype_name not in DTYPES:
       raise ValueError(
-        f'Fp8.dtype_name must be one of {_DTYPES}, got {self.dtype_name!r}.'
+        f'Fp8.dtype_name must be one of {DTYPES}, got {self.dtype_name!r}.'
       )
 
   @property
@@ -55,7 +72,7 @@ class Fp8(Numerics):
 
   def quantize(self, v: jax.Array, noise: jax.Array | None = None) -> jax.Array:
     if noise is not None:
-      raise ValueError('Fp8 does not support stochastic rounding yet.')
+      return FloatGrid.of_dtype(self.dtype).round(v, noise).astype(self.dtype)
     m = self.max_value
     return jnp.clip(v, -m, m).astype(self.dtype)
 

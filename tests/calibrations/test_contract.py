@@ -33,6 +33,7 @@ BAD_FIELDS = {
     {'clip_scale': True},
     {'clip_scale': '1'},
   ],
+  'minmax': [],
   'constant': [
     {'bound': 0.0},
     {'bound': -2.0},

@@ -63,7 +63,7 @@ def _one_step(config: aqtr.DotGeneralConfig):
   assert not config.is_float
   dn = (((1,), (0,)), ((), ()))
   kx, kw, kn = jax.random.split(jax.random.key(0), 3)
-  x = jax.random.normal(kx, (16, 64))
+  x = jax.random.normal(kx, (32, 64))  # M = 32: MX blocks fit drhs.
   w = jax.random.normal(kw, (64, 32))
 
   @jax.jit

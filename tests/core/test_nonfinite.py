@@ -21,7 +21,7 @@ import pytest
 from jax import lax
 
 import aqtr
-from aqtr import numerics, presets, tilings
+from aqtr import calibrations, numerics, presets, tilings
 
 MK_KN = (((1,), (0,)), ((), ()))
 NAN, INF = np.nan, np.inf
@@ -36,7 +36,10 @@ _NUMERICS_VARIANTS = {
   ],
 }
 # Tiling instances to cover; sub-channel with several tiles of every dot.
-_TILING_VARIANTS = {'subchannel': [tilings.SubChannel(tile_size=8)]}
+_TILING_VARIANTS = {
+  'subchannel': [tilings.SubChannel(tile_size=8)],
+  'block2d': [tilings.Block2d(tile_size=8, free_size=4)],
+}
 
 
 def _all(variants, registry):
@@ -69,13 +72,21 @@ def _id(x):
 def _config(num, tiling):
   """Every operand of every pass quantized with (num, tiling); dlhs reuses
   the forward quantization, drhs quantizes the float residual again."""
-  t = aqtr.TensorConfig(numerics=num, tiling=tiling)
+  # Affine numerics calibrate a range; block formats tile in their blocks.
+  # (The backward contractions of block formats are int8: too short.)
+  cal = calibrations.MinMax() if num.asymmetric else calibrations.AbsMax()
+  g = aqtr.TensorConfig(tiling=tiling)
+  block = num.quantizes and num.block_size is not None
+  if block:
+    tiling = tilings.SubChannel(tile_size=num.block_size)
+  t = aqtr.TensorConfig(numerics=num, calibration=cal, tiling=tiling)
+  r = g if block else t
   # Numerics not meant for gradients (e.g. nf4): int8 gradient operands.
-  g = t if num.for_gradients else aqtr.TensorConfig(tiling=tiling)
+  g = t if num.for_gradients and not block else g
   return aqtr.DotGeneralConfig(
     fwd=aqtr.DotGeneralRaw(lhs=t, rhs=t),
     dlhs=aqtr.DotGeneralRaw(lhs=g, rhs=t, use_fwd_quant=True),
-    drhs=aqtr.DotGeneralRaw(lhs=g, rhs=t, use_fwd_quant=False),
+    drhs=aqtr.DotGeneralRaw(lhs=g, rhs=r, use_fwd_quant=False),
   )
 
 

@@ -19,9 +19,24 @@ check_contract = contract.check_numerics
 # ValueError with a message naming each of their fields. A newly registered
 # numerics needs an entry ([] only for a class without fields).
 BAD_FIELDS = {
+  'fp': [
+    {'exponent_bits': 0},
+    {'exponent_bits': 6},
+    {'mantissa_bits': 11},
+    {'mantissa_bits': 2.0},
+    {'encoding': 'e4m3'},
+    {'encoding': 'fn', 'mantissa_bits': 0},
+  ],
   'fp8': [
     {'dtype_name': 'float16'},
     {'dtype_name': 'e4m3'},
+  ],
+  'int_asymmetric': [
+    {'bits': 1},
+    {'bits': 9},
+    {'bits': 4.0},
+    {'storage': 'int4'},
+    {'clip_gradient': 1},
   ],
   'int_symmetric': [
     {'bits': 0},
@@ -33,8 +48,14 @@ BAD_FIELDS = {
     {'storage': 'int2'},
     {'storage': 'int4', 'bits': 8},
   ],
+  'mx': [
+    {'element': 'fp8'},
+    {'element': 'int4'},
+    {'clip_gradient': 'yes'},
+  ],
   'nf4': [],
   'none': [],
+  'nvfp4': [{'clip_gradient': 0}],
   'ternary': [
     {'clip_gradient': 1},
     {'clip_gradient': 'yes'},
@@ -57,5 +78,5 @@ def test_missing_bad_field_entry_fails_with_a_hint():
 
 
 def test_registry():
-  assert {'none', 'int_symmetric', 'fp8'} <= set(numerics.names())
+  assert {'none', 'int_symmetric', 'fp8', 'fp'} <= set(numerics.names())
   check_registry(numerics, numerics.Numerics, unknown='int9')

@@ -15,6 +15,8 @@ from aqtr.numerics import Fp8
 FORMATS = [
   ('float8_e4m3fn', 448.0, ml_dtypes.float8_e4m3fn),
   ('float8_e5m2', 57344.0, ml_dtypes.float8_e5m2),
+  ('float8_e4m3fnuz', 240.0, ml_dtypes.float8_e4m3fnuz),
+  ('float8_e5m2fnuz', 57344.0, ml_dtypes.float8_e5m2fnuz),
 ]
 
 
@@ -34,7 +36,7 @@ def test_max_value_and_dtype(name, max_value, np_dtype):
   assert n.max_value == max_value == float(ml_dtypes.finfo(np_dtype).max)
   assert n.dtype == jnp.dtype(np_dtype) and n.dot_dtype == n.dtype
   assert n.kind == 'float' and n.quantizes and n.unit == 1.0
-  assert not n.supports_stochastic_rounding
+  assert n.supports_stochastic_rounding
 
 
 def test_default_is_e4m3():
@@ -106,11 +108,57 @@ def test_fp8_dot_really_runs_in_fp8():
   assert 'f8_e4m3fn' in str(jaxpr)
 
 
-def test_stochastic_rounding_is_rejected():
-  with pytest.raises(ValueError, match='stochastic rounding'):
-    Fp8().quantize(jnp.ones(3), noise=jnp.zeros(3))
-  with pytest.raises(ValueError, match='TensorConfig.rounding'):
-    aqtr.TensorConfig(numerics=Fp8(), rounding=aqtr.Stochastic())
+@pytest.mark.parametrize('name', ['float8_e4m3fn', 'float8_e5m2fnuz'])
+def test_stochastic_rounding_is_unbiased_over_many_keys(name):
+  n = Fp8(dtype_name=name)
+  t = aqtr.TensorConfig(
+    numerics=n,
+    calibration=calibrations.Constant(bound=n.max_value),
+    rounding=aqtr.Stochastic(),
+  )
+  # Between grid points at several exponents, a subnormal, and the max.
+  v = jnp.array([[0.3, -1.3, 2.7, 17.0, -100.0, 2.0**-12, n.max_value]])
+
+  @jax.jit
+  def draws(keys):
+    return jax.vmap(lambda k: aqtr.quantize(v, t, key=k).qvalue)(keys)
+
+  q = draws(jax.random.split(jax.random.key(0), 8192))
+  assert q.dtype == n.dtype
+  q = np.asarray(q.astype(jnp.float32)).reshape(8192, -1)
+  grid = np.arange(256, dtype=np.uint8).view(n.dtype).astype(np.float32)
+  grid = np.unique(grid[np.isfinite(grid)])
+  for j, x in enumerate(np.asarray(v[0])):
+    lo, hi = grid[grid <= x].max(), grid[grid >= x].min()
+    assert set(np.unique(q[:, j])) <= {lo, hi}, (x, lo, hi)
+    # E[q] = v: within 4 standard errors of the mean of 8192 draws.
+    tol = 4 * (hi - lo) / 2 / np.sqrt(8192) + 1e-7
+    assert abs(q[:, j].mean() - x) <= tol, (x, q[:, j].mean())
+  # Saturates: the max never rounds up.
+  assert (q[:, -1] == n.max_value).all()
+
+
+def test_stochastic_rounding_in_dot_general_gradient():
+  e5 = aqtr.TensorConfig(
+    numerics=Fp8(dtype_name='float8_e5m2'), rounding=aqtr.Stochastic()
+  )
+  e4 = aqtr.TensorConfig(numerics=Fp8())
+  cfg = aqtr.DotGeneralConfig(
+    fwd=aqtr.DotGeneralRaw(lhs=e4, rhs=e4),
+    dlhs=aqtr.DotGeneralRaw(lhs=e5, rhs=e4, use_fwd_quant=True),
+    drhs=aqtr.DotGeneralRaw(lhs=e5, rhs=e4, use_fwd_quant=True),
+  )
+  x = jnp.ones((4, 16))
+  w = jnp.ones((16, 8))
+  dn = (((1,), (0,)), ((), ()))
+  f = jax.jit(
+    jax.grad(
+      lambda x, w, k: aqtr.dot_general(x, w, dn, cfg, key=k).sum(), (0, 1)
+    )
+  )
+  dx, dw = f(x, w, jax.random.key(0))
+  np.testing.assert_allclose(dx, 8.0, rtol=0.02)
+  np.testing.assert_allclose(dw, 4.0, rtol=0.02)
 
 
 def test_clip_gradient_masks_saturated_values():

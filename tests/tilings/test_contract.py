@@ -19,6 +19,12 @@ check_contract = contract.check_tiling
 # ValueError with a message naming each of their fields. A newly registered
 # tiling needs an entry ([] only for a class without fields).
 BAD_FIELDS = {
+  'block2d': [
+    {'tile_size': 0},
+    {'free_size': -1},
+    {'free_size': 2.0},
+    {'tile_size': True},
+  ],
   'per_channel': [],
   'per_tensor': [],
   'subchannel': [
