@@ -12,6 +12,7 @@ Example:
 from __future__ import annotations
 
 from aqtr.calibrations.absmax import AbsMax
+from aqtr.calibrations.delayed_scaling import DelayedScaling
 from aqtr.core.config import DotGeneralConfig, DotGeneralRaw, TensorConfig
 from aqtr.core.rounding import NearestEven, Rounding, Stochastic
 from aqtr.freezers.base import NoFreezer
@@ -20,10 +21,12 @@ from aqtr.numerics.fp8 import Fp8
 from aqtr.numerics.int_symmetric import IntSymmetric
 from aqtr.numerics.none import NoNumerics
 from aqtr.tilings.per_channel import PerChannel
+from aqtr.tilings.per_tensor import PerTensor
 
 __all__ = [
   'float',
   'fp8',
+  'fp8_delayed',
   'fully_quantized',
   'int4_weight_only',
   'int8',
@@ -137,6 +140,34 @@ def fp8() -> DotGeneralConfig:
   """HFP8: e4m3 forward operands, e5m2 gradients, per-channel absmax."""
   e4 = _t(Fp8(dtype_name='float8_e4m3fn', clip_gradient=False))
   e5 = _t(Fp8(dtype_name='float8_e5m2', clip_gradient=False))
+  return DotGeneralConfig(
+    fwd=_raw(e4, e4, False),
+    dlhs=_raw(e5, e4, True),
+    drhs=_raw(e5, e4, True),
+  )
+
+
+def fp8_delayed(history_length: int = 16) -> DotGeneralConfig:
+  """FP8 with delayed scaling (Peng et al. 2023, arXiv 2310.18313).
+
+  e4m3 weights and activations, e5m2 gradients, each per tensor with the
+  bound taken from the max of its last `history_length` amax values
+  (`DelayedScaling`); the gradients' histories update in the backward
+  passes. Calls need `state=aqtr.state.init(...)`.
+  """
+
+  def t(dtype_name):
+    return TensorConfig(
+      numerics=Fp8(dtype_name=dtype_name, clip_gradient=False),
+      calibration=DelayedScaling(
+        history_length=history_length, po2_scale=False
+      ),
+      tiling=PerTensor(),
+      rounding=NearestEven(),
+      freezer=NoFreezer(),
+    )
+
+  e4, e5 = t('float8_e4m3fn'), t('float8_e5m2')
   return DotGeneralConfig(
     fwd=_raw(e4, e4, False),
     dlhs=_raw(e5, e4, True),

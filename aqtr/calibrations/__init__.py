@@ -1,9 +1,19 @@
 """Registry `calibrations`: how a scale group's bound is chosen."""
 
 from aqtr.calibrations.absmax import AbsMax
-from aqtr.calibrations.base import Calibration, get, names, register, registry
+from aqtr.calibrations.base import (
+  Calibration,
+  StatefulCalibration,
+  get,
+  names,
+  register,
+  registry,
+)
 from aqtr.calibrations.constant import Constant
+from aqtr.calibrations.delayed_scaling import DelayedScaling
+from aqtr.calibrations.lsq import Lsq
 from aqtr.calibrations.mse import Mse
+from aqtr.calibrations.pact import Pact
 from aqtr.calibrations.percentile import Percentile
 from aqtr.calibrations.rms import Rms
 
@@ -11,7 +21,11 @@ __all__ = [
   'AbsMax',
   'Calibration',
   'Constant',
+  'DelayedScaling',
+  'Lsq',
   'Mse',
+  'Pact',
+  'StatefulCalibration',
   'Percentile',
   'Rms',
   'get',

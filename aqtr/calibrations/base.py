@@ -13,10 +13,13 @@ import jax.numpy as jnp
 
 from aqtr.core.algorithms import Calibration
 from aqtr.core.registry import Registry
+from aqtr.core.stateful import StatefulCalibration, group_shape
 
 __all__ = [
   'Calibration',
+  'StatefulCalibration',
   'get',
+  'group_shape',
   'names',
   'nonfinite_guard',
   'register',

@@ -36,6 +36,7 @@ from jax import lax
 
 from aqtr.core.config import DotGeneralConfig, DotGeneralRaw
 from aqtr.core.dimension_numbers import DotLayout
+from aqtr.core.engine_state import check_state_tree, learned_cotangent
 from aqtr.core.passes import (
   Operand,
   PassKeys,
@@ -47,7 +48,7 @@ from aqtr.core.passes import (
   fold_scale,
   forward_operand,
   merge_tiles,
-  quantized_dot,
+  quantized_dot_state,
   repeat_tiles,
   residual_key,
   rounding_noise,
@@ -79,6 +80,9 @@ class Residuals:
     lhs_struct, rhs_struct: the operands' shapes and dtypes (static).
     lhs_stored, rhs_stored: whether the operand is a stored QTensor, which
       gets no gradient (static).
+    state: the calibration state tree given to the call ({}: stateless).
+    learned_lhs, learned_rhs: learned calibrations' d xhat / d param in
+      the forward view, or None.
   """
 
   lhs: jax.Array | None = None
@@ -93,6 +97,9 @@ class Residuals:
   rhs_struct: jax.ShapeDtypeStruct | None = None
   lhs_stored: bool = False
   rhs_stored: bool = False
+  state: dict = dataclasses.field(default_factory=dict)
+  learned_lhs: dict | None = None
+  learned_rhs: dict | None = None
 
 
 jax.tree_util.register_dataclass(
@@ -106,6 +113,9 @@ jax.tree_util.register_dataclass(
     'mask_rhs',
     'key_dlhs',
     'key_drhs',
+    'state',
+    'learned_lhs',
+    'learned_rhs',
   ],
   meta_fields=['lhs_struct', 'rhs_struct', 'lhs_stored', 'rhs_stored'],
 )
@@ -114,8 +124,28 @@ jax.tree_util.register_dataclass(
 # ------------------------------------------------------------------- forward
 
 
-def _fwd(lhs, rhs, key, dn, cfg: DotGeneralConfig, precision, preferred):
-  """out = L . R, quantized as `cfg.fwd` says; and the residuals."""
+def _fwd(lhs, rhs, key, state, dn, cfg, precision, preferred):
+  """(out, new_state), and the residuals."""
+  out, q_lhs, q_rhs, res = _fwd_out(
+    lhs, rhs, key, state, dn, cfg, precision, preferred
+  )
+  new_state = dict(state)
+  for path, q in (('fwd.lhs', q_lhs), ('fwd.rhs', q_rhs)):
+    if path in state and q is not None and q.state is not None:
+      new_state[path] = q.state
+  res = dataclasses.replace(
+    res,
+    state=state,
+    learned_lhs=None if q_lhs is None else q_lhs.learned,
+    learned_rhs=None if q_rhs is None else q_rhs.learned,
+  )
+  return (out, new_state), res
+
+
+def _fwd_out(
+  lhs, rhs, key, state, dn, cfg: DotGeneralConfig, precision, preferred
+):
+  """out = L . R, quantized as `cfg.fwd` says; q_L, q_R; the residuals."""
   lay = DotLayout.create(struct_of(lhs).shape, struct_of(rhs).shape, dn)
   keys = PassKeys.split(key)
   stored = isinstance(lhs, QTensor) or isinstance(rhs, QTensor)
@@ -123,14 +153,28 @@ def _fwd(lhs, rhs, key, dn, cfg: DotGeneralConfig, precision, preferred):
     out = lax.dot_general(
       lhs, rhs, dn, precision=precision, preferred_element_type=preferred
     )
-    return out, _residuals(lhs, rhs, None, None, lay, cfg, keys)
+    return out, None, None, _residuals(lhs, rhs, None, None, lay, cfg, keys)
   rhs_form = rhs.form if isinstance(rhs, QTensor) else lay.rhs.natural_form()
   tile = common_tile([cfg.fwd.lhs, cfg.fwd.rhs], lay.lhs.k)
   q_lhs = forward_operand(
-    lhs, cfg.fwd.lhs, lay.lhs, 'fk', tile, keys.fwd_lhs, 'lhs'
+    lhs,
+    cfg.fwd.lhs,
+    lay.lhs,
+    'fk',
+    tile,
+    keys.fwd_lhs,
+    'lhs',
+    state.get('fwd.lhs'),
   )
   q_rhs = forward_operand(
-    rhs, cfg.fwd.rhs, lay.rhs, rhs_form, tile, keys.fwd_rhs, 'rhs'
+    rhs,
+    cfg.fwd.rhs,
+    lay.rhs,
+    rhs_form,
+    tile,
+    keys.fwd_rhs,
+    'rhs',
+    state.get('fwd.rhs'),
   )
   out = contract(q_lhs, q_rhs, cfg.fwd, precision).reshape(lay.out_shape)
   floats = [x.dtype for x in (lhs, rhs) if not isinstance(x, QTensor)]
@@ -138,7 +182,7 @@ def _fwd(lhs, rhs, key, dn, cfg: DotGeneralConfig, precision, preferred):
     jnp.result_type(*floats) if floats else jnp.dtype(jnp.float32)
   )
   res = _residuals(lhs, rhs, q_lhs, q_rhs, lay, cfg, keys)
-  return out.astype(out_dtype), res
+  return out.astype(out_dtype), q_lhs, q_rhs, res
 
 
 def _residuals(
@@ -199,17 +243,35 @@ class _Backward:
   preferred: object
 
 
-def _bwd(dn, cfg: DotGeneralConfig, precision, preferred, res: Residuals, g):
+def _bwd(dn, cfg: DotGeneralConfig, precision, preferred, res: Residuals, gs):
+  g = gs[0]  # The new state's cotangent is ignored.
   lay = DotLayout.create(res.lhs_struct.shape, res.rhs_struct.shape, dn)
   ctx = _Backward(lay, precision, preferred)
-  dl = dr = None  # No gradient reaches a stored QTensor operand.
+  dl = dr = dl_raw = dr_raw = None  # No gradient reaches a stored QTensor.
+  st = dict(res.state)  # The state's cotangent: see aqtr.core.stateful.
   if not res.lhs_stored:
-    dl = _masked(_dlhs(ctx, cfg.dlhs, res, g), res.mask_lhs)
-    dl = dl.astype(res.lhs_struct.dtype)
+    dl_raw, st_l = _dlhs(ctx, cfg.dlhs, res, g)
+    dl = _masked(dl_raw, res.mask_lhs).astype(res.lhs_struct.dtype)
+    st = _with_site(st, 'dlhs.lhs', st_l)
   if not res.rhs_stored:
-    dr = _masked(_drhs(ctx, cfg.drhs, res, g), res.mask_rhs)
-    dr = dr.astype(res.rhs_struct.dtype)
-  return dl, dr, None
+    dr_raw, st_r = _drhs(ctx, cfg.drhs, res, g)
+    dr = _masked(dr_raw, res.mask_rhs).astype(res.rhs_struct.dtype)
+    st = _with_site(st, 'drhs.lhs', st_r)
+  if 'fwd.lhs' in st:
+    st['fwd.lhs'] = learned_cotangent(
+      st['fwd.lhs'], res.learned_lhs, dl_raw, cfg, lay, 'lhs'
+    )
+  if 'fwd.rhs' in st:
+    st['fwd.rhs'] = learned_cotangent(
+      st['fwd.rhs'], res.learned_rhs, dr_raw, cfg, lay, 'rhs'
+    )
+  return dl, dr, None, st
+
+
+def _with_site(st: dict, path: str, new) -> dict:
+  if path in st and new is not None:
+    st[path] = new
+  return st
 
 
 def _masked(grad: jax.Array, mask: jax.Array | None) -> jax.Array:
@@ -248,29 +310,31 @@ def _gradient(ctx: _Backward, raw: DotGeneralRaw, key, g):
 
 
 def _dlhs(ctx: _Backward, raw: DotGeneralRaw, res: Residuals, g):
+  """(dL, the gradient operand's new calibration state or None)."""
   lay = ctx.lay
   if not raw.quantized:
     y_r = _float_residual(res.rhs, res.q_rhs, lay.rhs, res.rhs_struct)
     zero_l = jnp.zeros(res.lhs_struct.shape, res.lhs_struct.dtype)
-    return _float_grad(ctx, zero_l, y_r, g, wrt=0)
+    return _float_grad(ctx, zero_l, y_r, g, wrt=0), None
   g3, noise = _gradient(ctx, raw, res.key_dlhs, g)
+  gst = res.state.get('dlhs.lhs')
   if res.q_rhs is not None:
-    dl3 = _dlhs_reusing(ctx, raw, g3, noise, res.q_rhs)
+    dl3, st = _dlhs_reusing(ctx, raw, g3, noise, res.q_rhs, gst)
   else:
     key = residual_key(res.key_dlhs)
-    dl3 = _dlhs_requantizing(ctx, raw, g3, noise, res.rhs, key)
-  return lay.lhs.from_canonical(dl3, 'fk')
+    dl3, st = _dlhs_requantizing(ctx, raw, g3, noise, res.rhs, key, gst)
+  return lay.lhs.from_canonical(dl3, 'fk'), st
 
 
-def _dlhs_reusing(ctx, raw, g, noise, q_r: QuantizedOperand):
+def _dlhs_reusing(ctx, raw, g, noise, q_r: QuantizedOperand, gst):
   """(g * s_R) . q_R, per tile of R."""
   g_s, n = fold_scale(g, q_r, axis=2)
-  a = Operand(g_s, 'fk', raw.lhs, repeat_tiles(noise, n))
-  out = quantized_dot(a, q_r.as_partner(), raw, ctx.precision)
-  return merge_tiles(out, n, 'fk')
+  a = Operand(g_s, 'fk', raw.lhs, repeat_tiles(noise, n), None, gst, 'dlhs.lhs')
+  out, st, _ = quantized_dot_state(a, q_r.as_partner(), raw, ctx.precision)
+  return merge_tiles(out, n, 'fk'), st
 
 
-def _dlhs_requantizing(ctx, raw, g, noise, rhs, key):
+def _dlhs_requantizing(ctx, raw, g, noise, rhs, key, gst):
   """g . R, both quantized by `raw`; R is seen in its natural form."""
   form = ctx.lay.rhs.natural_form()
   r = Operand(
@@ -278,8 +342,11 @@ def _dlhs_requantizing(ctx, raw, g, noise, rhs, key):
     flip(form),  # R's free axis N is contracted here.
     raw.rhs,
     canonical_noise(raw.rhs, key, ctx.lay.rhs, form),
+    path='dlhs.rhs',
   )
-  return quantized_dot(Operand(g, 'fk', raw.lhs, noise), r, raw, ctx.precision)
+  a = Operand(g, 'fk', raw.lhs, noise, None, gst, 'dlhs.lhs')
+  out, st, _ = quantized_dot_state(a, r, raw, ctx.precision)
+  return out, st
 
 
 # drhs: dR = g^T . Y_L, contracting M, emitted in R's natural form:
@@ -288,37 +355,41 @@ def _dlhs_requantizing(ctx, raw, g, noise, rhs, key):
 
 
 def _drhs(ctx: _Backward, raw: DotGeneralRaw, res: Residuals, g):
+  """(dR, the gradient operand's new calibration state or None)."""
   lay = ctx.lay
   if not raw.quantized:
     y_l = _float_residual(res.lhs, res.q_lhs, lay.lhs, res.lhs_struct)
     zero_r = jnp.zeros(res.rhs_struct.shape, res.rhs_struct.dtype)
-    return _float_grad(ctx, y_l, zero_r, g, wrt=1)
+    return _float_grad(ctx, y_l, zero_r, g, wrt=1), None
   g3, noise = _gradient(ctx, raw, res.key_drhs, g)
   key = residual_key(res.key_drhs)
+  gst = res.state.get('drhs.lhs')
   form = lay.rhs.natural_form()
   if form == 'fk':
     g3t = g3.transpose(0, 2, 1)
     noise_t = None if noise is None else noise.transpose(0, 2, 1)
     if res.q_lhs is not None:
-      dr3 = _drhs_nk_reusing(ctx, raw, g3t, noise_t, res.q_lhs)
+      dr3, st = _drhs_nk_reusing(ctx, raw, g3t, noise_t, res.q_lhs, gst)
     else:
-      dr3 = _drhs_nk_requantizing(ctx, raw, g3t, noise_t, res.lhs, key)
+      dr3, st = _drhs_nk_requantizing(ctx, raw, g3t, noise_t, res.lhs, key, gst)
   elif res.q_lhs is not None:
-    dr3 = _drhs_kn_reusing(ctx, raw, g3, noise, res.q_lhs)
+    dr3, st = _drhs_kn_reusing(ctx, raw, g3, noise, res.q_lhs, gst)
   else:
-    dr3 = _drhs_kn_requantizing(ctx, raw, g3, noise, res.lhs, key)
-  return lay.rhs.from_canonical(dr3, form)
+    dr3, st = _drhs_kn_requantizing(ctx, raw, g3, noise, res.lhs, key, gst)
+  return lay.rhs.from_canonical(dr3, form), st
 
 
-def _drhs_nk_reusing(ctx, raw, g_t, noise_t, q_l: QuantizedOperand):
+def _drhs_nk_reusing(ctx, raw, g_t, noise_t, q_l: QuantizedOperand, gst):
   """(g^T * s_L) . q_L, per tile of L: [B, N, K]."""
   g_s, n = fold_scale(g_t, q_l, axis=2)
-  a = Operand(g_s, 'fk', raw.lhs, repeat_tiles(noise_t, n))
-  out = quantized_dot(a, q_l.as_partner(), raw, ctx.precision)
-  return merge_tiles(out, n, 'fk')
+  a = Operand(
+    g_s, 'fk', raw.lhs, repeat_tiles(noise_t, n), None, gst, 'drhs.lhs'
+  )
+  out, st, _ = quantized_dot_state(a, q_l.as_partner(), raw, ctx.precision)
+  return merge_tiles(out, n, 'fk'), st
 
 
-def _drhs_nk_requantizing(ctx, raw, g_t, noise_t, lhs, key):
+def _drhs_nk_requantizing(ctx, raw, g_t, noise_t, lhs, key, gst):
   """g^T . L, both quantized by `raw`: [B, N, K]."""
   lay_l = ctx.lay.lhs
   l_op = Operand(
@@ -326,20 +397,22 @@ def _drhs_nk_requantizing(ctx, raw, g_t, noise_t, lhs, key):
     'kf',  # L's free axis M is contracted here.
     raw.rhs,
     canonical_noise(raw.rhs, key, lay_l, 'fk'),
+    path='drhs.rhs',
   )
-  a = Operand(g_t, 'fk', raw.lhs, noise_t)
-  return quantized_dot(a, l_op, raw, ctx.precision)
+  a = Operand(g_t, 'fk', raw.lhs, noise_t, None, gst, 'drhs.lhs')
+  out, st, _ = quantized_dot_state(a, l_op, raw, ctx.precision)
+  return out, st
 
 
-def _drhs_kn_reusing(ctx, raw, g, noise, q_lt: QuantizedOperand):
+def _drhs_kn_reusing(ctx, raw, g, noise, q_lt: QuantizedOperand, gst):
   """q_L^T . (g * s_L), per tile of L: [B, K, N]; q_L^T is [B, T, t, M]."""
   g_s, n = fold_scale(g, q_lt, axis=1)
-  b = Operand(g_s, 'kf', raw.lhs, repeat_tiles(noise, n))
-  out = quantized_dot(q_lt.as_partner(), b, raw, ctx.precision)
-  return merge_tiles(out, n, 'kf')
+  b = Operand(g_s, 'kf', raw.lhs, repeat_tiles(noise, n), None, gst, 'drhs.lhs')
+  out, _, st = quantized_dot_state(q_lt.as_partner(), b, raw, ctx.precision)
+  return merge_tiles(out, n, 'kf'), st
 
 
-def _drhs_kn_requantizing(ctx, raw, g, noise, lhs, key):
+def _drhs_kn_requantizing(ctx, raw, g, noise, lhs, key, gst):
   """L^T . g, both quantized by `raw`: [B, K, N]."""
   lay_l = ctx.lay.lhs
   l_t = Operand(
@@ -347,21 +420,28 @@ def _drhs_kn_requantizing(ctx, raw, g, noise, lhs, key):
     'fk',  # [B, K, M]: L's free axis M is contracted here.
     raw.rhs,
     canonical_noise(raw.rhs, key, lay_l, 'kf'),
+    path='drhs.rhs',
   )
-  b = Operand(g, 'kf', raw.lhs, noise)
-  return quantized_dot(l_t, b, raw, ctx.precision)
+  b = Operand(g, 'kf', raw.lhs, noise, None, gst, 'drhs.lhs')
+  out, _, st = quantized_dot_state(l_t, b, raw, ctx.precision)
+  return out, st
 
 
 # ------------------------------------------------------------ the custom VJP
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _qdot(lhs, rhs, key, dn, cfg, precision, preferred):
-  return _fwd(lhs, rhs, key, dn, cfg, precision, preferred)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _qdot(lhs, rhs, key, state, dn, cfg, precision, preferred):
+  return _fwd(lhs, rhs, key, state, dn, cfg, precision, preferred)[0]
 
 
 _qdot.defvjp(_fwd, _bwd)
-_qdot_jit = jax.jit(_qdot, static_argnums=(3, 4, 5, 6))
+_qdot_jit = jax.jit(_qdot, static_argnums=(4, 5, 6, 7))
+
+
+def raw_qdot(lhs, rhs, state, dn, config, key=None):
+  """(out, new_state) without checks or jit (for `aqtr.state.init`)."""
+  return _qdot(lhs, rhs, key, state, dn, config, None, None)
 
 
 def dot_general(
@@ -373,7 +453,8 @@ def dot_general(
   key: jax.Array | None = None,
   precision=None,
   preferred_element_type=None,
-) -> jax.Array:
+  state: dict | None = None,
+):
   """Drop-in for `jax.lax.dot_general` quantized as `config` says.
 
   Args:
@@ -386,10 +467,12 @@ def dot_general(
     key: PRNG key (typed or raw uint32[2]); required by stochastic rounding.
     precision, preferred_element_type: as in `lax.dot_general`; precision
       applies to the float dots.
+    state: the calibration state tree (`aqtr.state.init`) when the config
+      has stateful or learned calibrations; see `aqtr.core.stateful`.
 
   Returns:
     [batch..., lhs free..., rhs free...] in `preferred_element_type` or the
-    operands' result type.
+    operands' result type; with `state`, the pair (out, new_state).
 
   Example:
     >>> import jax, jax.numpy as jnp, aqtr
@@ -402,6 +485,7 @@ def dot_general(
     raise TypeError(
       f'config must be an aqtr.DotGeneralConfig or None, got {config!r}.'
     )
+  check_state_tree(config, state)
   stored = [isinstance(x, QTensor) for x in (lhs, rhs)]
   if any(stored) and config is None:
     raise ValueError(
@@ -414,13 +498,14 @@ def dot_general(
   # Zero-size operands: nothing to quantize; lax gives the (empty or zero)
   # result and gradients.
   if not any(stored) and (config is None or config.is_float or empty):
-    return lax.dot_general(
+    out = lax.dot_general(
       lhs,
       rhs,
       dimension_numbers,
       precision=precision,
       preferred_element_type=preferred_element_type,
     )
+    return out if state is None else (out, state)
   if not stored[0]:
     lhs = jnp.asarray(lhs)
     check_float(lhs, 'lhs')
@@ -441,6 +526,14 @@ def dot_general(
     if preferred_element_type is None
     else jnp.dtype(preferred_element_type)
   )
-  return _qdot_jit(
-    lhs, rhs, key, lay.dimension_numbers, config, precision, preferred
+  out, new_state = _qdot_jit(
+    lhs,
+    rhs,
+    key,
+    state or {},
+    lay.dimension_numbers,
+    config,
+    precision,
+    preferred,
   )
+  return out if state is None else (out, new_state)

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
+from aqtr.core import stateful
 from aqtr.core.config import TensorConfig
 from aqtr.core.dimension_numbers import OperandLayout, normalize_axes
 from aqtr.core.qtensor import ROLE_AXES, QTensor, from_view, to_view
@@ -24,18 +25,47 @@ _TINY = float(jnp.finfo(jnp.float32).tiny)
 
 def quantize_view(x4: jax.Array, cfg: TensorConfig, form: str, noise=None):
   """Quantizes a tiled view; returns (qvalue, scale, grad_mask or None)."""
+  return quantize_view_stateful(x4, cfg, form, noise)[:3]
+
+
+def quantize_view_stateful(
+  x4: jax.Array,
+  cfg: TensorConfig,
+  form: str,
+  noise=None,
+  state: dict | None = None,
+  path: str = 'operand',
+):
+  """`quantize_view` with calibration state (see `aqtr.core.stateful`).
+
+  Returns:
+    (qvalue, scale, grad_mask or None, new_state or None, learned): learned
+    is {name: d xhat / d param} in the view for learned calibrations, or
+    None.
+  """
   n = cfg.numerics
   x = x4.astype(jnp.float32)
   axes = tuple(sorted(ROLE_AXES[form][r] for r in cfg.tiling.shared))
-  bound = cfg.calibration.bound_for(x, axes, n).astype(jnp.float32)
+  cal = cfg.calibration
+  new_state = learned = None
+  if not stateful.is_stateful(cal):
+    bound = cal.bound_for(x, axes, n)
+  elif state is None and stateful.record(path, x, axes):
+    bound = cal.calibrate(x, axes)
+  else:
+    bound, new_state = stateful.site_bound(cal, x, axes, n, state, path)
+  bound = bound.astype(jnp.float32)
   qmax = n.max_value
   s = jnp.where(bound < qmax * _TINY, jnp.float32(1), bound / qmax)
-  if cfg.calibration.po2_scale:
+  if cal.po2_scale:
     s = jnp.exp2(jnp.ceil(jnp.log2(s)))
   v = x / s
   q = n.quantize(v, noise)
   scale = s if n.unit == 1.0 else s * n.unit
-  return q, scale, n.grad_mask(v)
+  mask = n.grad_mask(v)
+  if new_state is not None and cal.has_learned:
+    learned, mask = cal.value_grad(x, s, n, state)
+  return q, scale, mask, new_state, learned
 
 
 def check_float(x, field: str) -> None:
