@@ -14,7 +14,8 @@ fp8 x fp8 -> f32) and applies both scales to its output:
 Internal API (used by `dot_general.py` and `operand.py` only): `Operand`,
 `QuantizedOperand`, `PassKeys`, `common_tile`, `quantize_tiled`,
 `forward_operand`, `contract`, `quantized_dot`, `quantized_dot_state`,
-`fold_scale`, `repeat_tiles`, `merge_tiles`, `flip`, `rounding_noise`, `struct_of`.
+`fold_scale`, `repeat_tiles`, `merge_tiles`, `flip`, `rounding_noise`,
+`struct_of`.
 """
 
 from __future__ import annotations
