@@ -12,6 +12,7 @@ field values raise an error naming the field (BAD_FIELDS below).
 """
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -34,6 +35,20 @@ BAD_FIELDS = {
     {'clip_scale': math.inf},
     {'clip_scale': True},
     {'clip_scale': '1'},
+  ],
+  'delayed_scaling': [
+    {'history_length': 0},
+    {'history_length': 2.0},
+    {'history_length': True},
+  ],
+  'lsq': [{'po2_scale': 1}],
+  'pact': [
+    {'init_clip': 0.0},
+    {'init_clip': math.nan},
+    {'init_clip': '1'},
+    {'l2': -1.0},
+    {'l2': math.inf},
+    {'l2': 'x'},
   ],
   'constant': [
     {'bound': 0.0},
@@ -97,9 +112,60 @@ def check_static_arg(cls, bad_fields):
   cc.check_static_arg(cls, lambda c, x: c.calibrate(x, (1,)), _input()[0, 0])
 
 
+_DN = (((1,), (0,)), ((), ()))
+
+
+def _stateful_cfg(c):
+  return aqtr.DotGeneralConfig(
+    fwd=aqtr.DotGeneralRaw(
+      lhs=aqtr.TensorConfig(calibration=c),
+      rhs=aqtr.TensorConfig(numerics=aqtr.numerics.NoNumerics()),
+    )
+  )
+
+
+def _stateful_engine(c, x, w):
+  """(out, new_state, grads) of a stateful calibration on fwd.lhs, jitted,
+  and the same eagerly: they must agree bit for bit."""
+  cfg = _stateful_cfg(c)
+  s = aqtr.state.init(x, w, _DN, cfg)
+
+  def f(x, w, s):
+    def loss(x, w, s):
+      out, new = aqtr.dot_general(x, w, _DN, cfg, state=s)
+      return jnp.sum(out * out), (out, new)
+
+    return jax.grad(loss, (0, 1, 2), has_aux=True)(x, w, s)
+
+  got, eager = jax.jit(f)(x, w, s), f(x, w, s)
+  jax.tree.map(np.testing.assert_array_equal, got[1], eager[1])
+  close = functools.partial(np.testing.assert_allclose, rtol=1e-6)
+  jax.tree.map(close, got[0], eager[0])  # Sums may reorder under jit.
+  return s, got
+
+
+def check_stateful_engine(cls):
+  """Stateful: needs state (error names the path); jit == eager; out is
+  the fake quantization with the bound of the initial state."""
+  c = cls()
+  x, w = _input(4, (4, 16)), _input(5, (16, 3))
+  with pytest.raises(ValueError, match='fwd.lhs'):
+    aqtr.dot_general(x, w, _DN, _stateful_cfg(c))
+  s, (grads, (out, _)) = _stateful_engine(c, x, w)
+  assert all(jnp.isfinite(g).all() for g in jax.tree.leaves(grads))
+  n = aqtr.TensorConfig().numerics
+  bound, _ = c.bound_with_state(x[None, None], (3,), n, s['fwd.lhs'])
+  sc = (bound / n.max_value)[0, 0]
+  want = (n.quantize(x / sc).astype(jnp.float32) * sc) @ w
+  np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+
+
 def check_engine(cls, bad_fields):
   """jit-able in aqtr.dot_general; agrees with the fake-quant reference."""
   del bad_fields
+  if issubclass(cls, calibrations.StatefulCalibration):
+    check_stateful_engine(cls)
+    return
   c = cls()
   po2 = dataclasses.replace(c, po2_scale=True)
   cc.check_in_engine(
@@ -133,6 +199,16 @@ def check_nonfinite(cls, bad_fields):
   assert not jnp.isfinite(b[:3]).any(), b
   assert jnp.isfinite(b[3]).all() and (b[3] >= 0).all()
   w = _input(2, (16, 5))
+  if isinstance(c, calibrations.StatefulCalibration):
+    x4, n = x[None, None], aqtr.TensorConfig().numerics
+    st = c.init_state(jnp.nan_to_num(x4), (3,), n)
+    b, _ = c.bound_with_state(x4, (3,), n, st)
+    assert not jnp.isfinite(b[0, 0, :3]).any(), b
+    assert jnp.isfinite(b[0, 0, 3]).all()
+    out = _stateful_engine(c, x, w)[1][1][0]
+    assert not jnp.isfinite(out[:3]).any()
+    assert jnp.isfinite(out[3]).all()
+    return
   cfg = aqtr.DotGeneralConfig(
     fwd=aqtr.DotGeneralRaw(
       lhs=aqtr.TensorConfig(calibration=c), rhs=aqtr.TensorConfig()
@@ -152,6 +228,12 @@ def check_zeros(cls, bad_fields):
   x = jnp.zeros((4, 16))
   b = _calibrate(c, x, (1,))
   assert (b >= 0).all() and jnp.isfinite(b).all()
+  if isinstance(c, calibrations.StatefulCalibration):
+    grads, (out, new) = _stateful_engine(c, x, _input(2, (16, 5)))[1]
+    for leaf in jax.tree.leaves((grads, out, new)):
+      assert jnp.isfinite(leaf).all()
+    np.testing.assert_array_equal(out, 0.0)
+    return
   for cal in (c, dataclasses.replace(c, po2_scale=True)):
     t = aqtr.TensorConfig(calibration=cal)
     qt = jax.jit(lambda x, t=t: aqtr.quantize(x, t))(x)
