@@ -11,6 +11,7 @@ from aqtr.calibrations.base import (
 )
 from aqtr.calibrations.constant import Constant
 from aqtr.calibrations.delayed_scaling import DelayedScaling
+from aqtr.calibrations.ema_stats import EmaStats, MeanAbsMax
 from aqtr.calibrations.lsq import Lsq
 from aqtr.calibrations.mse import Mse
 from aqtr.calibrations.pact import Pact
@@ -22,7 +23,9 @@ __all__ = [
   'Calibration',
   'Constant',
   'DelayedScaling',
+  'EmaStats',
   'Lsq',
+  'MeanAbsMax',
   'Mse',
   'Pact',
   'StatefulCalibration',

@@ -42,6 +42,16 @@ BAD_FIELDS = {
     {'history_length': True},
   ],
   'lsq': [{'po2_scale': 1}],
+  'ema_stats': [
+    {'p': 0.0},
+    {'c1': -1.0},
+    {'c0': math.nan},
+    {'ema_update_count': 0},
+    {'prior_count': -1.0},
+    {'exclude_zeros': 1},
+    {'freeze_step': -1},
+  ],
+  'mean_absmax': [{'po2_scale': 'yes'}],
   'pact': [
     {'init_clip': 0.0},
     {'init_clip': math.nan},
