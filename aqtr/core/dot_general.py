@@ -21,8 +21,11 @@ numerics' clip_gradient; no gradient reaches the scales.
 Layout: on XLA:CPU an integer dot is fast only when its lhs contracts its
 last axis (MK.KN, MK.NK). The forward dot is MK.NK or MK.KN, dlhs is MK.KN
 or MK.NK, and drhs emits dR directly in the weight's layout: [N, K] weights
-get (g^T)[N, M] . q_L[M, K]; [K, N] weights get q_L^T[K, M] . g[M, N] with
-q_L^T written by the forward pass (`QuantizedOperand.transposed`).
+get q_g^T[N, M] . q_L[M, K]; [K, N] weights get q_L^T[K, M] . q_g[M, N],
+with q_L^T written by the forward pass. A transposed operand is quantized
+as it lies and its int8 values copied transposed (`passes.quantized_dot`,
+`QuantizedOperand.with_transposed`): XLA:CPU quantizes a transposed float
+array several times slower.
 """
 
 from __future__ import annotations
@@ -176,13 +179,32 @@ def _fwd_out(
     'rhs',
     state.get('fwd.rhs'),
   )
+  q_lhs_t = None
+  if _drhs_contracts_q_lhs_t(lhs, rhs, q_lhs, lay, cfg):
+    q_lhs, q_lhs_t = q_lhs.with_transposed()
   out = contract(q_lhs, q_rhs, cfg.fwd, precision).reshape(lay.out_shape)
   floats = [x.dtype for x in (lhs, rhs) if not isinstance(x, QTensor)]
   out_dtype = preferred or (
     jnp.result_type(*floats) if floats else jnp.dtype(jnp.float32)
   )
-  res = _residuals(lhs, rhs, q_lhs, q_rhs, lay, cfg, keys)
+  res = _residuals(lhs, rhs, q_lhs, q_rhs, lay, cfg, keys, q_lhs_t)
   return out.astype(out_dtype), q_lhs, q_rhs, res
+
+
+def _reuses_q_lhs(lhs, q_lhs, cfg: DotGeneralConfig) -> bool:
+  """Whether drhs reuses the forward quantization of L (not L itself)."""
+  quantized = q_lhs is not None and q_lhs.scale is not None
+  return quantized and (cfg.drhs.use_fwd_quant or isinstance(lhs, QTensor))
+
+
+def _drhs_contracts_q_lhs_t(lhs, rhs, q_lhs, lay, cfg) -> bool:
+  """Whether a quantized drhs on [K, N] weights contracts q_L^T [K, M]."""
+  return (
+    _reuses_q_lhs(lhs, q_lhs, cfg)
+    and not isinstance(rhs, QTensor)
+    and lay.rhs.natural_form() == 'kf'
+    and cfg.drhs.quantized
+  )
 
 
 def _residuals(
@@ -193,32 +215,26 @@ def _residuals(
   lay: DotLayout,
   cfg: DotGeneralConfig,
   keys: PassKeys,
+  q_lhs_t: QuantizedOperand | None = None,
 ) -> Residuals:
   """Keeps q_L for drhs and q_R for dlhs where they are reused, else L, R.
 
   A stored QTensor has no float form: its gradient partner always reuses
-  it. For [K, N] weights a quantized drhs contracts q_L^T [K, M]: it is
-  written here, once, instead of q_L.
+  it. For [K, N] weights a quantized drhs contracts q_L^T [K, M]
+  (`q_lhs_t`, written by the forward pass): it is kept instead of q_L.
   """
   lhs_stored, rhs_stored = isinstance(lhs, QTensor), isinstance(rhs, QTensor)
+  reuse_l = _reuses_q_lhs(lhs, q_lhs, cfg)
   if q_lhs is not None and q_lhs.scale is None:  # Not quantized.
     q_lhs = None
   if q_rhs is not None and q_rhs.scale is None:
     q_rhs = None
-  reuse_l = q_lhs is not None and (cfg.drhs.use_fwd_quant or lhs_stored)
   reuse_r = q_rhs is not None and (cfg.dlhs.use_fwd_quant or rhs_stored)
-  kept_l = q_lhs.without_mask() if reuse_l else None
-  if (
-    reuse_l
-    and not rhs_stored
-    and lay.rhs.natural_form() == 'kf'
-    and cfg.drhs.quantized
-  ):
-    kept_l = kept_l.transposed()
+  kept_l = q_lhs if q_lhs_t is None else q_lhs_t
   return Residuals(
     lhs=None if reuse_l else lhs,
     rhs=None if reuse_r else rhs,
-    q_lhs=kept_l,
+    q_lhs=kept_l.without_mask() if reuse_l else None,
     q_rhs=q_rhs.without_mask() if reuse_r else None,
     mask_lhs=None if q_lhs is None else q_lhs.grad_mask(lay.lhs),
     mask_rhs=None if q_rhs is None else q_rhs.grad_mask(lay.rhs),
@@ -366,12 +382,10 @@ def _drhs(ctx: _Backward, raw: DotGeneralRaw, res: Residuals, g):
   gst = res.state.get('drhs.lhs')
   form = lay.rhs.natural_form()
   if form == 'fk':
-    g3t = g3.transpose(0, 2, 1)
-    noise_t = None if noise is None else noise.transpose(0, 2, 1)
     if res.q_lhs is not None:
-      dr3, st = _drhs_nk_reusing(ctx, raw, g3t, noise_t, res.q_lhs, gst)
+      dr3, st = _drhs_nk_reusing(ctx, raw, g3, noise, res.q_lhs, gst)
     else:
-      dr3, st = _drhs_nk_requantizing(ctx, raw, g3t, noise_t, res.lhs, key, gst)
+      dr3, st = _drhs_nk_requantizing(ctx, raw, g3, noise, res.lhs, key, gst)
   elif res.q_lhs is not None:
     dr3, st = _drhs_kn_reusing(ctx, raw, g3, noise, res.q_lhs, gst)
   else:
@@ -379,17 +393,19 @@ def _drhs(ctx: _Backward, raw: DotGeneralRaw, res: Residuals, g):
   return lay.rhs.from_canonical(dr3, form), st
 
 
-def _drhs_nk_reusing(ctx, raw, g_t, noise_t, q_l: QuantizedOperand, gst):
-  """(g^T * s_L) . q_L, per tile of L: [B, N, K]."""
-  g_s, n = fold_scale(g_t, q_l, axis=2)
-  a = Operand(
-    g_s, 'fk', raw.lhs, repeat_tiles(noise_t, n), None, gst, 'drhs.lhs'
-  )
+def _drhs_nk_reusing(ctx, raw, g, noise, q_l: QuantizedOperand, gst):
+  """(g * s_L)^T . q_L, per tile of L: [B, N, K].
+
+  g [B, M, N] is the 'kf' lhs of this dot (M contracted), written
+  transposed after its quantization.
+  """
+  g_s, n = fold_scale(g, q_l, axis=1)
+  a = Operand(g_s, 'kf', raw.lhs, repeat_tiles(noise, n), None, gst, 'drhs.lhs')
   out, st, _ = quantized_dot_state(a, q_l.as_partner(), raw, ctx.precision)
   return merge_tiles(out, n, 'fk'), st
 
 
-def _drhs_nk_requantizing(ctx, raw, g_t, noise_t, lhs, key, gst):
+def _drhs_nk_requantizing(ctx, raw, g, noise, lhs, key, gst):
   """g^T . L, both quantized by `raw`: [B, N, K]."""
   lay_l = ctx.lay.lhs
   l_op = Operand(
@@ -399,7 +415,7 @@ def _drhs_nk_requantizing(ctx, raw, g_t, noise_t, lhs, key, gst):
     canonical_noise(raw.rhs, key, lay_l, 'fk'),
     path='drhs.rhs',
   )
-  a = Operand(g_t, 'fk', raw.lhs, noise_t, None, gst, 'drhs.lhs')
+  a = Operand(g, 'kf', raw.lhs, noise, None, gst, 'drhs.lhs')
   out, st, _ = quantized_dot_state(a, l_op, raw, ctx.precision)
   return out, st
 
@@ -415,15 +431,15 @@ def _drhs_kn_reusing(ctx, raw, g, noise, q_lt: QuantizedOperand, gst):
 def _drhs_kn_requantizing(ctx, raw, g, noise, lhs, key, gst):
   """L^T . g, both quantized by `raw`: [B, K, N]."""
   lay_l = ctx.lay.lhs
-  l_t = Operand(
-    lay_l.to_canonical(lhs, 'kf'),
-    'fk',  # [B, K, M]: L's free axis M is contracted here.
+  l_op = Operand(
+    lay_l.to_canonical(lhs, 'fk'),
+    'kf',  # L's free axis M is contracted: L^T after quantization.
     raw.rhs,
-    canonical_noise(raw.rhs, key, lay_l, 'kf'),
+    canonical_noise(raw.rhs, key, lay_l, 'fk'),
     path='drhs.rhs',
   )
   b = Operand(g, 'kf', raw.lhs, noise, None, gst, 'drhs.lhs')
-  out, _, st = quantized_dot_state(l_t, b, raw, ctx.precision)
+  out, _, st = quantized_dot_state(l_op, b, raw, ctx.precision)
   return out, st
 
 

@@ -43,16 +43,15 @@ class Stochastic(Rounding):
   """Stochastic rounding (Gupta et al. 2015, arXiv 1502.02551).
 
   Math: `q = round(v + u)`, `u ~ U[-1/2, 1/2)` from an explicit PRNG key, so
-  `E[q] = v` for v inside the clip range, up to 2^-(noise_bits+1) of a step
-  (u is drawn on a 2^noise_bits-point grid, see `uniform_grid`). Noise is
-  drawn once per group of `noise_sharing_axes` (axes of the operand as the
-  user sees it; for a gradient operand, the axes of the dot output) and
-  broadcast along them.
+  `E[q] = v` for v inside the clip range, up to 2^-9 of a step: u is drawn
+  on a 256-point grid (`uniform_grid`), four draws per 32-bit random word,
+  ample for the at most 8-bit integer targets that round stochastically.
+  Noise is drawn once per group of `noise_sharing_axes` (axes of the
+  operand as the user sees it; for a gradient operand, the axes of the dot
+  output) and broadcast along them.
 
   Attributes:
     noise_sharing_axes: axes along which one noise value is shared.
-    noise_bits: resolution of the noise grid, 8 or 16; 8 draws half the
-      random bits of 16 (enough for int8 targets: bias <= 2^-9 step).
 
   Example:
     >>> import jax
@@ -61,7 +60,6 @@ class Stochastic(Rounding):
   """
 
   noise_sharing_axes: tuple[int, ...] = ()
-  noise_bits: int = 8
   stochastic = True
 
   def __post_init__(self):
@@ -71,11 +69,6 @@ class Stochastic(Rounding):
     ):
       raise TypeError(
         f'Stochastic.noise_sharing_axes must be a tuple of ints, got {axes!r}.'
-      )
-    if self.noise_bits not in _NOISE_BITS or isinstance(self.noise_bits, bool):
-      raise ValueError(
-        f'Stochastic.noise_bits must be one of {_NOISE_BITS}, got '
-        f'{self.noise_bits!r}.'
       )
 
   def noise(self, key, shape):
@@ -93,7 +86,7 @@ class Stochastic(Rounding):
         )
     shared = {a % rank for a in self.noise_sharing_axes} if rank else set()
     small = tuple(1 if i in shared else d for i, d in enumerate(shape))
-    u = uniform_grid(key, small, self.noise_bits)
+    u = uniform_grid(key, small, bits=8)
     return jnp.broadcast_to(u, shape)
 
 
