@@ -21,8 +21,8 @@ Example:
   >>> (l, new), (gw, gs) = jax.value_and_grad(
   ...     loss, argnums=(0, 1), has_aux=True)(w, s)
   >>> s = aqtr.state.merge(new, gs)
-  >>> float(s['dlhs.lhs']['stats']['history'][0].max())
-  1.0
+  >>> bool(s['dlhs.lhs']['stats']['history'][0].max() > 0)
+  True
 """
 
 from __future__ import annotations
