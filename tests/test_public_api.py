@@ -32,6 +32,7 @@ PUBLIC = {
   'quantize',
   'quantize_operand',
   'selectors',
+  'state',
   'tags',
   'tilings',
   'validation',
@@ -40,6 +41,7 @@ PUBLIC = {
 PRESETS = {
   'float',
   'fp8',
+  'fp8_delayed',
   'fully_quantized',
   'int4_weight_only',
   'int8',

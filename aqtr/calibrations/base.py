@@ -11,9 +11,8 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
-from aqtr.core.algorithms import Calibration
+from aqtr.core.algorithms import Calibration, StatefulCalibration, group_shape
 from aqtr.core.registry import Registry
-from aqtr.core.stateful import StatefulCalibration, group_shape
 
 __all__ = [
   'Calibration',

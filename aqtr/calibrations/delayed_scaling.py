@@ -29,8 +29,9 @@ class DelayedScaling(StatefulCalibration):
   tiling says. On a gradient operand (dlhs.lhs, drhs.lhs) the history is
   updated by the backward pass (see `aqtr.state`); it records the amax of
   the tensor actually quantized there: with `use_fwd_quant` that is g
-  times the partner's forward scale (folded in before quantizing). A NaN/inf in the
-  current group makes the bound non-finite (and enters the history).
+  times the partner's forward scale (folded in before quantizing). A
+  NaN/inf in the current group makes the bound non-finite (and enters the
+  history).
 
   State: {'stats': {'history': [L, *group]}}.
 
