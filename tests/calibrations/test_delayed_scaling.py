@@ -74,14 +74,8 @@ def test_gradient_history_updates_only_in_backward():
   _, s1 = _step(w, s, xs[0])
   assert float(s1['dlhs.lhs']['stats']['history'][0].max()) > 0
   assert float(s1['drhs.lhs']['stats']['history'][0].max()) > 0
-  _, gs = aqtr.state.split(
-    jax.jit(
-      jax.grad(
-        lambda s: aqtr.dot_general(xs[0], w, DN, _cfg(), state=s)[0].sum()
-      )
-    )(s)
-  )
-  assert set(gs) == {'dlhs.lhs', 'drhs.lhs'}
+  # The forward histories come from the call's output, not the gradient.
+  jax.tree.map(np.testing.assert_array_equal, s1['fwd.lhs'], new['fwd.lhs'])
 
 
 def test_scan_jit_remat_equal_eager():
@@ -107,6 +101,7 @@ def test_scan_jit_remat_equal_eager():
   jax.tree.map(np.testing.assert_array_equal, (gw_rem, s_rem), eager)
 
 
+@pytest.mark.slow
 def test_vmap_equals_loop():
   xs, w = _data(2)
   s0 = aqtr.state.init(xs[0], w, DN, _cfg())

@@ -69,6 +69,7 @@ def test_lsq_init_and_step_gradient_is_the_papers():
   np.testing.assert_allclose(gx, np.where(inside, dxhat, 0), rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_lsq_clipped_step_gradient_matches_finite_differences():
   # All values clipped: xhat = sign(x) * s * QP exactly, so the finite
   # difference of the loss equals the (unscaled) LSQ gradient.
