@@ -16,7 +16,14 @@ where Y is the float operand or, when reusing the forward quantization
 (g * s_R) . q_R == g . dequant(R). Each of these dots is quantized by
 `config.dlhs` / `config.drhs` (the gradient g is their lhs operand).
 Gradients pass straight through the rounding, masked by the forward
-numerics' clip_gradient; no gradient reaches the scales.
+numerics' clip_gradient; no gradient reaches the scales, except through a
+learned calibration (LSQ, PACT), whose own rule replaces the straight
+through one.
+
+State (`aqtr.core.stateful`): with `state=`, the call returns
+(out, new_state); the state is a differentiable input of this VJP, whose
+cotangent carries the backward operands' new state and the learned
+parameters' gradients.
 
 Layout: on XLA:CPU an integer dot is fast only when its lhs contracts its
 last axis (MK.KN, MK.NK). The forward dot is MK.NK or MK.KN, dlhs is MK.KN
