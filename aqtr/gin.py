@@ -16,12 +16,19 @@ Algorithms registered after the import (your own file) are added by
 `register_all()`, which `config_from_gin` calls. configs/gin/int8.gin and
 fp8.gin spell the presets out; scopes name the position (`dlhs/lhs/...`).
 
-Example:
+`config_from_gin('configs/gin/fp8.gin') == aqtr.presets.fp8()`.
+
+Example (bindings only; files work the same way):
   >>> import aqtr, aqtr.gin, gin
   >>> gin.clear_config()
-  >>> cfg = aqtr.gin.config_from_gin('configs/gin/fp8.gin')  # doctest: +SKIP
-  >>> cfg == aqtr.presets.fp8()  # doctest: +SKIP
-  True
+  >>> cfg = aqtr.gin.config_from_gin(bindings=[
+  ...   'aqtr.DotGeneralConfig.fwd = @aqtr.DotGeneralRaw()',
+  ...   'aqtr.DotGeneralRaw.rhs = @aqtr.TensorConfig()',
+  ...   'aqtr.TensorConfig.numerics = @aqtr.numerics.int_symmetric()',
+  ...   'aqtr.numerics.int_symmetric.bits = 4'])
+  >>> cfg.fwd.rhs.numerics.bits, cfg.fwd.lhs.numerics.bits
+  (4, 8)
+  >>> gin.clear_config()
 """
 
 from __future__ import annotations

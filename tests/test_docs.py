@@ -11,17 +11,20 @@ import pytest
 import aqtr
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-_OPTIONAL = ('aqtr.flax', 'aqtr.gin')
+# Modules of optional extras: {package prefix: the module the extra adds}.
+_OPTIONAL = {'aqtr.flax': 'flax', 'aqtr.gin': 'gin', 'aqtr.pax': 'flax'}
 
 
 def _modules():
   for m in pkgutil.walk_packages(aqtr.__path__, 'aqtr.'):
-    if not m.name.startswith(_OPTIONAL):
-      yield m.name
+    yield m.name
 
 
 @pytest.mark.parametrize('name', sorted(_modules()))
 def test_docstring_examples(name):
+  for prefix, extra in _OPTIONAL.items():
+    if name.startswith(prefix):
+      pytest.importorskip(extra)
   module = importlib.import_module(name)
   result = doctest.testmod(
     module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE

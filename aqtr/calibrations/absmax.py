@@ -18,7 +18,8 @@ class AbsMax(Calibration):
   """bound = clip_scale * max_G |x| (AQT's AbsMaxCalibration).
 
   With clip_scale < 1 the largest values are clipped; pair it with the
-  numerics' clip_gradient.
+  numerics' clip_gradient. A group holding NaN gets the bound inf (a NaN
+  counts as larger than any value: XLA:CPU's max may otherwise skip it).
 
   Attributes:
     clip_scale: multiplier on the absolute maximum, finite and > 0.
@@ -40,5 +41,7 @@ class AbsMax(Calibration):
       raise ValueError(f'AbsMax.clip_scale must be finite and > 0, got {c}.')
 
   def calibrate(self, x: jax.Array, axes: Sequence[int]) -> jax.Array:
-    b = jnp.max(jnp.abs(x), axis=tuple(axes), keepdims=True)
+    a = jnp.abs(x)
+    a = jnp.where(jnp.isnan(a), jnp.asarray(jnp.inf, a.dtype), a)
+    b = jnp.max(a, axis=tuple(axes), keepdims=True)
     return b if self.clip_scale == 1.0 else b * self.clip_scale

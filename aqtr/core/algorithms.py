@@ -35,10 +35,15 @@ class Calibration(abc.ABC):
 
   `calibrate` reduces a tensor over the axes that share one scale and
   returns `bound` with those axes kept (size 1). The quantizer then sets
-  `s = bound / numerics.max_value` (bound 0 -> s = 1), optionally rounded up
-  to a power of two. Contract (checked for every registered calibration):
-  the bound is >= 0, and non-finite wherever its group holds a non-finite
-  value, so NaN/inf inputs surface in the output instead of being clipped.
+  `s = bound / numerics.max_value` (bound 0 -> s = 1; kept a normal
+  float32, see `aqtr.core.scale`), optionally rounded up to a power of two.
+  Contract (checked for every registered calibration, under jit, with NaN
+  or inf anywhere in a group, and with all-NaN groups): the bound is >= 0,
+  and non-finite (NaN or inf) wherever its group holds a non-finite value,
+  so NaN/inf inputs surface in the output instead of being clipped away.
+  Beware: a jitted `jnp.max` on XLA:CPU may skip NaNs (and return -inf for
+  an all-NaN group); map NaN to inf first, or add
+  `aqtr.calibrations.nonfinite_guard`.
 
   Attributes:
     po2_scale: round the scale up to a power of two, `s <- 2^ceil(log2 s)`.
@@ -220,7 +225,9 @@ class Tiling(abc.ABC):
   the view axes its scale is shared along (the calibration reduces over
   them) and, for sub-channel tilings, the block size. Scales constant
   along `k` factor out of the integer dot, so every tiling runs the real
-  int dot.
+  int dot. Stored scales have size 1 along the shared `tile`/`k` axes but
+  keep the batch and free axes even when shared (equal values), so a row
+  holding NaN/inf can carry a NaN scale (`aqtr.core.scale`).
   """
 
   # The view axes (a subset of ROLES) that share one scale.

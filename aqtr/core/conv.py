@@ -27,6 +27,7 @@ import dataclasses
 import itertools
 import math
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -214,6 +215,66 @@ def plan(
   return ConvPlan(lhs_shape, rhs_shape, dn, strides, pads, lhs_d, rhs_d, g)
 
 
+@dataclasses.dataclass(frozen=True)
+class ConvArgs:
+  """The arguments of `lax.conv_general_dilated` after its two operands.
+
+  One pack for the quantized conv and the adapters' conv ops, which take
+  lax's signature and forward it here unchanged.
+
+  Example:
+    >>> ConvArgs.bind((1, 1), 'SAME', feature_group_count=2).padding
+    'SAME'
+  """
+
+  window_strides: Any
+  padding: Any
+  lhs_dilation: Any = None
+  rhs_dilation: Any = None
+  dimension_numbers: Any = None
+  feature_group_count: int = 1
+  batch_group_count: int = 1
+  precision: Any = None
+  preferred_element_type: Any = None
+  out_sharding: Any = None
+
+  @classmethod
+  def bind(cls, *args, **kwargs) -> ConvArgs:
+    """The pack from lax's positional / keyword arguments after lhs, rhs."""
+    return cls(*args, **kwargs)
+
+  def plan(self, lhs_shape, rhs_shape) -> ConvPlan:
+    """The `ConvPlan` of these arguments for the given operand shapes."""
+    return plan(
+      lhs_shape,
+      rhs_shape,
+      self.window_strides,
+      self.padding,
+      self.lhs_dilation,
+      self.rhs_dilation,
+      self.dimension_numbers,
+      self.feature_group_count,
+      self.batch_group_count,
+    )
+
+  def lax(self, lhs, rhs) -> jax.Array:
+    """`lax.conv_general_dilated(lhs, rhs, *these arguments)` (float)."""
+    return lax.conv_general_dilated(
+      lhs,
+      rhs,
+      self.window_strides,
+      self.padding,
+      self.lhs_dilation,
+      self.rhs_dilation,
+      self.dimension_numbers,
+      self.feature_group_count,
+      self.batch_group_count,
+      self.precision,
+      self.preferred_element_type,
+      out_sharding=self.out_sharding,
+    )
+
+
 def conv_general_dilated(
   lhs: jax.Array,
   rhs: jax.Array,
@@ -262,23 +323,7 @@ def conv_general_dilated(
     >>> y.shape, float(y[0, 1, 1, 0])
     ((1, 4, 4, 5), 18.0)
   """
-
-  def dot(patches, kernel, dn, precision, preferred_element_type):
-    return dot_general(
-      patches,
-      kernel,
-      dn,
-      config,
-      key=key,
-      precision=precision,
-      preferred_element_type=preferred_element_type,
-    )
-
-  return conv_via(
-    dot,
-    config is None or config.is_float,
-    lhs,
-    rhs,
+  args = ConvArgs(
     window_strides,
     padding,
     lhs_dilation,
@@ -291,77 +336,55 @@ def conv_general_dilated(
     out_sharding,
   )
 
+  def dot(patches, kernel, dn, precision, preferred_element_type):
+    return dot_general(
+      patches,
+      kernel,
+      dn,
+      config,
+      key=key,
+      precision=precision,
+      preferred_element_type=preferred_element_type,
+    )
+
+  return conv_via(dot, config is None or config.is_float, lhs, rhs, args)
+
 
 def conv_via(
-  dot: Callable,
-  is_float: bool,
-  lhs,
-  rhs,
-  window_strides,
-  padding,
-  lhs_dilation=None,
-  rhs_dilation=None,
-  dimension_numbers=None,
-  feature_group_count: int = 1,
-  batch_group_count: int = 1,
-  precision=None,
-  preferred_element_type=None,
-  out_sharding=None,
+  dot: Callable, is_float: bool, lhs, rhs, args: ConvArgs
 ) -> jax.Array:
   """A convolution whose patch x kernel product is `dot(...)`.
 
-  The shared body of `conv_general_dilated` and the Flax conv ops (which
-  pass their own dot, e.g. one reading a frozen kernel). With `is_float`
-  it is exactly `lax.conv_general_dilated`.
+  The shared body of `conv_general_dilated` and the adapters' conv ops
+  (which pass their own dot, e.g. one reading a frozen kernel). With
+  `is_float` it is exactly `lax.conv_general_dilated`.
 
   Args:
     dot: `(patches, kernel, dimension_numbers, precision,
       preferred_element_type) -> out`.
     is_float: take lax's float convolution instead.
-    lhs, rhs, ...: as in `lax.conv_general_dilated`.
+    lhs, rhs: as in `lax.conv_general_dilated`.
+    args: the rest of lax's arguments (`ConvArgs`).
 
   Returns:
     The convolution output in `dimension_numbers`' out_spec layout.
   """
   if is_float:
-    return lax.conv_general_dilated(
-      lhs,
-      rhs,
-      window_strides,
-      padding,
-      lhs_dilation,
-      rhs_dilation,
-      dimension_numbers,
-      feature_group_count,
-      batch_group_count,
-      precision,
-      preferred_element_type,
-      out_sharding=out_sharding,
-    )
+    return args.lax(lhs, rhs)
   lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
-  p = plan(
-    lhs.shape,
-    rhs.shape,
-    window_strides,
-    padding,
-    lhs_dilation,
-    rhs_dilation,
-    dimension_numbers,
-    feature_group_count,
-    batch_group_count,
-  )
+  p = args.plan(lhs.shape, rhs.shape)
   out = p.output(
     dot(
       p.patches(lhs),
       p.kernel(rhs),
       p.dimension_numbers,
-      precision,
-      preferred_element_type,
+      args.precision,
+      args.preferred_element_type,
     )
   )
-  if out_sharding is not None:
-    out = jax.lax.with_sharding_constraint(out, out_sharding)
+  if args.out_sharding is not None:
+    out = jax.lax.with_sharding_constraint(out, args.out_sharding)
   return out
 
 
-__all__ = ['ConvPlan', 'conv_general_dilated', 'conv_via', 'plan']
+__all__ = ['ConvArgs', 'ConvPlan', 'conv_general_dilated', 'conv_via', 'plan']

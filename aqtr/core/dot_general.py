@@ -47,6 +47,7 @@ from jax import lax
 from aqtr.core.config import DotGeneralConfig, DotGeneralRaw
 from aqtr.core.dimension_numbers import DotLayout
 from aqtr.core.engine_state import check_state_tree, learned_cotangent
+from aqtr.core.first_order import first_order_only
 from aqtr.core.passes import (
   Operand,
   PassKeys,
@@ -288,7 +289,8 @@ def _bwd(dn, cfg: DotGeneralConfig, precision, preferred, res: Residuals, gs):
     st['fwd.rhs'] = learned_cotangent(
       st['fwd.rhs'], res.learned_rhs, dr_raw, cfg, lay, 'rhs'
     )
-  return dl, dr, None, st
+  # Differentiating again raises.
+  return (*first_order_only(dl, dr), None, st)
 
 
 def _with_site(st: dict, path: str, new) -> dict:
@@ -509,6 +511,7 @@ def dot_general(
       f'config must be an aqtr.DotGeneralConfig or None, got {config!r}.'
     )
   check_state_tree(config, state)
+  key = as_typed_key(key)  # Checked even where unused.
   stored = [isinstance(x, QTensor) for x in (lhs, rhs)]
   if any(stored) and config is None:
     raise ValueError(
@@ -543,7 +546,7 @@ def dot_general(
       'config uses stochastic rounding and needs a PRNG key: pass '
       'key=jax.random.key(seed) (a raw jax.random.PRNGKey works too).'
     )
-  key = as_typed_key(key) if config.needs_key else None
+  key = key if config.needs_key else None
   preferred = (
     None
     if preferred_element_type is None

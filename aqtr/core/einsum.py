@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from aqtr.core.config import DotGeneralConfig
 from aqtr.core.dot_general import dot_general
 from aqtr.core.qtensor import QTensor
+from aqtr.core.rounding import as_typed_key
 
 
 def _expand(spec: str, rank: int, ell: str, field: str) -> str:
@@ -74,9 +75,19 @@ def parse(subscripts: str, lhs_rank: int, rhs_rank: int):
     os = lead + ''.join(
       sorted(c for c, k in counts.items() if k == 1 and c not in lead)
     )
-  if len(set(os)) != len(os) or not set(os) <= set(ls) | set(rs):
+  unknown = sorted(set(os) - set(ls) - set(rs))
+  if unknown:
+    what = (
+      'is not an input letter' if len(unknown) == 1 else 'are not input letters'
+    )
     raise ValueError(
-      f'einsum output {os!r} must use each input letter at most once.'
+      f'einsum output {os!r}: {", ".join(map(repr, unknown))} {what} (lhs '
+      f'{ls!r}, rhs {rs!r}); the output may only use input letters.'
+    )
+  if len(set(os)) != len(os):
+    raise ValueError(
+      f'einsum output {os!r} repeats a letter; use each input letter at '
+      'most once.'
     )
   return ls, rs, os
 
@@ -135,6 +146,7 @@ def einsum(
     >>> aqtr.einsum('btd,df->btf', x, w, config=aqtr.presets.int8()).shape
     (2, 3, 5)
   """
+  as_typed_key(key)  # Checked even where unused (float configs).
   given = isinstance(lhs, QTensor) or isinstance(rhs, QTensor)
   if not given and (
     config is None or (isinstance(config, DotGeneralConfig) and config.is_float)

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from aqtr.core.config import DotGeneralConfig
-from aqtr.core.dimension_numbers import DotLayout
+from aqtr.core.dimension_numbers import DotLayout, OperandLayout
 from aqtr.core.passes import PassKeys, common_tile, forward_operand
 from aqtr.core.qtensor import QTensor
 from aqtr.core.quantizer import check_float
@@ -69,15 +69,40 @@ def quantize_operand(
     (x.shape, other_shape) if operand == 'lhs' else (other_shape, x.shape)
   )
   lay = DotLayout.create(*shapes, dimension_numbers)
-  side = getattr(lay, operand)
+  return quantize_in_layout(
+    x, getattr(lay, operand), config, operand=operand, key=key
+  )
+
+
+def quantize_in_layout(
+  x: jax.Array,
+  layout: OperandLayout,
+  config: DotGeneralConfig,
+  *,
+  operand: str,
+  key: jax.Array | None = None,
+) -> QTensor:
+  """`quantize_operand` for an operand whose layout in the dot is known.
+
+  For callers that already hold the dot's `DotLayout` (the freezers'
+  `OperandCall` makes it once per call); `x` must be a float array of
+  `layout.shape`.
+
+  Args:
+    x: the float operand.
+    layout: its OperandLayout in the dot (`DotLayout.lhs` / `.rhs`).
+    config: the dot's DotGeneralConfig (its fwd.<operand> applies).
+    operand: 'lhs' or 'rhs'.
+    key: PRNG key if the forward rounding is stochastic.
+  """
   cfg = getattr(config.fwd, operand)
   if not cfg.quantized:
     raise ValueError(
       f'config.fwd.{operand} is not quantized; nothing to freeze.'
     )
-  form = 'fk' if operand == 'lhs' else side.natural_form()
-  tile = common_tile([config.fwd.lhs, config.fwd.rhs], side.k)
+  form = 'fk' if operand == 'lhs' else layout.natural_form()
+  tile = common_tile([config.fwd.lhs, config.fwd.rhs], layout.k)
   keys = PassKeys.split(as_typed_key(key))
   key = keys.fwd_lhs if operand == 'lhs' else keys.fwd_rhs
-  q = forward_operand(x, cfg, side, form, tile, key, operand)
-  return QTensor(q.values, q.scale, side, form)
+  q = forward_operand(x, cfg, layout, form, tile, key, operand)
+  return QTensor(q.values, q.scale, layout, form)

@@ -29,7 +29,7 @@ from jax import lax
 from aqtr.core.config import DotGeneralRaw, TensorConfig
 from aqtr.core.dimension_numbers import OperandLayout
 from aqtr.core.qtensor import QTensor, from_view, to_view
-from aqtr.core.quantizer import quantize_view_stateful
+from aqtr.core.quantizer import quantize_view_stateful, scale_problems
 
 
 def flip(form: str) -> str:
@@ -276,6 +276,8 @@ def _stored_operand(
     problems.append(f'qvalue shape {x.qvalue.shape} != expected {view}')
   if x.scale is None or jnp.ndim(x.scale) != 4:
     problems.append('scale missing or not in the tiled view')
+  elif cfg.quantized:
+    problems += scale_problems(x.scale, view, cfg, form)
   if problems:
     raise ValueError(
       f'the QTensor given as {name} does not match this dot and config: '

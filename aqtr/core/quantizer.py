@@ -1,10 +1,23 @@
 """One tensor: calibrate -> scale -> numerics -> QTensor; and fake quant.
 
 Math: for each scale group G (the view axes the tiling shares)
-`bound = calibration(x_G)`, `s = bound / numerics.max_value` (a bound of 0,
-or one too small to divide by, gives s = 1), optionally
-`s <- 2^ceil(log2 s)`; `q = numerics.quantize(x / s (+ noise))`. The stored
-scale is `s * numerics.unit`. Quantization is computed in float32.
+`bound = calibration(x_G)`, `S = bound / (numerics.max_value / unit)`
+(`aqtr.core.scale`: kept normal, an all-zero group gets s = 1, optionally a
+power of two); `q = numerics.quantize(x / s (+ noise))`; `x ~ q * S`.
+Quantization is computed in float32.
+
+Edge cases (documented behaviour, tested):
+  * NaN / inf: a row (the elements one dot output sums over) holding a NaN
+    or inf gets a NaN scale, so its dequantized values and every dot output
+    it feeds are NaN: outputs are non-finite exactly where
+    `lax.dot_general` makes them non-finite (NaN where lax may give +-inf).
+    Other rows keep finite scales, also under per-tensor tiling, where the
+    one bound is taken over the finite values. `clip_gradient` passes the
+    gradient of non-finite values (they are never silently zeroed).
+  * Tiny magnitudes: scales work over the whole normal float32 range
+    (relative error independent of magnitude down to ~1e-36 for int8);
+    below, the smallest normal scale 2^-126 is used (fewer grid points).
+    Only an exactly zero group falls back to s = 1.
 """
 
 from __future__ import annotations
@@ -19,13 +32,44 @@ from aqtr.core.config import TensorConfig
 from aqtr.core.dimension_numbers import OperandLayout, normalize_axes
 from aqtr.core.qtensor import ROLE_AXES, QTensor, from_view, to_view
 from aqtr.core.rounding import as_typed_key
+from aqtr.core.scale import (
+  FIBER_ROLES,
+  divide,
+  row_flags,
+  scale_from_bound,
+  scale_shape,
+)
 
-_TINY = float(jnp.finfo(jnp.float32).tiny)
+
+def view_scale_shape(view_shape, cfg: TensorConfig, form: str):
+  """The scale shape `quantize_view` gives a view of `view_shape`."""
+  return scale_shape(view_shape, cfg.tiling.shared, ROLE_AXES[form])
+
+
+def scale_problems(scale, view_shape, cfg: TensorConfig, form: str):
+  """[] if a stored scale fits a view of `view_shape`, else what is wrong."""
+  want = view_scale_shape(view_shape, cfg, form)
+  if tuple(jnp.shape(scale)) != want:
+    return [f'scale shape {tuple(jnp.shape(scale))} != expected {want}']
+  return []
 
 
 def quantize_view(x4: jax.Array, cfg: TensorConfig, form: str, noise=None):
-  """Quantizes a tiled view; returns (qvalue, scale, grad_mask or None)."""
+  """Quantizes a tiled view; returns (qvalue, scale, grad_mask or None).
+
+  The scale has `view_scale_shape`; it is NaN for the rows holding a NaN or
+  inf (see the module docstring).
+  """
   return quantize_view_stateful(x4, cfg, form, noise)[:3]
+
+
+def _bound(cal, x, axes, n, state, path):
+  """(bound, new_state or None): stateless, recorded, or stateful."""
+  if not stateful.is_stateful(cal):
+    return cal.bound_for(x, axes, n), None
+  if state is None and stateful.record(path, x, axes):
+    return cal.calibrate(x, axes), None
+  return stateful.site_bound(cal, x, axes, n, state, path)
 
 
 def quantize_view_stateful(
@@ -44,28 +88,32 @@ def quantize_view_stateful(
     None.
   """
   n = cfg.numerics
-  x = x4.astype(jnp.float32)
-  axes = tuple(sorted(ROLE_AXES[form][r] for r in cfg.tiling.shared))
   cal = cfg.calibration
-  new_state = learned = None
-  if not stateful.is_stateful(cal):
-    bound = cal.bound_for(x, axes, n)
-  elif state is None and stateful.record(path, x, axes):
-    bound = cal.calibrate(x, axes)
-  else:
-    bound, new_state = stateful.site_bound(cal, x, axes, n, state, path)
-  bound = bound.astype(jnp.float32)
-  qmax = n.max_value
-  s = jnp.where(bound < qmax * _TINY, jnp.float32(1), bound / qmax)
-  if cal.po2_scale:
-    s = jnp.exp2(jnp.ceil(jnp.log2(s)))
-  v = x / s
+  x = x4.astype(jnp.float32)
+  roles = ROLE_AXES[form]
+  axes = tuple(sorted(roles[r] for r in cfg.tiling.shared))
+  if cfg.tiling.shared <= FIBER_ROLES:
+    # Groups lie within rows: a non-finite bound (the calibration contract)
+    # already marks the rows holding NaN/inf.
+    xb, flags = x, None
+  else:  # Groups span rows: bound the finite values, mark bad rows.
+    finite = jnp.isfinite(x)
+    xb = jnp.where(finite, x, jnp.float32(0))
+    flags = row_flags(finite, sorted(roles[r] for r in FIBER_ROLES))
+  bound, new_state = _bound(cal, xb, axes, n, state, path)
+  s = scale_from_bound(bound.astype(jnp.float32), n, cal.po2_scale)
+  if flags is not None:
+    s = s + flags
+  s = jnp.broadcast_to(s, view_scale_shape(x.shape, cfg, form))
+  v = divide(x, s, n.unit)
   q = n.quantize(v, noise)
-  scale = s if n.unit == 1.0 else s * n.unit
   mask = n.grad_mask(v)
+  learned = None
   if new_state is not None and cal.has_learned:
     learned, mask = cal.value_grad(x, s, n, state)
-  return q, scale, mask, new_state, learned
+  if mask is not None:  # Never zero the gradient of a non-finite value.
+    mask = mask | ~jnp.isfinite(v)
+  return q, s, mask, new_state, learned
 
 
 def check_float(x, field: str) -> None:

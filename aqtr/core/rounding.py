@@ -9,6 +9,7 @@ from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 _NOISE_BITS = (8, 16)
@@ -129,16 +130,27 @@ def uniform16(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
   return uniform_grid(key, shape, 16)
 
 
+_KEY_HELP = (
+  'key must be None, a typed PRNG key (jax.random.key(seed)) or a raw '
+  'uint32[2] key (jax.random.PRNGKey(seed))'
+)
+
+
 def as_typed_key(key):
-  """Accepts typed keys and raw uint32 `PRNGKey`s; returns a typed key."""
+  """Accepts typed keys and raw uint32 `PRNGKey`s; returns a typed key.
+
+  Raises:
+    TypeError: naming `key` and what is allowed, for anything else.
+  """
   if key is None:
     return None
+  if not isinstance(key, jax.Array | np.ndarray):
+    raise TypeError(f'{_KEY_HELP}, got {type(key).__name__} {key!r:.60}.')
   key = jnp.asarray(key) if not isinstance(key, jax.Array) else key
   if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
     return key
   if key.dtype != jnp.uint32 or key.shape[-1:] != (2,):
     raise TypeError(
-      'key must be a typed key (jax.random.key) or a raw uint32[2] PRNGKey, '
-      f'got dtype {key.dtype} shape {key.shape}.'
+      f'{_KEY_HELP}, got an array of dtype {key.dtype} shape {key.shape}.'
     )
   return jax.random.wrap_key_data(key)

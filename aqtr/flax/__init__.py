@@ -6,10 +6,12 @@
                                # convert, report; Frozen, Stats, Removed
   import aqtr.flax.checkpoint  # orbax save / restore of serving trees
 
-`aqtr.flax.linen_convert` (re-exported by linen) and `aqtr.flax.common`
-hold the conversion and the shared plumbing; the per-mode math is in
-`aqtr.freezers.lifecycle`. `import aqtr` never imports flax. Inside this
-package `flax` is the real Flax (absolute imports), not `aqtr.flax`.
+`aqtr.flax.linen_convert` (re-exported by linen) holds the conversion;
+`aqtr.flax.common` the one op body the linen, nnx and `aqtr.pax` ops
+share. What each mode does to an operand is its freezer's
+(`aqtr.freezers.Freezer`), routed by `aqtr.freezers.lifecycle`.
+`import aqtr` never imports flax. Inside this package `flax` is the real
+Flax (absolute imports), not `aqtr.flax`.
 """
 
 from aqtr import extras

@@ -1,25 +1,37 @@
-"""What the linen and nnx adapters share: names, op plumbing, size report.
+"""What the linen, nnx and Pax adapters share: one body for every op.
 
-Both adapters run every quantized op as one `aqtr.dot_general` through
+Every quantized op runs as one `aqtr.dot_general` through
 `aqtr.freezers.lifecycle` (einsum: dimension numbers + a transpose of the
-output; conv: im2col `aqtr.core.conv.ConvPlan`), so one set of freezer
-semantics serves Dense, DenseGeneral, Einsum and Conv alike.
+output; conv: im2col, `aqtr.core.conv`), so one set of freezer semantics
+serves Dense, DenseGeneral, Einsum and Conv alike. The op bodies here
+(`dot_general_op`, `einsum_op`, `conv_op`, and `quantized_dot` under them)
+take a `Host`: the few things that differ between frameworks (where the
+variables live, where PRNG keys come from, what the error messages say).
+
+Example:
+  >>> einsum_plan('btd,dhf->bthf', 3, 3)
+  ((((2,), (0,)), ((), ())), None)
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
+from aqtr.core import conv as conv_lib
 from aqtr.core import einsum as einsum_lib
 from aqtr.core.config import DotGeneralConfig
-from aqtr.freezers import lifecycle
+from aqtr.freezers import Mode, lifecycle
 
 # Variable collections (linen) / Variable types' names (nnx).
 FROZEN = 'aqtr'
 STATS = 'aqtr_stats'
+# Linen CONVERT only: which ops' float kernels serving does not read.
+PLAN = 'aqtr_convert'
 # The default rng stream of stochastic rounding.
 RNG = 'quant'
 
@@ -34,10 +46,6 @@ def einsum_plan(subscripts: str, lhs_ndim: int, rhs_ndim: int):
 
   `aqtr.einsum` computes `dot_general(lhs, rhs, dn).transpose(perm)`; the
   adapters do the same so the dot can be frozen.
-
-  Example:
-    >>> einsum_plan('btd,dhf->bthf', 3, 3)
-    ((((2,), (0,)), ((), ())), None)
   """
   ls, rs, os = einsum_lib.parse(subscripts, lhs_ndim, rhs_ndim)
   dn = einsum_lib.dimension_numbers(subscripts, lhs_ndim, rhs_ndim)
@@ -59,11 +67,183 @@ def constrain(out: jax.Array, out_sharding) -> jax.Array:
 
 
 def check_mode(mode) -> None:
-  if not isinstance(mode, lifecycle.Mode):
+  """Raises a TypeError naming `mode` unless it is an aqtr.Mode."""
+  if not isinstance(mode, Mode):
     raise TypeError(
       f'mode must be an aqtr.Mode (TRAIN, CALIBRATE, CONVERT, SERVE), got '
       f'{mode!r}.'
     )
+
+
+class Host:
+  """What an adapter op gives the shared body: its state and its words.
+
+  Attributes:
+    config: the op's DotGeneralConfig.
+    mode: the op's aqtr.Mode.
+    where: the op's name and path, for error messages.
+    frozen_collection: where SERVE reads frozen values, for messages.
+    how_convert, how_calibrate: how to produce them, for messages.
+  """
+
+  config: DotGeneralConfig
+  mode: Mode
+  where: str
+  frozen_collection: str
+  how_convert: str
+  how_calibrate: str
+
+  @property
+  def initializing(self) -> bool:
+    """Variables are being created (linen `init`): nothing is stored."""
+    return False
+
+  def frozen_entries(self) -> Mapping | None:
+    """SERVE: the op's frozen entries (entry name -> values)."""
+    raise NotImplementedError
+
+  def stats(self, mode: Mode) -> Mapping | None:
+    """CALIBRATE / CONVERT: {side: statistics}; may raise if not mutable."""
+    raise NotImplementedError
+
+  def store(self, result: lifecycle.Result) -> None:
+    """Stores what `lifecycle.run` returned (statistics, frozen entry)."""
+    raise NotImplementedError
+
+  def mark_removable(self, rhs_shape: tuple[int, ...]) -> None:
+    """CONVERT: SERVE will not read the float rhs of this shape."""
+    del rhs_shape
+
+  def draw_key(self) -> jax.Array | None:
+    """A fresh PRNG key from the op's stream, or None when it has none."""
+    raise NotImplementedError
+
+  def missing_key(self) -> str:
+    """How to give the op PRNG keys (the end of an error message)."""
+    raise NotImplementedError
+
+
+def prng_key(host: Host) -> jax.Array | None:
+  """The key of one call: drawn when needed, fixed when any key will do."""
+  use = lifecycle.key_use(host.config, host.mode)
+  if use is None:
+    return None
+  key = host.draw_key()
+  if key is not None:
+    return key
+  if use == 'dummy' or host.initializing:
+    return jax.random.key(0)
+  raise ValueError(
+    f'{host.where}: the config rounds stochastically and needs '
+    f'{host.missing_key()}'
+  )
+
+
+def quantized_dot(host: Host, lhs, rhs, dn, precision, preferred):
+  """One `dot_general` of an adapter op in its mode (see lifecycle.run)."""
+  cfg, mode = host.config, host.mode
+  lifecycle.validate(cfg)
+  check_mode(mode)
+  frozen = stats = None
+  if lifecycle.freezers(cfg) and not host.initializing:
+    if mode is Mode.SERVE:
+      frozen = lifecycle.find_frozen(
+        host.frozen_entries(),
+        cfg,
+        host.where,
+        host.frozen_collection,
+        host.how_convert,
+      )
+    elif mode in (Mode.CALIBRATE, Mode.CONVERT):
+      stats = host.stats(mode)
+  r = lifecycle.run(
+    mode,
+    lhs,
+    rhs,
+    dn,
+    cfg,
+    frozen=frozen,
+    stats=stats,
+    key=prng_key(host),
+    precision=precision,
+    preferred_element_type=preferred,
+    initializing=host.initializing,
+    where=host.where,
+    how_stats=host.how_calibrate,
+  )
+  host.store(r)
+  if r.frozen is not None and lifecycle.removable(cfg):
+    host.mark_removable(tuple(jnp.shape(rhs)))
+  return r.out
+
+
+def dot_general_op(
+  host: Host,
+  lhs,
+  rhs,
+  dimension_numbers,
+  precision=None,
+  preferred_element_type=None,
+  out_sharding=None,
+):
+  """The body of a `lax.dot_general` drop-in op."""
+  if is_float(host.config):
+    return lax.dot_general(
+      lhs,
+      rhs,
+      dimension_numbers,
+      precision=precision,
+      preferred_element_type=preferred_element_type,
+      out_sharding=out_sharding,
+    )
+  out = quantized_dot(
+    host, lhs, rhs, dimension_numbers, precision, preferred_element_type
+  )
+  return constrain(out, out_sharding)
+
+
+def einsum_op(
+  host: Host,
+  subscripts,
+  lhs,
+  rhs,
+  precision=None,
+  preferred_element_type=None,
+  out_sharding=None,
+):
+  """The body of a two-operand `jnp.einsum` drop-in op (one dot)."""
+  if is_float(host.config):
+    return jnp.einsum(
+      subscripts,
+      lhs,
+      rhs,
+      precision=precision,
+      preferred_element_type=preferred_element_type,
+      out_sharding=out_sharding,
+    )
+  dn, perm = einsum_plan(subscripts, jnp.ndim(lhs), jnp.ndim(rhs))
+  out = quantized_dot(host, lhs, rhs, dn, precision, preferred_element_type)
+  if perm is not None:
+    out = out.transpose(perm)
+  return constrain(out, out_sharding)
+
+
+def conv_op(host: Host, lhs, rhs, *args, **kwargs):
+  """The body of a `lax.conv_general_dilated` drop-in op.
+
+  `args`, `kwargs`: lax's arguments after lhs and rhs (`ConvArgs`).
+  """
+
+  def dot(patches, kernel, dn, precision, preferred):
+    return quantized_dot(host, patches, kernel, dn, precision, preferred)
+
+  return conv_lib.conv_via(
+    dot,
+    is_float(host.config),
+    lhs,
+    rhs,
+    conv_lib.ConvArgs.bind(*args, **kwargs),
+  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +273,7 @@ class Report:
 
 
 def removed_bytes(shape, dtype) -> int:
+  """Bytes of a removed kernel of `shape` and `dtype`."""
   return lifecycle.nbytes(jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype)))
 
 

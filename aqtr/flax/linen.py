@@ -29,20 +29,19 @@ in TRAIN).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
-from jax import lax
 
-from aqtr.core import conv as conv_lib
 from aqtr.core.config import DotGeneralConfig
 from aqtr.flax import common
 from aqtr.flax.linen_convert import (
   FROZEN,
   HOW_CALIBRATE,
   HOW_CONVERT,
+  PLAN,
   STATS,
   Removed,
   convert,
@@ -51,8 +50,83 @@ from aqtr.flax.linen_convert import (
 from aqtr.freezers import Mode, lifecycle
 
 
+class LinenHost(common.Host):
+  """The shared op body's view of a linen module (aqtr.flax and aqtr.pax).
+
+  Frozen entries live in the collection 'aqtr', CALIBRATE statistics in
+  'aqtr_stats'; CONVERT also notes, in 'aqtr_convert', the size of each
+  rhs that serving does not read, for `convert` to drop the float kernel.
+
+  Args:
+    module: the linen op (inside its `nn.compact` call).
+    config, mode: the op's.
+    rng_name: the rng stream of stochastic rounding.
+    where: the op's name for messages (default: class and path).
+    missing_key: the end of the message when a key is needed and missing.
+  """
+
+  frozen_collection = FROZEN
+  how_convert = HOW_CONVERT
+  how_calibrate = HOW_CALIBRATE
+
+  def __init__(
+    self, module, config, mode, rng_name, where=None, missing_key=None
+  ):
+    self.module, self.config, self.mode = module, config, mode
+    self.rng_name = rng_name
+    self.where = where or (
+      f'{type(module).__name__} at /{"/".join(map(str, module.path))}'
+    )
+    self._missing = missing_key or (
+      f'the PRNG stream {rng_name!r}: pass rngs={{{rng_name!r}: key}} to apply.'
+    )
+
+  @property
+  def initializing(self) -> bool:
+    return self.module.is_initializing()
+
+  def frozen_entries(self):
+    return self.module.variables.get(FROZEN)
+
+  def stats(self, mode):
+    need = STATS if mode is Mode.CALIBRATE else FROZEN
+    if not self.module.is_mutable_collection(need):
+      if mode is Mode.CALIBRATE:
+        raise ValueError(
+          f'{self.where}: CALIBRATE updates the collection {STATS!r}; apply '
+          f"with mutable=['{STATS}']."
+        )
+      raise ValueError(
+        f'{self.where}: CONVERT writes the collection {FROZEN!r}; use '
+        "aqtr.flax.linen.convert (or apply with mutable=['aqtr'])."
+      )
+    return self.module.variables.get(STATS)
+
+  def store(self, result):
+    for side, value in (result.stats or {}).items():
+      self.module.put_variable(STATS, side, value)
+    if result.frozen is not None:
+      name = lifecycle.entry_name(self.config)
+      self.module.put_variable(FROZEN, name, result.frozen)
+
+  def mark_removable(self, rhs_shape):
+    # An empty [size, 0] array: its static shape holds the size, so this
+    # works under eval_shape, and it costs no bytes.
+    if self.module.is_mutable_collection(PLAN):
+      empty = jnp.zeros((math.prod(rhs_shape), 0), jnp.int8)
+      self.module.put_variable(PLAN, 'rhs_size', empty)
+
+  def draw_key(self):
+    if self.module.has_rng(self.rng_name):
+      return self.module.make_rng(self.rng_name)
+    return None
+
+  def missing_key(self) -> str:
+    return self._missing
+
+
 class _Op(nn.Module):
-  """Shared fields and the mode machinery of the linen ops.
+  """Shared fields of the linen ops.
 
   Attributes:
     config: the DotGeneralConfig; None is the plain lax/jnp op.
@@ -64,73 +138,8 @@ class _Op(nn.Module):
   mode: Mode = Mode.TRAIN
   rng_name: str = common.RNG
 
-  def _where(self) -> str:
-    return f'{type(self).__name__} at /{"/".join(map(str, self.path))}'
-
-  def _key(self, cfg: DotGeneralConfig, mode: Mode):
-    use = lifecycle.key_use(cfg, mode)
-    if use is None:
-      return None
-    if self.has_rng(self.rng_name):
-      return self.make_rng(self.rng_name)
-    if use == 'dummy' or self.is_initializing():
-      return jax.random.key(0)
-    raise ValueError(
-      f'{self._where()}: the config rounds stochastically and needs the '
-      f'PRNG stream {self.rng_name!r}: pass rngs={{{self.rng_name!r}: '
-      'key}} to apply.'
-    )
-
-  def _dot(self, lhs, rhs, dn, precision, preferred):
-    cfg = self.config
-    lifecycle.validate(cfg)
-    common.check_mode(self.mode)
-    mode, init = self.mode, self.is_initializing()
-    fz = lifecycle.freezers(cfg)
-    frozen = stats = None
-    if fz and not init:
-      if mode is Mode.SERVE:
-        frozen = lifecycle.find_frozen(
-          self.variables.get(FROZEN),
-          cfg,
-          self._where(),
-          FROZEN,
-          HOW_CONVERT,
-        )
-      elif mode is Mode.CALIBRATE:
-        if not self.is_mutable_collection(STATS):
-          raise ValueError(
-            f'{self._where()}: CALIBRATE updates the collection {STATS!r}; '
-            f"apply with mutable=['{STATS}']."
-          )
-        stats = self.variables.get(STATS)
-      elif mode is Mode.CONVERT:
-        if not self.is_mutable_collection(FROZEN):
-          raise ValueError(
-            f'{self._where()}: CONVERT writes the collection {FROZEN!r}; use '
-            "aqtr.flax.linen.convert (or apply with mutable=['aqtr'])."
-          )
-        stats = self.variables.get(STATS)
-    r = lifecycle.run(
-      mode,
-      lhs,
-      rhs,
-      dn,
-      cfg,
-      frozen=frozen,
-      stats=stats,
-      key=self._key(cfg, mode),
-      precision=precision,
-      preferred_element_type=preferred,
-      initializing=init,
-      where=self._where(),
-      how_stats=HOW_CALIBRATE,
-    )
-    for side, value in (r.stats or {}).items():
-      self.put_variable(STATS, side, value)
-    if r.frozen is not None:
-      self.put_variable(FROZEN, lifecycle.entry_name(cfg), r.frozen)
-    return r.out
+  def _host(self) -> LinenHost:
+    return LinenHost(self, self.config, self.mode, self.rng_name)
 
 
 class DotGeneral(_Op):
@@ -158,19 +167,15 @@ class DotGeneral(_Op):
     preferred_element_type=None,
     out_sharding=None,
   ):
-    if common.is_float(self.config):
-      return lax.dot_general(
-        lhs,
-        rhs,
-        dimension_numbers,
-        precision=precision,
-        preferred_element_type=preferred_element_type,
-        out_sharding=out_sharding,
-      )
-    out = self._dot(
-      lhs, rhs, dimension_numbers, precision, preferred_element_type
+    return common.dot_general_op(
+      self._host(),
+      lhs,
+      rhs,
+      dimension_numbers,
+      precision,
+      preferred_element_type,
+      out_sharding,
     )
-    return common.constrain(out, out_sharding)
 
 
 class Einsum(_Op):
@@ -199,20 +204,15 @@ class Einsum(_Op):
     optimize=None,
   ):
     del optimize  # One dot: nothing to optimize.
-    if common.is_float(self.config):
-      return jnp.einsum(
-        subscripts,
-        lhs,
-        rhs,
-        precision=precision,
-        preferred_element_type=preferred_element_type,
-        out_sharding=out_sharding,
-      )
-    dn, perm = common.einsum_plan(subscripts, jnp.ndim(lhs), jnp.ndim(rhs))
-    out = self._dot(lhs, rhs, dn, precision, preferred_element_type)
-    if perm is not None:
-      out = out.transpose(perm)
-    return common.constrain(out, out_sharding)
+    return common.einsum_op(
+      self._host(),
+      subscripts,
+      lhs,
+      rhs,
+      precision,
+      preferred_element_type,
+      out_sharding,
+    )
 
 
 class ConvGeneralDilated(_Op):
@@ -226,43 +226,16 @@ class ConvGeneralDilated(_Op):
     >>> import functools, jax, jax.numpy as jnp, flax.linen as nn, aqtr
     >>> cv = functools.partial(ConvGeneralDilated, config=aqtr.presets.int8())
     >>> layer = nn.Conv(4, (3, 3), conv_general_dilated_cls=cv)
-    >>> v = layer.init(jax.random.key(0), jnp.ones((1, 6, 6, 2)))
-    >>> layer.apply(v, jnp.ones((1, 6, 6, 2))).shape
+    >>> x = jnp.ones((1, 6, 6, 2))
+    >>> v = jax.eval_shape(layer.init, jax.random.key(0), x)  # shapes only
+    >>> jax.eval_shape(layer.apply, v, x).shape
     (1, 6, 6, 4)
   """
 
   @nn.compact
-  def __call__(
-    self,
-    lhs,
-    rhs,
-    window_strides,
-    padding,
-    lhs_dilation=None,
-    rhs_dilation=None,
-    dimension_numbers=None,
-    feature_group_count=1,
-    batch_group_count=1,
-    precision=None,
-    preferred_element_type=None,
-    out_sharding=None,
-  ):
-    return conv_lib.conv_via(
-      self._dot,
-      common.is_float(self.config),
-      lhs,
-      rhs,
-      window_strides,
-      padding,
-      lhs_dilation,
-      rhs_dilation,
-      dimension_numbers,
-      feature_group_count,
-      batch_group_count,
-      precision,
-      preferred_element_type,
-      out_sharding,
-    )
+  def __call__(self, lhs, rhs, *args, **kwargs):
+    """As `lax.conv_general_dilated` (see `aqtr.core.conv.ConvArgs`)."""
+    return common.conv_op(self._host(), lhs, rhs, *args, **kwargs)
 
 
 class EinsumDense(nn.Einsum):
@@ -324,6 +297,7 @@ __all__ = [
   'DotGeneral',
   'Einsum',
   'EinsumDense',
+  'LinenHost',
   'Mode',
   'Removed',
   'convert',

@@ -22,6 +22,7 @@ from aqtr.freezers import lifecycle
 
 FROZEN = common.FROZEN
 STATS = common.STATS
+PLAN = common.PLAN
 
 HOW_CONVERT = (
   'Produce them with aqtr.flax.linen.convert(model, variables, '
@@ -68,8 +69,9 @@ def convert(model: nn.Module, variables, *args, method=None, **kwargs):
 
   Runs `model` (its ops in Mode.CONVERT) once on sample inputs: every op
   writes its frozen values into the collection 'aqtr'; the float kernel of
-  each layer whose op froze its rhs ('weights' freezer) is replaced by a
-  `Removed` placeholder; 'aqtr_stats' is dropped. Apply the result to the
+  each layer whose op froze an rhs that SERVE does not read
+  (`Freezer.reads_float` False, e.g. 'weights') is replaced by a `Removed`
+  placeholder; 'aqtr_stats' is dropped. Apply the result to the
   same model with its ops in Mode.SERVE; the float kernels are never read.
 
   Math: frozen = quantize_operand(kernel) of the op's forward config, so
@@ -107,10 +109,12 @@ def convert(model: nn.Module, variables, *args, method=None, **kwargs):
   _check_counts(variables.get(STATS, {}))
 
   def run(v):  # jitted: eager op-by-op dispatch compiles every primitive
-    return model.apply(v, *args, mutable=[FROZEN], method=method, **kwargs)[1]
+    return model.apply(
+      v, *args, mutable=[FROZEN, PLAN], method=method, **kwargs
+    )[1]
 
-  new = jax.jit(run)(variables)
-  frozen = _unfreeze(new).get(FROZEN, {})
+  new = _unfreeze(jax.jit(run)(variables))
+  frozen = new.get(FROZEN, {})
   if not frozen:
     raise ValueError(
       "convert: no op wrote frozen values. Are the model's aqtr ops in "
@@ -119,7 +123,9 @@ def convert(model: nn.Module, variables, *args, method=None, **kwargs):
     )
   serving = {k: v for k, v in variables.items() if k != STATS}
   serving[FROZEN] = frozen
-  serving['params'] = _remove_kernels(variables.get('params', {}), frozen)
+  serving['params'] = _remove_kernels(
+    variables.get('params', {}), new.get(PLAN, {})
+  )
   return serving
 
 
@@ -128,7 +134,11 @@ def _check_counts(stats, path=()):
   if isinstance(stats, dict):
     count = stats.get('count')
     if count is not None and not isinstance(count, dict):
-      if not isinstance(count, jax.core.Tracer) and int(count) == 0:
+      try:
+        empty = int(count) == 0
+      except jax.errors.ConcretizationTypeError:
+        empty = False  # traced under jit: checked when run eagerly
+      if empty:
         raise ValueError(
           f'convert: the CALIBRATE statistics at /{"/".join(path)} have '
           f'count 0. {HOW_CALIBRATE}'
@@ -149,15 +159,24 @@ def _frozen_rhs(frozen, path=()):
   """Yields (op path, frozen rhs part) for every op that froze its rhs."""
   for k, v in frozen.items():
     if str(k).startswith(lifecycle.PREFIX) and isinstance(v, dict):
-      if isinstance(v.get('rhs'), dict) and 'qvalue' in v['rhs']:
+      if isinstance(v.get('rhs'), dict):
         yield path, v['rhs']
     elif isinstance(v, dict):
       yield from _frozen_rhs(v, path + (k,))
 
 
-def _remove_kernels(params, frozen):
+def _removable(plan, path=()):
+  """Yields (op path, rhs size) for every op whose float rhs can go."""
+  for k, v in plan.items():
+    if k == 'rhs_size' and not isinstance(v, dict):
+      yield path, jnp.shape(v)[0]
+    elif isinstance(v, dict):
+      yield from _removable(v, path + (k,))
+
+
+def _remove_kernels(params, plan):
   params = _unfreeze(params)
-  for op_path, part in _frozen_rhs(frozen):
+  for op_path, size in _removable(plan):
     node = params
     for k in op_path[:-1]:
       node = node.get(k, {}) if isinstance(node, dict) else {}
@@ -171,16 +190,22 @@ def _remove_kernels(params, frozen):
         stacklevel=3,
       )
       continue
-    if jnp.size(kernel) != jnp.size(part['qvalue']):
+    if jnp.size(kernel) != size:
       raise ValueError(
         f'convert: the op at /{"/".join(op_path)} froze an rhs of '
-        f"{jnp.size(part['qvalue'])} values but its parent's kernel has "
+        f"{size} values but its parent's kernel has "
         f'{jnp.size(kernel)}; the rhs is not the kernel.'
       )
     node['kernel'] = Removed(
       shape=tuple(jnp.shape(kernel)), dtype=jnp.dtype(kernel.dtype)
     )
   return params
+
+
+def _at(tree, path):
+  for k in path:
+    tree = tree.get(k) if isinstance(tree, dict) else None
+  return tree
 
 
 def report(serving) -> common.Report:
@@ -197,9 +222,12 @@ def report(serving) -> common.Report:
   ):
     if is_removed(x):
       removed += common.removed_bytes(x.shape, x.dtype)
-  for _, part in _frozen_rhs(serving.get(FROZEN, {})):
-    frozen_k += common.nbytes(part)
+  params = _unfreeze(serving.get('params', {}))
+  for path, part in _frozen_rhs(serving.get(FROZEN, {})):
+    parent = _at(params, path[:-1])
+    if isinstance(parent, dict) and isinstance(parent.get('kernel'), Removed):
+      frozen_k += common.nbytes(part)
   return common.Report(removed, frozen_k, common.nbytes(serving))
 
 
-__all__ = ['FROZEN', 'STATS', 'Removed', 'convert', 'report']
+__all__ = ['FROZEN', 'PLAN', 'STATS', 'Removed', 'convert', 'report']

@@ -24,13 +24,13 @@ required only when the config rounds stochastically.
 
 from __future__ import annotations
 
-import jax
+import math
+
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from flax.nnx import variablelib
-from jax import lax
 
-from aqtr.core import conv as conv_lib
 from aqtr.core.config import DotGeneralConfig
 from aqtr.flax import common
 from aqtr.freezers import Mode, lifecycle
@@ -95,78 +95,70 @@ class _Op(nnx.Module):
     self.rng_name = rng_name
     self.rngs = rngs
 
-  def _where(self) -> str:
-    return f'{type(self).__name__} (nnx)'
-
-  def _key(self, cfg: DotGeneralConfig, mode: Mode):
-    use = lifecycle.key_use(cfg, mode)
-    if use is None:
-      return None
-    if self.rngs is not None:
-      try:
-        return self.rngs[self.rng_name]()
-      except KeyError:
-        pass
-    if use == 'dummy':
-      return jax.random.key(0)
-    raise ValueError(
-      f'{self._where()}: the config rounds stochastically and needs PRNG '
-      f'keys: build the op with rngs=nnx.Rngs({self.rng_name}=seed).'
-    )
-
   def frozen_entries(self) -> dict:
     """{entry name: frozen values} held by this op."""
     return {
       k: v.get_value() for k, v in vars(self).items() if isinstance(v, Frozen)
     }
 
-  def _clear(self, kind) -> None:
+  def drop_variables(self, kind) -> None:
+    """Deletes every variable of type `kind` (e.g. Frozen) from this op."""
     for k in [k for k, v in vars(self).items() if isinstance(v, kind)]:
       delattr(self, k)
 
-  def _dot(self, lhs, rhs, dn, precision, preferred):
-    cfg, mode = self.config, self.mode
-    common.check_mode(mode)
-    frozen = stats = None
-    if lifecycle.freezers(cfg):
-      if mode is Mode.SERVE:
-        frozen = lifecycle.find_frozen(
-          self.frozen_entries(),
-          cfg,
-          self._where(),
-          'Frozen variables',
-          _HOW_CONVERT,
-        )
-      elif mode in (Mode.CALIBRATE, Mode.CONVERT):
-        stats = {
-          k[len('stats_') :]: v.get_value()
-          for k, v in vars(self).items()
-          if isinstance(v, Stats)
-        }
-    r = lifecycle.run(
-      mode,
-      lhs,
-      rhs,
-      dn,
-      cfg,
-      frozen=frozen,
-      stats=stats,
-      key=self._key(cfg, mode),
-      precision=precision,
-      preferred_element_type=preferred,
-      where=self._where(),
-      how_stats=_HOW_CALIBRATE,
-    )
-    for side, value in (r.stats or {}).items():
+
+class _Host(common.Host):
+  """The shared op body's view of an nnx op (its variables are attributes)."""
+
+  frozen_collection = 'Frozen variables'
+  how_convert = _HOW_CONVERT
+  how_calibrate = _HOW_CALIBRATE
+
+  def __init__(self, op: _Op):
+    self.op, self.config, self.mode = op, op.config, op.mode
+    self.where = f'{type(op).__name__} (nnx)'
+
+  def frozen_entries(self):
+    return self.op.frozen_entries()
+
+  def stats(self, mode):
+    del mode
+    return {
+      k[len('stats_') :]: v.get_value()
+      for k, v in vars(self.op).items()
+      if isinstance(v, Stats)
+    }
+
+  def store(self, result):
+    op = self.op
+    for side, value in (result.stats or {}).items():
       name = f'stats_{side}'
-      if isinstance(getattr(self, name, None), Stats):
-        getattr(self, name).set_value(value)
+      if isinstance(getattr(op, name, None), Stats):
+        getattr(op, name).set_value(value)
       else:
-        setattr(self, name, Stats(value))
-    if r.frozen is not None:
-      self._clear(Frozen)
-      setattr(self, lifecycle.entry_name(cfg), Frozen(r.frozen))
-    return r.out
+        setattr(op, name, Stats(value))
+    if result.frozen is not None:
+      op.drop_variables(Frozen)
+      setattr(op, lifecycle.entry_name(self.config), Frozen(result.frozen))
+
+  def mark_removable(self, rhs_shape):
+    for v in vars(self.op).values():
+      if isinstance(v, Frozen):
+        v.set_metadata('rhs_size', math.prod(rhs_shape))
+
+  def draw_key(self):
+    rngs = self.op.rngs
+    if rngs is not None:
+      try:
+        return rngs[self.op.rng_name]()
+      except KeyError:
+        pass
+    return None
+
+  def missing_key(self) -> str:
+    return (
+      f'PRNG keys: build the op with rngs=nnx.Rngs({self.op.rng_name}=seed).'
+    )
 
 
 class DotGeneral(_Op):
@@ -192,19 +184,15 @@ class DotGeneral(_Op):
     preferred_element_type=None,
     out_sharding=None,
   ):
-    if common.is_float(self.config):
-      return lax.dot_general(
-        lhs,
-        rhs,
-        dimension_numbers,
-        precision=precision,
-        preferred_element_type=preferred_element_type,
-        out_sharding=out_sharding,
-      )
-    out = self._dot(
-      lhs, rhs, dimension_numbers, precision, preferred_element_type
+    return common.dot_general_op(
+      _Host(self),
+      lhs,
+      rhs,
+      dimension_numbers,
+      precision,
+      preferred_element_type,
+      out_sharding,
     )
-    return common.constrain(out, out_sharding)
 
 
 class Einsum(_Op):
@@ -231,20 +219,15 @@ class Einsum(_Op):
     optimize=None,
   ):
     del optimize  # One dot: nothing to optimize.
-    if common.is_float(self.config):
-      return jnp.einsum(
-        subscripts,
-        lhs,
-        rhs,
-        precision=precision,
-        preferred_element_type=preferred_element_type,
-        out_sharding=out_sharding,
-      )
-    dn, perm = common.einsum_plan(subscripts, jnp.ndim(lhs), jnp.ndim(rhs))
-    out = self._dot(lhs, rhs, dn, precision, preferred_element_type)
-    if perm is not None:
-      out = out.transpose(perm)
-    return common.constrain(out, out_sharding)
+    return common.einsum_op(
+      _Host(self),
+      subscripts,
+      lhs,
+      rhs,
+      precision,
+      preferred_element_type,
+      out_sharding,
+    )
 
 
 class ConvGeneralDilated(_Op):
@@ -253,46 +236,18 @@ class ConvGeneralDilated(_Op):
   im2col + one quantized dot: forward and both gradients are quantized.
 
   Example:
-    >>> import jax.numpy as jnp, aqtr
+    >>> import jax, jax.numpy as jnp, aqtr
     >>> from flax import nnx
     >>> op = ConvGeneralDilated(aqtr.presets.int8())
     >>> layer = nnx.Conv(2, 4, (3, 3), conv_general_dilated=op,
     ...                  rngs=nnx.Rngs(0))
-    >>> layer(jnp.ones((1, 6, 6, 2))).shape
+    >>> jax.eval_shape(layer, jnp.ones((1, 6, 6, 2))).shape  # shapes only
     (1, 6, 6, 4)
   """
 
-  def __call__(
-    self,
-    lhs,
-    rhs,
-    window_strides,
-    padding,
-    lhs_dilation=None,
-    rhs_dilation=None,
-    dimension_numbers=None,
-    feature_group_count=1,
-    batch_group_count=1,
-    precision=None,
-    preferred_element_type=None,
-    out_sharding=None,
-  ):
-    return conv_lib.conv_via(
-      self._dot,
-      common.is_float(self.config),
-      lhs,
-      rhs,
-      window_strides,
-      padding,
-      lhs_dilation,
-      rhs_dilation,
-      dimension_numbers,
-      feature_group_count,
-      batch_group_count,
-      precision,
-      preferred_element_type,
-      out_sharding,
-    )
+  def __call__(self, lhs, rhs, *args, **kwargs):
+    """As `lax.conv_general_dilated` (see `aqtr.core.conv.ConvArgs`)."""
+    return common.conv_op(_Host(self), lhs, rhs, *args, **kwargs)
 
 
 def ops(model: nnx.Module) -> list[tuple[tuple, _Op]]:
@@ -332,13 +287,11 @@ def convert(model: nnx.Module, *args, **kwargs) -> nnx.Module:
   before = [op.mode for _, op in found]
   try:
     for _, op in found:
-      op._clear(Frozen)
+      op.drop_variables(Frozen)
       op.mode = Mode.CONVERT
       for k, v in vars(op).items():
         count = v.get_value()['count'] if isinstance(v, Stats) else None
-        if count is None or isinstance(count, jax.core.Tracer):
-          continue
-        if int(count) == 0:
+        if count is not None and not np.asarray(count).all():
           raise ValueError(
             f'convert: the CALIBRATE statistics {k} have count 0. '
             f'{_HOW_CALIBRATE}'
@@ -351,7 +304,7 @@ def convert(model: nnx.Module, *args, **kwargs) -> nnx.Module:
     raise
   for _, op in found:
     op.mode = Mode.SERVE
-    op._clear(Stats)
+    op.drop_variables(Stats)
   if not any(op.frozen_entries() for _, op in found):
     raise ValueError(
       'convert: no op wrote frozen values. Does the model hold aqtr.flax.nnx '
@@ -366,26 +319,28 @@ def convert(model: nnx.Module, *args, **kwargs) -> nnx.Module:
 
 
 def _frozen_rhs(op: _Op):
-  for entry in op.frozen_entries().values():
-    part = entry.get('rhs') if isinstance(entry, dict) else None
-    if isinstance(part, dict) and 'qvalue' in part:
-      return part
-  return None
+  """(frozen rhs part, rhs size) when serving does not read the float rhs."""
+  if op.config is None or not lifecycle.removable(op.config):
+    return None, 0
+  for v in vars(op).values():
+    if isinstance(v, Frozen) and 'rhs_size' in v.get_metadata():
+      return v.get_value().get('rhs'), v.get_metadata('rhs_size')
+  return None, 0
 
 
 def _remove_kernel(parent, op: _Op) -> None:
-  part = _frozen_rhs(op)
+  part, size = _frozen_rhs(op)
   kernel = getattr(parent, 'kernel', None)
   if part is None or not isinstance(kernel, nnx.Variable):
     return
   if isinstance(kernel, Removed):
     return
   value = kernel.get_value()
-  if jnp.size(value) != jnp.size(part['qvalue']):
+  if jnp.size(value) != size:
     raise ValueError(
       f"convert: {type(parent).__name__}'s op froze an rhs of "
-      f'{jnp.size(part["qvalue"])} values but its kernel has '
-      f'{jnp.size(value)}; the rhs is not the kernel.'
+      f'{size} values but its kernel has {jnp.size(value)}; the rhs is not '
+      'the kernel.'
     )
   parent.kernel = Removed(
     None, kernel_shape=tuple(value.shape), kernel_dtype=jnp.dtype(value.dtype)
@@ -402,7 +357,7 @@ def report(model: nnx.Module) -> common.Report:
         k.get_metadata('kernel_shape'), k.get_metadata('kernel_dtype')
       )
     if isinstance(m, _Op):
-      part = _frozen_rhs(m)
+      part, _ = _frozen_rhs(m)
       frozen_k += 0 if part is None else common.nbytes(part)
   return common.Report(removed, frozen_k, common.nbytes(nnx.state(model)))
 

@@ -1,9 +1,15 @@
-"""Registry `freezers` and the `Mode` enum (train/calibrate/convert/serve)."""
+"""Registry `freezers` and the `Mode` enum (train/calibrate/convert/serve).
+
+A freezer decides what one forward operand of a dot stores at CONVERT and
+reads at SERVE (`Freezer.freeze`, `Freezer.serve`, returning a `Served`)
+and what it collects at CALIBRATE; see `aqtr.freezers.base`.
+"""
 
 from aqtr.freezers.base import (
   Freezer,
   Mode,
   NoFreezer,
+  Served,
   configure,
   get,
   names,
@@ -18,6 +24,7 @@ __all__ = [
   'Freezer',
   'Mode',
   'NoFreezer',
+  'Served',
   'WeightsFreezer',
   'configure',
   'get',

@@ -7,7 +7,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from aqtr.freezers.base import Freezer, Mode, register
+from aqtr.freezers.base import Freezer, Mode, Served, register
 
 
 @register('calibration')
@@ -22,7 +22,8 @@ class CalibrationFreezer(Freezer):
 
     m_T = (1/T) sum_{t<=T} bound_t(x_t),   count = T,
 
-  i.e. the mean of absmax for AbsMax (ALGORITHMS.md, "mean of absmax").
+  i.e. the mean of absmax for AbsMax (the static ranges of Jacob et al.,
+  2017, arXiv:1712.05877, averaged instead of exponentially smoothed).
   CONVERT freezes `bound = m_T`; SERVE quantizes with it and does not look
   at the data's range again: with `b` constant along the contraction axes,
 
@@ -100,3 +101,45 @@ class CalibrationFreezer(Freezer):
   def frozen(self, stats: dict) -> dict:
     """The values CONVERT stores: `{'bound': mean}`."""
     return {'bound': stats['mean']}
+
+  # The life cycle (see aqtr.freezers.base.Freezer).
+
+  def start_stats(self, call) -> dict:
+    return self.init_stats(self.stats_shape(call.free_shape))
+
+  def collect(self, stats: dict, call) -> dict:
+    value = self.statistic(call.canonical(), call.tensor.calibration)
+    return self.update_stats(stats, value)
+
+  def freeze(self, call, stats: dict | None) -> dict:
+    if stats is None or _never_updated(stats['count']):
+      raise call.error(
+        f'CONVERT freezes the static range of the {call.side} operand from '
+        f'its CALIBRATE statistics, but none were collected. {call.how_stats}'
+      )
+    return self.frozen(stats)
+
+  def serve(self, call, frozen: dict) -> Served:
+    """`b * dot(x / b, ..)` with the operand's range fixed to 1."""
+    b = jnp.asarray(frozen['bound'], jnp.float32)
+    shape = self.stats_shape(call.free_shape)
+    if b.shape != shape:
+      raise call.error(
+        f'the frozen {call.side} bound has shape {b.shape}, this call needs '
+        f"{shape} (the operand's free axes with per_channel)."
+      )
+    b = jnp.where(b > 0, b, jnp.ones_like(b))
+    return Served(
+      call.x / call.over_free(b), tensor=call.with_range(1.0), out_scale=b
+    )
+
+
+def _never_updated(count) -> bool:
+  """True when `count` is known (not traced) to be 0."""
+  try:
+    return int(count) == 0
+  except (
+    jax.errors.ConcretizationTypeError,
+    jax.errors.TracerIntegerConversionError,
+  ):
+    return False

@@ -1,19 +1,22 @@
 """One quantized dot in a Mode: the framework-free core of the adapters.
 
-The Flax adapters (`aqtr.flax.linen`, `aqtr.flax.nnx`) store variables;
-this module says what to compute and what to store, per mode, for the two
-forward operands of one `dot_general` and their freezers:
+The adapters (`aqtr.flax.linen`, `aqtr.flax.nnx`, the `aqtr.pax` ops)
+store variables; this module routes one `dot_general` call, per mode, to
+the freezers of its two forward operands (each gets one `OperandCall`;
+the dot's layout is computed once per call):
 
   TRAIN      out = dot_general(lhs, rhs, config)        (on the fly)
-  CALIBRATE  same output; each 'calibration' operand updates its running
-             statistics (mean bound, count)
-  CONVERT    writes the frozen entry: 'weights' operands {qvalue, scale}
-             (`quantize_operand`), 'calibration' operands {bound}; returns
-             the SERVE output computed from it
-  SERVE      reads the frozen entry: QTensor operands for 'weights', and for
-             'calibration' operands with bound b (constant along the
-             contraction): out = b_out * dot(x / b, ..) with that operand's
-             calibration set to Constant(1.0), exact by linearity.
+  CALIBRATE  same output; each collecting operand updates its statistics
+             (`Freezer.start_stats`, `Freezer.collect`)
+  CONVERT    the frozen entry {side: Freezer.freeze(..)}; returns the SERVE
+             output computed from it
+  SERVE      each freezer's `Freezer.serve(..)` gives the operand (a float
+             array or a QTensor), optionally its TensorConfig and an output
+             scale s: out = s * dot_general(operand, .., config').
+
+E.g. 'weights' stores {qvalue, scale} (`quantize_operand`) and serves the
+QTensor; 'calibration' stores {bound} b and serves b * dot(x / b, ..) with
+the operand's calibration set to Constant(1.0), exact by linearity.
 
 The frozen entry is stored under `entry_name(config)` = 'frozen_<8 hex>', a
 digest of `config.fwd`: serving with a different forward config than the
@@ -34,15 +37,11 @@ from collections.abc import Mapping
 import jax
 import jax.numpy as jnp
 
-from aqtr.calibrations.constant import Constant
 from aqtr.core.config import DotGeneralConfig
-from aqtr.core.dimension_numbers import DotLayout, OperandLayout
+from aqtr.core.dimension_numbers import DotLayout
 from aqtr.core.dot_general import dot_general
-from aqtr.core.operand import quantize_operand
-from aqtr.core.qtensor import QTensor
 from aqtr.freezers.base import Mode, NoFreezer
-from aqtr.freezers.calibration import CalibrationFreezer
-from aqtr.freezers.weights import WeightsFreezer
+from aqtr.freezers.call import OperandCall
 
 SIDES = ('lhs', 'rhs')
 PREFIX = 'frozen_'
@@ -61,6 +60,12 @@ class Result:
   out: jax.Array
   frozen: dict | None = None
   stats: dict | None = None
+
+
+# A pytree, so `jax.jit(run, static_argnums=(0, 3, 4))` works.
+jax.tree_util.register_dataclass(
+  Result, data_fields=['out', 'frozen', 'stats'], meta_fields=[]
+)
 
 
 def validate(config: DotGeneralConfig) -> None:
@@ -160,110 +165,69 @@ def find_frozen(
   )
 
 
-def _free_shape(lay: OperandLayout) -> tuple[int, ...]:
-  return tuple(lay.shape[a] for a in lay.free)
-
-
-def _broadcast(b: jax.Array, lay: OperandLayout) -> jax.Array:
-  """A bound over free axes (or scalar) reshaped to broadcast with x."""
-  if b.ndim == 0:
-    return b.reshape((1,) * len(lay.shape))
-  free = set(lay.free)
-  return b.reshape(
-    tuple(d if a in free else 1 for a, d in enumerate(lay.shape))
-  )
-
-
-def _statistic(freezer, x, lay: OperandLayout, cfg) -> jax.Array:
-  return freezer.statistic(lay.to_canonical(x, 'fk'), cfg.calibration)
-
-
-def stats_shape(freezer, lay: OperandLayout) -> tuple[int, ...]:
-  return freezer.stats_shape(_free_shape(lay))
-
-
-def _static_config(config: DotGeneralConfig, sides) -> DotGeneralConfig:
-  fwd = config.fwd
-  for s in sides:
-    t = dataclasses.replace(getattr(fwd, s), calibration=Constant(bound=1.0))
-    fwd = dataclasses.replace(fwd, **{s: t})
-  return dataclasses.replace(config, fwd=fwd)
-
-
-def _freeze(side, f, x, config, dn, stats, key, where, how_stats):
-  if isinstance(f, WeightsFreezer):
-    q = quantize_operand(x, dn, config, operand=side, key=key)
-    return {'qvalue': q.qvalue, 'scale': q.scale}
-  if isinstance(f, CalibrationFreezer):
-    s = (stats or {}).get(side)
-    count = None if s is None else s['count']
-    empty = s is None or (
-      not isinstance(count, jax.core.Tracer) and int(count) == 0
-    )
-    if empty:
-      raise ValueError(
-        f'{where}: CONVERT freezes the static range of the {side} operand '
-        'from its CALIBRATE statistics, but none were collected. '
-        f'{how_stats}'
-      )
-    return f.frozen(s)
-  raise TypeError(
-    f'{where}: unknown freezer {f!r} on config.fwd.{side}; the adapters '
-    'know NoFreezer, WeightsFreezer and CalibrationFreezer.'
-  )
-
-
-def _serve(lhs, rhs, dn, config, frozen, key, precision, preferred, where):
+def _calls(lhs, rhs, dn, config, key, where, how_stats) -> dict:
+  """{side: OperandCall} of the frozen operands (the layout made once)."""
   lay = DotLayout.create(jnp.shape(lhs), jnp.shape(rhs), dn)
   ops = {'lhs': lhs, 'rhs': rhs}
-  bounds = {}
-  for side, f in freezers(config).items():
-    part = frozen.get(side) if isinstance(frozen, Mapping) else None
-    side_lay = getattr(lay, side)
+  return {
+    side: OperandCall(side, ops[side], lay, dn, config, key, where, how_stats)
+    for side in freezers(config)
+  }
+
+
+def _served_dot(calls, entry, lhs, rhs, dn, config, key, kw) -> jax.Array:
+  """SERVE: each freezer turns its stored parts into the dot's operand."""
+  ops = {'lhs': lhs, 'rhs': rhs}
+  fwd = config.fwd
+  scales = {}
+  for side, call in calls.items():
+    f = call.tensor.freezer
+    part = entry.get(side) if isinstance(entry, Mapping) else None
     want = f.frozen_parts
     if part is None or any(p not in part for p in want):
-      raise ValueError(
-        f'{where}: the frozen entry lacks the {side} operand parts {want}; '
-        'convert again with this config.'
+      raise call.error(
+        f'the frozen entry lacks the {side} operand parts {want}; convert '
+        'again with this config.'
       )
-    if isinstance(f, WeightsFreezer):
-      form = 'fk' if side == 'lhs' else side_lay.natural_form()
-      ops[side] = QTensor(part['qvalue'], part['scale'], side_lay, form)
-    else:
-      b = jnp.asarray(part['bound'], jnp.float32)
-      shape = stats_shape(f, side_lay)
-      if b.shape != shape:
-        raise ValueError(
-          f'{where}: the frozen {side} bound has shape {b.shape}, this call '
-          f"needs {shape} (the operand's free axes with per_channel)."
-        )
-      b = jnp.where(b > 0, b, jnp.ones_like(b))
-      bounds[side] = b
-      ops[side] = ops[side] / _broadcast(b, side_lay)
-  cfg = _static_config(config, bounds)
-  pet = preferred
-  if bounds and pet is None:
-    pet = jnp.float32
-  out = dot_general(
-    ops['lhs'],
-    ops['rhs'],
-    dn,
-    cfg,
-    key=key,
-    precision=precision,
-    preferred_element_type=pet,
-  )
+    served = f.serve(call, part)
+    ops[side] = served.operand
+    if served.tensor is not None:
+      fwd = dataclasses.replace(fwd, **{side: served.tensor})
+    if served.out_scale is not None:
+      scales[side] = jnp.asarray(served.out_scale, jnp.float32)
+  if scales and kw['preferred_element_type'] is None:
+    kw = dict(kw, preferred_element_type=jnp.float32)
+  cfg = dataclasses.replace(config, fwd=fwd)
+  out = dot_general(ops['lhs'], ops['rhs'], dn, cfg, key=key, **kw)
+  return out * _out_scale(scales, calls, out.ndim) if scales else out
+
+
+def _out_scale(scales, calls, rank: int) -> jax.Array:
+  """The product of the operands' output scales, shaped like the output."""
+  lay = next(iter(calls.values())).dot
   nb = len(lay.lhs.batch)
   nl, nr = len(lay.lhs.free), len(lay.rhs.free)
-  for side, b in bounds.items():
-    if b.ndim == 0:
-      b = b.reshape((1,) * out.ndim)
+  total = jnp.ones((1,) * rank, jnp.float32)
+  for side, s in scales.items():
+    if s.ndim == 0:
+      s = s.reshape((1,) * rank)
     elif side == 'lhs':
-      b = b.reshape((1,) * nb + _free_shape(lay.lhs) + (1,) * nr)
+      s = s.reshape((1,) * nb + calls[side].free_shape + (1,) * nr)
     else:
-      b = b.reshape((1,) * (nb + nl) + _free_shape(lay.rhs))
-    out = out * b
-  return out
+      s = s.reshape((1,) * (nb + nl) + calls[side].free_shape)
+    total = total * s
+  return total
+
+
+def _checked_parts(call, parts) -> dict:
+  f = call.tensor.freezer
+  if not isinstance(parts, Mapping) or set(parts) != set(f.frozen_parts):
+    got = sorted(parts) if isinstance(parts, Mapping) else parts
+    raise TypeError(
+      f'{call.where}: {type(f).__name__}.freeze must return a dict with '
+      f'exactly the keys frozen_parts={f.frozen_parts}, got {got!r}.'
+    )
+  return dict(parts)
 
 
 def run(
@@ -284,12 +248,16 @@ def run(
 ) -> Result:
   """Runs one dot_general in `mode` (see the module docstring).
 
+  Each frozen operand's freezer decides what happens to it
+  (`Freezer.start_stats` / `collect` / `freeze` / `serve`); this function
+  only routes: the adapters store what it returns.
+
   Args:
     mode: an aqtr.freezers.Mode.
     lhs, rhs, dn: the float operands and dimension numbers.
     config: the DotGeneralConfig (validated with `validate`).
     frozen: SERVE: the entry found by `find_frozen`.
-    stats: CALIBRATE / CONVERT: {side: statistics} of 'calibration' sides.
+    stats: CALIBRATE / CONVERT: {side: statistics} of collecting sides.
     key: PRNG key (see `key_use`).
     precision, preferred_element_type: as in `lax.dot_general`.
     initializing: the adapter is creating variables (Flax init): SERVE and
@@ -319,45 +287,49 @@ def run(
     else jnp.result_type(lhs, rhs)
   )
   kw = dict(precision=precision, preferred_element_type=preferred_element_type)
-  fz = freezers(config)
   if (
     mode is Mode.TRAIN
-    or not fz
+    or not freezers(config)
     or (initializing and mode is not Mode.CALIBRATE)
   ):
     return Result(dot_general(lhs, rhs, dn, config, key=key, **kw))
-  lay = DotLayout.create(jnp.shape(lhs), jnp.shape(rhs), dn)
-  ops = {'lhs': lhs, 'rhs': rhs}
+  calls = _calls(lhs, rhs, dn, config, key, where, how_stats)
+  stats = stats or {}
   if mode is Mode.CALIBRATE:
     out = dot_general(lhs, rhs, dn, config, key=key, **kw)
     new = {}
-    for side, f in fz.items():
+    for side, call in calls.items():
+      f = call.tensor.freezer
       if not f.collects:
         continue
-      side_lay = getattr(lay, side)
-      old = (stats or {}).get(side)
+      old = stats.get(side)
       if old is None:
-        old = f.init_stats(stats_shape(f, side_lay))
-      if not initializing:
-        cfg = getattr(config.fwd, side)
-        old = f.update_stats(old, _statistic(f, ops[side], side_lay, cfg))
-      new[side] = old
+        old = f.start_stats(call)
+      new[side] = old if initializing else f.collect(old, call)
     return Result(out, stats=new)
   if mode is Mode.CONVERT:
     entry = {
-      side: _freeze(
-        side, f, ops[side], config, dn, stats, key, where, how_stats
+      side: _checked_parts(
+        call, call.tensor.freezer.freeze(call, stats.get(side))
       )
-      for side, f in fz.items()
+      for side, call in calls.items()
     }
-    out = _serve(
-      lhs, rhs, dn, config, entry, key, precision, preferred_element_type, where
-    )
+    out = _served_dot(calls, entry, lhs, rhs, dn, config, key, kw)
     return Result(out.astype(out_dtype), frozen=entry)
-  out = _serve(
-    lhs, rhs, dn, config, frozen, key, precision, preferred_element_type, where
-  )
+  out = _served_dot(calls, frozen, lhs, rhs, dn, config, key, kw)
   return Result(out.astype(out_dtype))
+
+
+def removable(config: DotGeneralConfig, side: str = 'rhs') -> bool:
+  """Whether SERVE never reads the float `side` operand (it can be dropped).
+
+  Example:
+    >>> import aqtr
+    >>> removable(aqtr.freezers.configure(aqtr.presets.int8(), rhs='weights'))
+    True
+  """
+  f = freezers(config).get(side)
+  return f is not None and not f.reads_float
 
 
 def nbytes(tree) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from aqtr.freezers.base import Freezer, Mode, register
+from aqtr.freezers.base import Freezer, Mode, Served, register
 
 
 @register('weights')
@@ -26,8 +26,17 @@ class WeightsFreezer(Freezer):
   """
 
   frozen_parts = ('qvalue', 'scale')
+  reads_float = False
 
   def stores(self, mode: Mode) -> tuple[str, ...]:
     if not isinstance(mode, Mode):
       raise TypeError(f'mode must be an aqtr.freezers.Mode, got {mode!r}.')
     return self.frozen_parts if mode is Mode.CONVERT else ()
+
+  def freeze(self, call, stats) -> dict:
+    del stats
+    q = call.quantize()
+    return {'qvalue': q.qvalue, 'scale': q.scale}
+
+  def serve(self, call, frozen: dict) -> Served:
+    return Served(call.qtensor(frozen['qvalue'], frozen['scale']))

@@ -164,7 +164,7 @@ def _built(config: Any, where: str) -> Any:
     return config
   try:
     return aqtr_fiddle.build(config)
-  except Exception as e:  # noqa: BLE001 (re-raised with the op path)
+  except Exception as e:  # re-raised with the op path
     raise ValueError(f'{where}: the op config does not build: {e}') from e
 
 

@@ -41,6 +41,9 @@ from jax import lax
 
 import aqtr
 from aqtr.core.config import DotGeneralConfig, TensorConfig
+from aqtr.flax import common
+from aqtr.flax.linen import LinenHost
+from aqtr.freezers import Mode
 
 __all__ = [
   'ConvOp',
@@ -94,22 +97,47 @@ class Op(nn.Module):
   Attributes:
     config: a DotGeneralConfig, or None for the float op.
     rng_stream: linen rng stream of the stochastic-rounding key.
+    mode: an aqtr.Mode. TRAIN quantizes on the fly; the other modes run
+      the op's freezers (`aqtr.freezers.configure`) exactly as the
+      `aqtr.flax.linen` ops do: CALIBRATE updates 'aqtr_stats', CONVERT
+      writes 'aqtr' (use `aqtr.flax.linen.convert`), SERVE reads it.
   """
 
   config: DotGeneralConfig | None = None
   rng_stream: str = 'quant'
+  mode: Mode = Mode.TRAIN
+
+  def _host(self) -> LinenHost:
+    s = self.rng_stream
+    return LinenHost(
+      self,
+      self.config,
+      self.mode,
+      s,
+      where='/'.join(self.path) or type(self).__name__,
+      missing_key=(
+        f'a PRNG key from the rng stream {s!r}; apply the model with '
+        f"rngs={{'{s}': jax.random.key(step)}}."
+      ),
+    )
 
   def _key(self) -> jax.Array | None:
+    """TRAIN's key: required whenever the config rounds stochastically."""
     if not needs_key(self.config):
       return None
-    if not self.has_rng(self.rng_stream):
-      where = '/'.join(self.path) or type(self).__name__
+    host = self._host()
+    key = host.draw_key()
+    if key is None:
       raise ValueError(
-        f'{where}: its config uses stochastic rounding and needs a PRNG '
-        f'key from the rng stream {self.rng_stream!r}; apply the model with '
-        f"rngs={{'{self.rng_stream}': jax.random.key(step)}}."
+        f'{host.where}: its config uses stochastic rounding and needs '
+        f'{host.missing_key()}'
       )
-    return self.make_rng(self.rng_stream)
+    return key
+
+  def _frozen_modes(self) -> bool:
+    """Whether this call goes through the freezers (any mode but TRAIN)."""
+    common.check_mode(self.mode)
+    return self.mode is not Mode.TRAIN and not _is_float(self.config)
 
 
 class EinsumOp(Op):
@@ -121,7 +149,10 @@ class EinsumOp(Op):
     3.0
   """
 
+  @nn.compact
   def __call__(self, eqn: str, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
+    if self._frozen_modes():
+      return common.einsum_op(self._host(), eqn, lhs, rhs)
     return aqtr.einsum(eqn, lhs, rhs, config=self.config, key=self._key())
 
 
@@ -135,6 +166,7 @@ class DotGeneralOp(Op):
     (2, 4)
   """
 
+  @nn.compact
   def __call__(
     self,
     lhs: jax.Array,
@@ -143,6 +175,15 @@ class DotGeneralOp(Op):
     precision: Any = None,
     preferred_element_type: Any = None,
   ) -> jax.Array:
+    if self._frozen_modes():
+      return common.dot_general_op(
+        self._host(),
+        lhs,
+        rhs,
+        dimension_numbers,
+        precision,
+        preferred_element_type,
+      )
     return aqtr.dot_general(
       lhs,
       rhs,
@@ -185,21 +226,10 @@ def conv(op: ConvOp | None, lhs: jax.Array, rhs: jax.Array, *args, **kwargs):
   return op(lhs, rhs, *args, **kwargs)
 
 
-def _quantized_conv():
-  fn = getattr(aqtr, 'conv_general_dilated', None)
-  if fn is None:
-    try:
-      from aqtr.core.conv import conv_general_dilated as fn
-    except ImportError:
-      raise NotImplementedError(
-        'aqtr has no quantized conv_general_dilated yet; leave ConvOp.config '
-        'None (float) for now.'
-      ) from None
-  return fn
-
-
 class ConvOp(Op):
   """`lax.conv_general_dilated` drop-in, quantized when `config` is set.
+
+  Takes lax's arguments after `lhs, rhs` (`aqtr.core.conv.ConvArgs`).
 
   Example:
     >>> import jax.numpy as jnp
@@ -209,36 +239,13 @@ class ConvOp(Op):
     (1, 4, 4, 5)
   """
 
-  def __call__(
-    self,
-    lhs: jax.Array,
-    rhs: jax.Array,
-    window_strides: Any,
-    padding: Any,
-    lhs_dilation: Any = None,
-    rhs_dilation: Any = None,
-    dimension_numbers: Any = None,
-    feature_group_count: int = 1,
-    batch_group_count: int = 1,
-    precision: Any = None,
-    preferred_element_type: Any = None,
-  ) -> jax.Array:
-    args = (
-      lhs,
-      rhs,
-      window_strides,
-      padding,
-      lhs_dilation,
-      rhs_dilation,
-      dimension_numbers,
-      feature_group_count,
-      batch_group_count,
-      precision,
-      preferred_element_type,
+  @nn.compact
+  def __call__(self, lhs: jax.Array, rhs: jax.Array, *args, **kwargs):
+    if self._frozen_modes():
+      return common.conv_op(self._host(), lhs, rhs, *args, **kwargs)
+    return aqtr.conv_general_dilated(
+      lhs, rhs, *args, config=self.config, key=self._key(), **kwargs
     )
-    if _is_float(self.config):
-      return lax.conv_general_dilated(*args)
-    return _quantized_conv()(*args, config=self.config, key=self._key())
 
 
 def _op_class(hint: Any) -> type[Op] | None:
@@ -274,7 +281,7 @@ def op_fields(cls: type) -> dict[str, type[Op]]:
   """
   try:
     hints = typing.get_type_hints(cls, include_extras=True)
-  except Exception:  # noqa: BLE001 (unresolvable hints: no op fields)
+  except Exception:  # unresolvable hints: no op fields
     return {}
   out = {}
   for name, hint in hints.items():

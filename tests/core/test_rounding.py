@@ -124,7 +124,7 @@ def test_as_typed_key_accepts_typed_and_raw_keys():
   [jnp.zeros(3), jnp.zeros((2,), jnp.int32), jnp.zeros((4,), jnp.uint32)],
 )
 def test_as_typed_key_rejects_other_arrays(bad):
-  with pytest.raises(TypeError, match='key must be a typed key'):
+  with pytest.raises(TypeError, match='key must be None, a typed PRNG key'):
     rounding.as_typed_key(bad)
 
 

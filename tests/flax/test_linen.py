@@ -203,8 +203,10 @@ def test_stochastic_rounding_needs_the_rng_stream_only_when_used():
     rngs = {} if key is None else {'quant': key}
     return jnp.sum(layer.apply({'params': p}, x, rngs=rngs) ** 2)
 
-  with pytest.raises(ValueError, match="PRNG stream 'quant'"):
+  with pytest.raises(ValueError, match="PRNG stream 'quant'") as err:
     jax.grad(loss)(v['params'], None)
+  # The fix it names is valid Python (issue 9: it had a stray '}').
+  assert str(err.value).endswith("pass rngs={'quant': key} to apply.")
   grad = jax.jit(jax.grad(loss))
   g1 = grad(v['params'], jax.random.key(1))
   g2 = grad(v['params'], jax.random.key(2))

@@ -1,25 +1,19 @@
-"""Contract test of the `numerics` registry (DESIGN.md section 4).
+"""Contract test of the `numerics` registry.
 
-Every registered numerics is tested the moment it registers: it builds from
-`fdl.Config` with its defaults; it is hashable, equal to a rebuilt one and a
-static `jax.jit` argument; inside a TensorConfig, `aqtr.dot_general` runs
-under jit with finite gradients, its forward agrees with the fake-quant
-reference (bit for bit for integer numerics with power-of-two scales) and,
-with float backward passes reusing the forward quantization, its VJP agrees
-with autodiff of the fake-quant reference; stored values have the numerics'
-dtype and lie within its range; bad field values raise an error naming the
-field (BAD_FIELDS below holds the examples, one entry per registered name).
+Every registered name is tested the moment it registers with the checks of
+`aqtr.testing.numerics` (see its docstring for the contract); BAD_FIELDS below
+holds the bad-field examples, one entry per name.
 """
 
-import jax
-import jax.numpy as jnp
-import numpy as np
 import pytest
 
-import aqtr
-from aqtr import calibrations, numerics
+from aqtr import numerics
+from aqtr.testing import ContractError, check_registry
+from aqtr.testing import numerics as contract
 
-from . import contract_checks as cc
+CHECKS = contract.CHECKS
+check_bad_fields = contract.check_bad_fields
+check_contract = contract.check_numerics
 
 # Per registered name: keyword arguments that must raise TypeError or
 # ValueError with a message naming each of their fields. A newly registered
@@ -48,87 +42,6 @@ BAD_FIELDS = {
 }
 
 
-def _tensor(n, po2=False):
-  return aqtr.TensorConfig(
-    numerics=n, calibration=calibrations.AbsMax(po2_scale=po2)
-  )
-
-
-def check_builds(cls, bad_fields):
-  """Builds from fdl.Config with defaults; hashable; equal when rebuilt."""
-  del bad_fields
-  cc.check_builds(cls, numerics.Numerics)
-
-
-def check_static_arg(cls, bad_fields):
-  """A static jit argument (through fake_quant)."""
-  del bad_fields
-  x = jnp.linspace(-3.0, 3.0, 24).reshape(4, 6)
-  cc.check_static_arg(cls, lambda n, x: aqtr.fake_quant(x, _tensor(n)), x)
-
-
-def check_engine(cls, bad_fields):
-  """jit-able in aqtr.dot_general; agrees with the fake-quant reference."""
-  del bad_fields
-  n = cls()
-  exact = n.kind == 'int' or not n.quantizes
-  cc.check_in_engine(
-    _tensor(n), _tensor(n, po2=True), exact=exact, dots=cc.DOTS[:1]
-  )
-
-
-def check_values(cls, bad_fields):
-  """Stored values have the numerics' dtype and lie in its range."""
-  del bad_fields
-  n = cls()
-  x = jnp.asarray(np.random.default_rng(0).normal(0, 3, (16, 64)), jnp.float32)
-  qt = jax.jit(lambda x: aqtr.quantize(x, _tensor(n)))(x)
-  if not n.quantizes:
-    np.testing.assert_array_equal(qt.dequant(), x)
-    return
-  assert n.kind in ('int', 'float')
-  assert jnp.issubdtype(n.dtype, jnp.integer) == (n.kind == 'int')
-  assert qt.qvalue.dtype == n.dtype
-  # Values far outside the range (and +-inf) are clipped into it.
-  m = n.max_value
-  v = jnp.concatenate(
-    [jnp.linspace(-4 * m, 4 * m, 4097), jnp.array([-jnp.inf, jnp.inf])]
-  )
-  outs = [jax.jit(n.quantize)(v)]
-  if n.supports_stochastic_rounding:
-    u = np.random.default_rng(0).uniform(-0.5, 0.5, v.shape)
-    outs.append(jax.jit(n.quantize)(v, jnp.asarray(u, jnp.float32)))
-  for q in [*outs, qt.qvalue]:
-    assert q.dtype == n.dtype
-    mag = jnp.abs(q.astype(jnp.float32)) * n.unit
-    assert float(mag.max()) <= m
-  # The dequantized tensor stays within the calibrated bound (absmax).
-  bound = jnp.max(jnp.abs(x), axis=1, keepdims=True)
-  assert (jnp.abs(qt.dequant()) <= bound * (1 + 1e-6)).all()
-
-
-def check_bad_fields(cls, bad_fields):
-  """Each bad-field example raises an error naming its fields."""
-  cc.check_bad_fields(
-    cls, bad_fields, family='numerics', table=__name__, base=numerics.Numerics
-  )
-
-
-CHECKS = (
-  check_builds,
-  check_static_arg,
-  check_engine,
-  check_values,
-  check_bad_fields,
-)
-
-
-def check_contract(cls, bad_fields):
-  """Runs every contract check on the numerics class `cls`."""
-  for check in CHECKS:
-    check(cls, bad_fields)
-
-
 @pytest.mark.parametrize('check', CHECKS, ids=lambda c: c.__name__[6:])
 @pytest.mark.parametrize('name', numerics.names())
 def test_contract(name, check):
@@ -136,13 +49,13 @@ def test_contract(name, check):
 
 
 def test_missing_bad_field_entry_fails_with_a_hint():
-  with pytest.raises(pytest.fail.Exception, match='add an entry'):
+  with pytest.raises(ContractError, match='add an entry'):
     check_bad_fields(numerics.IntSymmetric, None)
-  with pytest.raises(pytest.fail.Exception, match='add some'):
+  with pytest.raises(ContractError, match='add some'):
     check_bad_fields(numerics.IntSymmetric, [])
   check_bad_fields(numerics.NoNumerics, [])
 
 
 def test_registry():
   assert {'none', 'int_symmetric', 'fp8'} <= set(numerics.names())
-  cc.check_registry(numerics, numerics.Numerics, unknown='int9')
+  check_registry(numerics, numerics.Numerics, unknown='int9')

@@ -17,8 +17,17 @@ X = jax.random.normal(jax.random.key(0), (4, 8, 8, 1))
 def test_mlp_flattens_and_classifies():
   mlp = fdl.build(templates.mlp_classifier(10, (16,)))
   params = init(mlp, X)
-  assert apply(mlp, params, X).shape == (4, 10)
   assert params['params']['layers_0']['kernel'].shape == (64, 16)
+  # flatten -> Linear -> relu -> Linear, computed by hand.
+  p0, p1 = params['params']['layers_0'], params['params']['layers_1']
+  h = jax.nn.relu(X.reshape(4, 64) @ p0['kernel'] + p0['bias'][None])
+  want = h @ p1['kernel'] + p1['bias'][None]
+  got = apply(mlp, params, X)
+  assert got.shape == (4, 10)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  # The hidden activation is applied (a linear model would differ).
+  linear = (X.reshape(4, 64) @ p0['kernel'] + p0['bias'][None]) @ p1['kernel']
+  assert not np.allclose(got, linear + p1['bias'][None], atol=1e-3)
 
 
 def test_cnn_float_and_int8_share_params():

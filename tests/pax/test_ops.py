@@ -101,7 +101,12 @@ def test_custom_stream_name():
 
 
 def test_float_op_needs_no_rng():
-  ops.EinsumOp(config=aqtr.presets.int8()).apply({}, 'md,df->mf', X[0], W)
+  cfg = aqtr.presets.int8()  # Rounds to nearest: no stream is needed.
+  got = ops.EinsumOp(config=cfg).apply({}, 'md,df->mf', X[0], W, rngs={})
+  np.testing.assert_array_equal(
+    got, aqtr.einsum('md,df->mf', X[0], W, config=cfg)
+  )
+  assert not np.array_equal(got, X[0] @ W)  # quantized, not float
 
 
 def test_op_fields_from_annotations():

@@ -1,10 +1,12 @@
-"""Checks shared by the four registry contract tests (DESIGN.md section 4).
+"""Checks shared by the registry contracts: build, static argument, errors.
 
-Used by tests/{numerics,calibrations,tilings,freezers}/test_contract.py as
-`from numerics import contract_checks`: the test folders are packages and
-tests/ is on sys.path (pytest's default prepend import mode).
+No pytest: a failed check raises `ContractError` (an AssertionError, so a
+test runner reports it as a failure) with a message saying what to fix.
 """
 
+from __future__ import annotations
+
+import contextlib
 import dataclasses
 import functools
 
@@ -12,13 +14,32 @@ import fiddle as fdl
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from jax import lax
 
-import aqtr
 from aqtr import numerics
+from aqtr.core.config import DotGeneralConfig, DotGeneralRaw, TensorConfig
+from aqtr.core.dot_general import dot_general
+from aqtr.core.quantizer import fake_quant
+from aqtr.core.registry import UnknownNameError
 
-_FLOAT = aqtr.TensorConfig(numerics=numerics.NoNumerics())
+
+class ContractError(AssertionError):
+  """A registered class breaks its family's contract."""
+
+
+@contextlib.contextmanager
+def raises(*types):
+  """Like `pytest.raises(types)`; yields a list that receives the error."""
+  got = []
+  try:
+    yield got
+  except types as e:
+    got.append(e)
+  else:
+    raise ContractError(f'expected one of {types} to be raised')
+
+
+_FLOAT = TensorConfig(numerics=numerics.NoNumerics())
 # (lhs shape, rhs shape, dimension numbers). Sizes suit default tilings (the
 # first dot's M, N, K, contracted by its backward passes, too).
 DOTS = (
@@ -37,7 +58,7 @@ def check_builds(cls, base):
   assert built == rebuilt == cls()
   assert hash(built) == hash(rebuilt)
   assert {built: 'v'}[rebuilt] == 'v'
-  with pytest.raises(dataclasses.FrozenInstanceError):
+  with raises(dataclasses.FrozenInstanceError):
     built.an_attribute = 1
   return built
 
@@ -63,58 +84,57 @@ def check_static_arg(cls, use, x):
   np.testing.assert_array_equal(a, b)
 
 
-def check_bad_fields(cls, bad_fields, *, family, table, base):
+def check_bad_fields(cls, bad_fields, *, family, base):
   """Each bad-field example raises TypeError/ValueError naming its fields.
 
   Args:
     cls: the class under test.
-    bad_fields: list of kwargs dicts, or None when the table has no entry.
+    bad_fields: list of kwargs dicts, or None when there are no examples.
     family: the registry name, for messages.
-    table: where the table lives, for messages.
     base: the family base class; fields it declares need no examples.
   """
   if bad_fields is None:
-    pytest.fail(
+    raise ContractError(
       f'{family} {cls.__qualname__} has no bad-field examples: add an entry '
-      f'for its registered name to BAD_FIELDS in {table} ([] only if it has '
+      'for its registered name to your BAD_FIELDS table ([] only if it has '
       'no fields of its own).'
     )
   fields = {f.name for f in dataclasses.fields(cls) if f.init}
   inherited = {f.name for f in dataclasses.fields(base)}
   if fields - inherited and not bad_fields:
-    pytest.fail(
+    raise ContractError(
       f'{family} {cls.__qualname__} has fields '
       f'{sorted(fields - inherited)} but no bad-field examples: add some to '
-      f'BAD_FIELDS in {table}.'
+      'your BAD_FIELDS table.'
     )
   for kwargs in bad_fields:
     unknown = set(kwargs) - fields
     assert not unknown, f'BAD_FIELDS example {kwargs}: no field {unknown}'
     for build in (cls, lambda **kw: fdl.build(fdl.Config(cls, **kw))):
-      with pytest.raises((TypeError, ValueError)) as err:
+      with raises(TypeError, ValueError) as err:
         build(**kwargs)
       for field in kwargs:
-        assert field in str(err.value), (kwargs, str(err.value))
+        assert field in str(err[0]), (kwargs, str(err[0]))
 
 
 def _fake_quant_dot(x, w, dn, t):
   """The reference: fake quant on both operands, then lax.dot_general."""
   (lc, rc), (lb, rb) = dn
-  fx = aqtr.fake_quant(x, t, contracting_axes=lc, batch_axes=lb)
-  fw = aqtr.fake_quant(w, t, contracting_axes=rc, batch_axes=rb)
+  fx = fake_quant(x, t, contracting_axes=lc, batch_axes=lb)
+  fw = fake_quant(w, t, contracting_axes=rc, batch_axes=rb)
   return lax.dot_general(fx, fw, dn)
 
 
 def _engine(x, w, dn, fwd, bwd):
-  raw = aqtr.DotGeneralRaw
+  raw = DotGeneralRaw
   # Numerics not meant for gradients (nf4) quantize only the residuals.
   g = bwd if bwd.numerics.for_gradients else _FLOAT
-  cfg = aqtr.DotGeneralConfig(
+  cfg = DotGeneralConfig(
     fwd=raw(lhs=fwd, rhs=fwd),
     dlhs=raw(lhs=g, rhs=bwd, use_fwd_quant=True),
     drhs=raw(lhs=g, rhs=bwd, use_fwd_quant=True),
   )
-  return aqtr.dot_general(x, w, dn, cfg)
+  return dot_general(x, w, dn, cfg)
 
 
 def _value_and_grads(f, x, w, g):
@@ -143,7 +163,7 @@ def _run_dot(x, w, g, dn, t, t_po2, quantized_bwd):
 
 
 def check_in_engine(t, t_po2, *, exact, dots=DOTS):
-  """`t` on both forward operands of aqtr.dot_general vs the reference.
+  """`t` on both forward operands of dot_general vs the reference.
 
   The reference is fake quant on both operands, then lax.dot_general. With
   float backward passes that reuse the forward quantization, the engine's
@@ -187,10 +207,16 @@ def check_registry(module, base, unknown):
     assert issubclass(cls, base)
     assert cls.registered_name == name
     assert name in module.registry
-  with pytest.raises(aqtr.UnknownNameError) as err:
+  with raises(UnknownNameError) as err:
     module.get(unknown)
-  assert isinstance(err.value, KeyError)
-  assert repr(unknown) in str(err.value)
-  assert module.registry.family in str(err.value)
+  assert isinstance(err[0], KeyError)
+  assert repr(unknown) in str(err[0])
+  assert module.registry.family in str(err[0])
   for name in names:
-    assert name in str(err.value)
+    assert name in str(err[0])
+
+
+def run_all(checks, cls, bad_fields) -> None:
+  """Runs every check of a family on `cls` (stops at the first failure)."""
+  for check in checks:
+    check(cls, bad_fields)

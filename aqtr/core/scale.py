@@ -1,0 +1,110 @@
+"""Scales from calibration bounds, over the whole float32 range.
+
+Math. With `step = numerics.max_value / numerics.unit` (127 for int8, 448
+for e4m3) a group's stored scale is
+
+  S = max(bound / step, 2^-126)   if 0 < bound < inf
+  S = unit                        if bound == 0 (s = 1: an all-zero group)
+  S = NaN                         if bound is NaN or inf
+
+optionally rounded up to a power of two, `S <- 2^ceil(log2 S)`, and the
+value handed to the numerics is `v = (x / S) * unit`. The scale never
+underflows: a float32 scale below the smallest normal 2^-126 would be
+flushed to 0 on XLA:CPU, so bounds below `step * 2^-126` (1.5e-36 for int8)
+use the smallest normal scale and simply fill fewer grid points. Any bound
+at or above that keeps the same relative error as a bound of 1.
+
+Non-finite values. A NaN scale marks a row (the elements one output of the
+dot sums over, its `fiber`: the view axes `tile` and `k`) that holds a NaN
+or inf, so the dot's output `(q_L . q_R) * S_L * S_R` is NaN exactly in the
+rows and columns `lax.dot_general` makes non-finite, whatever the numerics
+(int8 cannot store NaN; the scale carries it). Scales therefore always keep
+the batch and free axes: a tiling that shares them (per-tensor) computes one
+bound from the finite values, and only the rows holding a non-finite value
+get a NaN scale.
+
+Example:
+  >>> import jax.numpy as jnp
+  >>> from aqtr.numerics import IntSymmetric
+  >>> s = scale_from_bound(jnp.array([0.0, 1.0, 1e-37, jnp.nan]),
+  ...                      IntSymmetric(bits=8))
+  >>> (s * 127).tolist()[:2], bool(s[2] == TINY), bool(jnp.isnan(s[3]))
+  ([127.0, 1.0], True, True)
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from aqtr.core.algorithms import Numerics
+
+# The smallest normal float32: scales never go below it.
+TINY = float(jnp.finfo(jnp.float32).tiny)
+# The view axes of one row (fiber): its elements meet one output of the dot.
+FIBER_ROLES = frozenset({'tile', 'k'})
+
+
+def po2_ceil(s: jax.Array) -> jax.Array:
+  """`2^ceil(log2 s)` for normal s > 0, exactly (no exp2 / log2 rounding).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> po2_ceil(jnp.array([0.3, 4.0, 5.0, TINY])) / jnp.array([1, 1, 1, TINY])
+    Array([0.5, 4. , 8. , 1. ], dtype=float32)
+  """
+  m, e = jnp.frexp(s)  # s = m * 2^e, m in [0.5, 1).
+  e = jnp.minimum(jnp.where(m == 0.5, e - 1, e), 127)
+  return jnp.ldexp(jnp.ones_like(s), e)
+
+
+def scale_from_bound(
+  bound: jax.Array, numerics: Numerics, po2: bool = False
+) -> jax.Array:
+  """The stored scale S per group (see the module docstring).
+
+  Args:
+    bound: the calibration bound per group, float32, >= 0 or non-finite.
+    numerics: the numerics the group is rounded to.
+    po2: round S up to a power of two.
+
+  Returns:
+    float32 S shaped like `bound`: normal and > 0, or NaN.
+  """
+  step = numerics.max_value / numerics.unit
+  s = bound / step
+  # `where`, not maximum: XLA:CPU's fast min/max may drop a NaN.
+  s = jnp.where(s < TINY, TINY, s)
+  if po2:
+    s = po2_ceil(s)
+  s = jnp.where(bound == 0, jnp.float32(numerics.unit), s)
+  return jnp.where(jnp.isfinite(bound), s, jnp.float32(jnp.nan))
+
+
+def row_flags(finite: jax.Array, fiber_axes) -> jax.Array:
+  """0 per row, NaN where the row holds a non-finite value (add to S)."""
+  bad = jnp.where(finite, jnp.float32(0), jnp.float32(jnp.nan))
+  return jnp.sum(bad, axis=tuple(fiber_axes), keepdims=True)
+
+
+def divide(x: jax.Array, s: jax.Array, unit: float) -> jax.Array:
+  """`v = x / s` in grid units (`(x / S) * unit`); S is never subnormal."""
+  v = x / s
+  return v if unit == 1.0 else v * unit
+
+
+def scale_shape(view_shape, shared, role_axes: dict) -> tuple[int, ...]:
+  """The shape of a QTensor's scale for a tiled view.
+
+  Size 1 along the shared fiber axes (`tile`, `k`), the view's size along
+  every other axis (batch and free axes are kept even when a tiling shares
+  them, so a row holding NaN/inf can be marked).
+
+  Example:
+    >>> from aqtr.core.qtensor import ROLE_AXES
+    >>> scale_shape((2, 1, 5, 8), {'batch', 'tile', 'free', 'k'},
+    ...             ROLE_AXES['fk'])
+    (2, 1, 5, 1)
+  """
+  ones = {role_axes[r] for r in set(shared) & FIBER_ROLES}
+  return tuple(1 if i in ones else d for i, d in enumerate(view_shape))
