@@ -27,6 +27,7 @@ from aqtr.core.einsum import einsum
 from aqtr.core.operand import quantize_operand
 from aqtr.core.qtensor import QTensor
 from aqtr.core.quantizer import fake_quant, quantize
+from aqtr.core.ragged_dot import ragged_dot
 from aqtr.core.registry import Registry, UnknownNameError
 from aqtr.core.rounding import NearestEven, Rounding, Stochastic
 from aqtr.freezers import Mode
@@ -56,6 +57,7 @@ __all__ = [
   'presets',
   'quantize',
   'quantize_operand',
+  'ragged_dot',
   'selectors',
   'state',
   'tags',

@@ -137,7 +137,7 @@ def use_rounding(cfg: Any, path: str, name: str, /, **fields: Any) -> None:
     >>> cfg = aqtr.fiddle.config('int8')
     >>> use_rounding(cfg, r'd.hs\\.lhs', 'stochastic')
     >>> aqtr.fiddle.build(cfg).drhs.lhs.rounding
-    Stochastic(noise_sharing_axes=(), noise_bits=8)
+    Stochastic(noise_sharing_axes=())
   """
   use(cfg, path, 'rounding', name, **fields)
 

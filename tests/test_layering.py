@@ -38,6 +38,7 @@ LAYERS = {
   '': 4,  # The facade, aqtr/__init__.py.
   'flax': 5,
   'pax': 5,
+  'qt': 5,
   'train': 6,
   'data': 6,
   'demo': 6,

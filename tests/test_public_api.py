@@ -31,6 +31,7 @@ PUBLIC = {
   'presets',
   'quantize',
   'quantize_operand',
+  'ragged_dot',
   'selectors',
   'state',
   'tags',
@@ -97,7 +98,8 @@ def test_public_signatures():
 def test_import_does_not_pull_optional_dependencies():
   code = (
     'import sys, aqtr; '
-    "bad = [m for m in ('flax', 'gin', 'optax', 'orbax', 'notebook', "
+    "bad = [m for m in ('flax', 'gin', 'optax', 'orbax', 'aqtr.qt', "
+    "'notebook', "
     "'IPython') if m in sys.modules]; "
     'print(bad); sys.exit(1 if bad else 0)'
   )

@@ -53,6 +53,11 @@ class TensorConfig:
     rounding: NearestEven() or Stochastic(...) (needs a key at call time).
     freezer: an `aqtr.freezers.Freezer`: what a model stores of this
       operand for serving (only config.fwd operands are frozen).
+    quantized_gather: forward operands under explicit mesh axes: quantize
+      on the devices that hold the operand's shards, so the all-gather the
+      dot needs (FSDP weights) moves the quantized values and scales (int8:
+      a quarter of the f32 bytes) instead of the float operand. The values
+      are unchanged; without a sharded operand it does nothing.
   """
 
   numerics: Annotated[Numerics, markers.Numerics] = dataclasses.field(
@@ -70,8 +75,14 @@ class TensorConfig:
   freezer: object = dataclasses.field(
     default_factory=factory('freezers', 'none')
   )
+  quantized_gather: bool = False
 
   def __post_init__(self):
+    if not isinstance(self.quantized_gather, bool):
+      raise TypeError(
+        'TensorConfig.quantized_gather must be a bool, got '
+        f'{self.quantized_gather!r}.'
+      )
     _check_type('TensorConfig', 'numerics', self.numerics, Numerics)
     _check_type('TensorConfig', 'calibration', self.calibration, Calibration)
     _check_type('TensorConfig', 'tiling', self.tiling, Tiling)

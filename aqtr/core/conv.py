@@ -35,6 +35,7 @@ from jax import lax
 
 from aqtr.core.config import DotGeneralConfig
 from aqtr.core.dot_general import dot_general
+from aqtr.core.sharding import constrain
 
 
 @dataclasses.dataclass(frozen=True)
@@ -306,8 +307,8 @@ def conv_general_dilated(
     window_strides, padding, lhs_dilation, rhs_dilation, dimension_numbers,
       feature_group_count, precision, preferred_element_type: as in lax.
     batch_group_count: must be 1 when quantized.
-    out_sharding: passed to lax on the float path; otherwise applied as a
-      sharding constraint on the output.
+    out_sharding: passed to lax on the float path; otherwise the output is
+      resharded to it (explicit axes) or constrained (auto axes).
     config: a DotGeneralConfig (its lhs is the patches, its rhs the kernel).
     key: PRNG key for stochastic rounding.
 
@@ -382,9 +383,7 @@ def conv_via(
       args.preferred_element_type,
     )
   )
-  if args.out_sharding is not None:
-    out = jax.lax.with_sharding_constraint(out, args.out_sharding)
-  return out
+  return constrain(out, args.out_sharding)
 
 
 __all__ = ['ConvArgs', 'ConvPlan', 'conv_general_dilated', 'conv_via', 'plan']

@@ -46,7 +46,11 @@ from jax import lax
 
 from aqtr.core.config import DotGeneralConfig, DotGeneralRaw
 from aqtr.core.dimension_numbers import DotLayout
-from aqtr.core.engine_state import check_state_tree, learned_cotangent
+from aqtr.core.engine_state import (
+  check_state_tree,
+  forward_state,
+  state_cotangent,
+)
 from aqtr.core.first_order import first_order_only
 from aqtr.core.passes import (
   Operand,
@@ -67,96 +71,37 @@ from aqtr.core.passes import (
 )
 from aqtr.core.qtensor import QTensor
 from aqtr.core.quantizer import check_float
-from aqtr.core.rounding import as_typed_key
-
-# ----------------------------------------------------------------- residuals
-
-
-@dataclasses.dataclass(frozen=True)
-class Residuals:
-  """What the forward pass keeps for the backward passes.
-
-  A backward pass that reuses the forward quantization keeps q and s of
-  its residual operand instead of the float operand (int8: a quarter of
-  the bytes); a float operand is kept only where a pass needs it.
-
-  Attributes:
-    lhs, rhs: the float operands L, R, or None where not needed.
-    q_lhs: the forward quantization of L for drhs: [B, T, M, t], or
-      [B, T, t, M] ('kf', written transposed) for [K, N] weights.
-    q_rhs: the forward quantization of R for dlhs.
-    mask_lhs, mask_rhs: the forward numerics' straight-through gradient
-      masks in the operands' layouts, or None.
-    key_dlhs, key_drhs: PRNG keys of the backward passes, or None.
-    lhs_struct, rhs_struct: the operands' shapes and dtypes (static).
-    lhs_stored, rhs_stored: whether the operand is a stored QTensor, which
-      gets no gradient (static).
-    state: the calibration state tree given to the call ({}: stateless).
-    learned_lhs, learned_rhs: learned calibrations' d xhat / d param in
-      the forward view, or None.
-  """
-
-  lhs: jax.Array | None = None
-  rhs: jax.Array | None = None
-  q_lhs: QuantizedOperand | None = None
-  q_rhs: QuantizedOperand | None = None
-  mask_lhs: jax.Array | None = None
-  mask_rhs: jax.Array | None = None
-  key_dlhs: jax.Array | None = None
-  key_drhs: jax.Array | None = None
-  lhs_struct: jax.ShapeDtypeStruct | None = None
-  rhs_struct: jax.ShapeDtypeStruct | None = None
-  lhs_stored: bool = False
-  rhs_stored: bool = False
-  state: dict = dataclasses.field(default_factory=dict)
-  learned_lhs: dict | None = None
-  learned_rhs: dict | None = None
-
-
-jax.tree_util.register_dataclass(
+from aqtr.core.ragged import ragged_bwd, ragged_fwd
+from aqtr.core.residuals import (
   Residuals,
-  data_fields=[
-    'lhs',
-    'rhs',
-    'q_lhs',
-    'q_rhs',
-    'mask_lhs',
-    'mask_rhs',
-    'key_dlhs',
-    'key_drhs',
-    'state',
-    'learned_lhs',
-    'learned_rhs',
-  ],
-  meta_fields=['lhs_struct', 'rhs_struct', 'lhs_stored', 'rhs_stored'],
+  drhs_contracts_q_lhs_t,
+  make_residuals,
 )
-
+from aqtr.core.rounding import as_typed_key
+from aqtr.core.sharding import (
+  check_operands,
+  constrain,
+  gather_specs,
+  keep_on_shards,
+  match_vma,
+  run_on_mesh,
+  zeros_varying,
+)
 
 # ------------------------------------------------------------------- forward
 
 
-def _fwd(lhs, rhs, key, state, dn, cfg, precision, preferred):
-  """(out, new_state), and the residuals."""
+def _fwd(lhs, rhs, key, state, dn, cfg, precision, preferred, specs=None):
+  """(out, new_state), and the residuals (specs: `gather_specs`)."""
   out, q_lhs, q_rhs, res = _fwd_out(
-    lhs, rhs, key, state, dn, cfg, precision, preferred
+    lhs, rhs, key, state, dn, cfg, precision, preferred, specs
   )
-  new_state = dict(state)
-  for path, q in (('fwd.lhs', q_lhs), ('fwd.rhs', q_rhs)):
-    if path in state and q is not None and q.state is not None:
-      new_state[path] = q.state
-  res = dataclasses.replace(
-    res,
-    state=state,
-    learned_lhs=None if q_lhs is None else q_lhs.learned,
-    learned_rhs=None if q_rhs is None else q_rhs.learned,
-  )
-  return (out, new_state), res
+  return forward_state(out, state, q_lhs, q_rhs, res)
 
 
-def _fwd_out(
-  lhs, rhs, key, state, dn, cfg: DotGeneralConfig, precision, preferred
-):
+def _fwd_out(lhs, rhs, key, state, dn, cfg: DotGeneralConfig, *static):
   """out = L . R, quantized as `cfg.fwd` says; q_L, q_R; the residuals."""
+  precision, preferred, specs = static
   lay = DotLayout.create(struct_of(lhs).shape, struct_of(rhs).shape, dn)
   keys = PassKeys.split(key)
   stored = isinstance(lhs, QTensor) or isinstance(rhs, QTensor)
@@ -164,7 +109,7 @@ def _fwd_out(
     out = lax.dot_general(
       lhs, rhs, dn, precision=precision, preferred_element_type=preferred
     )
-    return out, None, None, _residuals(lhs, rhs, None, None, lay, cfg, keys)
+    return out, None, None, make_residuals(lhs, rhs, None, None, lay, cfg, keys)
   rhs_form = rhs.form if isinstance(rhs, QTensor) else lay.rhs.natural_form()
   tile = common_tile([cfg.fwd.lhs, cfg.fwd.rhs], lay.lhs.k)
   q_lhs = forward_operand(
@@ -187,72 +132,17 @@ def _fwd_out(
     'rhs',
     state.get('fwd.rhs'),
   )
+  q_lhs, q_rhs = keep_on_shards(q_lhs, q_rhs, lay, specs)
   q_lhs_t = None
-  if _drhs_contracts_q_lhs_t(lhs, rhs, q_lhs, lay, cfg):
+  if drhs_contracts_q_lhs_t(lhs, rhs, q_lhs, lay, cfg):
     q_lhs, q_lhs_t = q_lhs.with_transposed()
   out = contract(q_lhs, q_rhs, cfg.fwd, precision).reshape(lay.out_shape)
   floats = [x.dtype for x in (lhs, rhs) if not isinstance(x, QTensor)]
   out_dtype = preferred or (
     jnp.result_type(*floats) if floats else jnp.dtype(jnp.float32)
   )
-  res = _residuals(lhs, rhs, q_lhs, q_rhs, lay, cfg, keys, q_lhs_t)
+  res = make_residuals(lhs, rhs, q_lhs, q_rhs, lay, cfg, keys, q_lhs_t)
   return out.astype(out_dtype), q_lhs, q_rhs, res
-
-
-def _reuses_q_lhs(lhs, q_lhs, cfg: DotGeneralConfig) -> bool:
-  """Whether drhs reuses the forward quantization of L (not L itself)."""
-  quantized = q_lhs is not None and q_lhs.scale is not None
-  return quantized and (cfg.drhs.use_fwd_quant or isinstance(lhs, QTensor))
-
-
-def _drhs_contracts_q_lhs_t(lhs, rhs, q_lhs, lay, cfg) -> bool:
-  """Whether a quantized drhs on [K, N] weights contracts q_L^T [K, M]."""
-  return (
-    _reuses_q_lhs(lhs, q_lhs, cfg)
-    and not isinstance(rhs, QTensor)
-    and lay.rhs.natural_form() == 'kf'
-    and cfg.drhs.quantized
-  )
-
-
-def _residuals(
-  lhs,
-  rhs,
-  q_lhs: QuantizedOperand | None,
-  q_rhs: QuantizedOperand | None,
-  lay: DotLayout,
-  cfg: DotGeneralConfig,
-  keys: PassKeys,
-  q_lhs_t: QuantizedOperand | None = None,
-) -> Residuals:
-  """Keeps q_L for drhs and q_R for dlhs where they are reused, else L, R.
-
-  A stored QTensor has no float form: its gradient partner always reuses
-  it. For [K, N] weights a quantized drhs contracts q_L^T [K, M]
-  (`q_lhs_t`, written by the forward pass): it is kept instead of q_L.
-  """
-  lhs_stored, rhs_stored = isinstance(lhs, QTensor), isinstance(rhs, QTensor)
-  reuse_l = _reuses_q_lhs(lhs, q_lhs, cfg)
-  if q_lhs is not None and q_lhs.scale is None:  # Not quantized.
-    q_lhs = None
-  if q_rhs is not None and q_rhs.scale is None:
-    q_rhs = None
-  reuse_r = q_rhs is not None and (cfg.dlhs.use_fwd_quant or rhs_stored)
-  kept_l = q_lhs if q_lhs_t is None else q_lhs_t
-  return Residuals(
-    lhs=None if reuse_l else lhs,
-    rhs=None if reuse_r else rhs,
-    q_lhs=kept_l.without_mask() if reuse_l else None,
-    q_rhs=q_rhs.without_mask() if reuse_r else None,
-    mask_lhs=None if q_lhs is None else q_lhs.grad_mask(lay.lhs),
-    mask_rhs=None if q_rhs is None else q_rhs.grad_mask(lay.rhs),
-    key_dlhs=keys.dlhs,
-    key_drhs=keys.drhs,
-    lhs_struct=struct_of(lhs),
-    rhs_struct=struct_of(rhs),
-    lhs_stored=lhs_stored,
-    rhs_stored=rhs_stored,
-  )
 
 
 # ------------------------------------------------------------------ backward
@@ -267,36 +157,24 @@ class _Backward:
   preferred: object
 
 
-def _bwd(dn, cfg: DotGeneralConfig, precision, preferred, res: Residuals, gs):
+def _bwd(dn, cfg: DotGeneralConfig, precision, preferred, specs, res, gs):
+  del specs  # Forward only.
   g = gs[0]  # The new state's cotangent is ignored.
   lay = DotLayout.create(res.lhs_struct.shape, res.rhs_struct.shape, dn)
   ctx = _Backward(lay, precision, preferred)
   dl = dr = dl_raw = dr_raw = None  # No gradient reaches a stored QTensor.
-  st = dict(res.state)  # The state's cotangent: see aqtr.core.stateful.
+  st_l = st_r = None
   if not res.lhs_stored:
     dl_raw, st_l = _dlhs(ctx, cfg.dlhs, res, g)
-    dl = _masked(dl_raw, res.mask_lhs).astype(res.lhs_struct.dtype)
-    st = _with_site(st, 'dlhs.lhs', st_l)
+    dl = _masked(dl_raw, res.mask_lhs)
+    dl = match_vma(dl.astype(res.lhs_struct.dtype), res.lhs_vma)
   if not res.rhs_stored:
     dr_raw, st_r = _drhs(ctx, cfg.drhs, res, g)
-    dr = _masked(dr_raw, res.mask_rhs).astype(res.rhs_struct.dtype)
-    st = _with_site(st, 'drhs.lhs', st_r)
-  if 'fwd.lhs' in st:
-    st['fwd.lhs'] = learned_cotangent(
-      st['fwd.lhs'], res.learned_lhs, dl_raw, cfg, lay, 'lhs'
-    )
-  if 'fwd.rhs' in st:
-    st['fwd.rhs'] = learned_cotangent(
-      st['fwd.rhs'], res.learned_rhs, dr_raw, cfg, lay, 'rhs'
-    )
+    dr = _masked(dr_raw, res.mask_rhs)
+    dr = match_vma(dr.astype(res.rhs_struct.dtype), res.rhs_vma)
+  st = state_cotangent(res, st_l, st_r, dl_raw, dr_raw, cfg, lay)
   # Differentiating again raises.
   return (*first_order_only(dl, dr), None, st)
-
-
-def _with_site(st: dict, path: str, new) -> dict:
-  if path in st and new is not None:
-    st[path] = new
-  return st
 
 
 def _masked(grad: jax.Array, mask: jax.Array | None) -> jax.Array:
@@ -339,7 +217,7 @@ def _dlhs(ctx: _Backward, raw: DotGeneralRaw, res: Residuals, g):
   lay = ctx.lay
   if not raw.quantized:
     y_r = _float_residual(res.rhs, res.q_rhs, lay.rhs, res.rhs_struct)
-    zero_l = jnp.zeros(res.lhs_struct.shape, res.lhs_struct.dtype)
+    zero_l = zeros_varying(res.lhs_struct, res.lhs_vma)
     return _float_grad(ctx, zero_l, y_r, g, wrt=0), None
   g3, noise = _gradient(ctx, raw, res.key_dlhs, g)
   gst = res.state.get('dlhs.lhs')
@@ -384,7 +262,7 @@ def _drhs(ctx: _Backward, raw: DotGeneralRaw, res: Residuals, g):
   lay = ctx.lay
   if not raw.quantized:
     y_l = _float_residual(res.lhs, res.q_lhs, lay.lhs, res.lhs_struct)
-    zero_r = jnp.zeros(res.rhs_struct.shape, res.rhs_struct.dtype)
+    zero_r = zeros_varying(res.rhs_struct, res.rhs_vma)
     return _float_grad(ctx, y_l, zero_r, g, wrt=1), None
   g3, noise = _gradient(ctx, raw, res.key_drhs, g)
   key = residual_key(res.key_drhs)
@@ -455,18 +333,29 @@ def _drhs_kn_requantizing(ctx, raw, g, noise, lhs, key, gst):
 # ------------------------------------------------------------ the custom VJP
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
-def _qdot(lhs, rhs, key, state, dn, cfg, precision, preferred):
-  return _fwd(lhs, rhs, key, state, dn, cfg, precision, preferred)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
+def _qdot(lhs, rhs, key, state, dn, cfg, precision, preferred, specs):
+  return _fwd(lhs, rhs, key, state, dn, cfg, precision, preferred, specs)[0]
 
 
 _qdot.defvjp(_fwd, _bwd)
-_qdot_jit = jax.jit(_qdot, static_argnums=(4, 5, 6, 7))
+_qdot_jit = jax.jit(_qdot, static_argnums=(4, 5, 6, 7, 8))
 
 
 def raw_qdot(lhs, rhs, state, dn, config, key=None):
   """(out, new_state) without checks or jit (for `aqtr.state.init`)."""
-  return _qdot(lhs, rhs, key, state, dn, config, None, None)
+  return _qdot(lhs, rhs, key, state, dn, config, None, None, None)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _qragged(lhs, rhs, group_sizes, key, cfg, precision, preferred):
+  return ragged_fwd(lhs, rhs, group_sizes, key, cfg, precision, preferred)[0]
+
+
+_qragged.defvjp(ragged_fwd, ragged_bwd)
+# The custom VJP of `aqtr.ragged_dot` (passes in `ragged.py`): (lhs, rhs,
+# group_sizes, key, config, precision, preferred_element_type).
+quantized_ragged_dot = jax.jit(_qragged, static_argnums=(4, 5, 6))
 
 
 def dot_general(
@@ -478,9 +367,13 @@ def dot_general(
   key: jax.Array | None = None,
   precision=None,
   preferred_element_type=None,
+  out_sharding=None,
   state: dict | None = None,
 ):
   """Drop-in for `jax.lax.dot_general` quantized as `config` says.
+
+  On a mesh (auto/explicit axes, `jax.shard_map`) it computes what it
+  computes on one device, with lax's output sharding (`core.sharding`).
 
   Args:
     lhs, rhs: float operands; either may instead be a QTensor made by
@@ -492,6 +385,8 @@ def dot_general(
     key: PRNG key (typed or raw uint32[2]); required by stochastic rounding.
     precision, preferred_element_type: as in `lax.dot_general`; precision
       applies to the float dots.
+    out_sharding: as in `lax.dot_general` (a NamedSharding or
+      PartitionSpec of the output); under auto axes a sharding constraint.
     state: the calibration state tree (`aqtr.state.init`) when the config
       has stateful or learned calibrations; see `aqtr.core.stateful`.
 
@@ -530,6 +425,7 @@ def dot_general(
       dimension_numbers,
       precision=precision,
       preferred_element_type=preferred_element_type,
+      out_sharding=out_sharding,
     )
     return out if state is None else (out, state)
   if not stored[0]:
@@ -552,14 +448,15 @@ def dot_general(
     if preferred_element_type is None
     else jnp.dtype(preferred_element_type)
   )
-  out, new_state = _qdot_jit(
-    lhs,
-    rhs,
-    key,
-    state or {},
-    lay.dimension_numbers,
-    config,
-    precision,
-    preferred,
-  )
-  return out if state is None else (out, new_state)
+  dn, fwd = lay.dimension_numbers, config.fwd
+  check_operands(lhs, rhs, dn, common_tile([fwd.lhs, fwd.rhs], lay.lhs.k))
+  static = (dn, config, precision, preferred, gather_specs(lhs, rhs, fwd))
+  if state is not None:  # Auto axes only: out_sharding is a constraint.
+    out, new_state = _qdot_jit(lhs, rhs, key, state, *static)
+    return constrain(out, out_sharding), new_state
+
+  def run(lhs, rhs, key):
+    return _qdot_jit(lhs, rhs, key, {}, *static)[0]
+
+  structs = [struct_of(x) if isinstance(x, QTensor) else x for x in (lhs, rhs)]
+  return run_on_mesh(run, (lhs, rhs, key), structs, dn, preferred, out_sharding)

@@ -18,6 +18,7 @@ from aqtr.core.config import DotGeneralConfig
 from aqtr.core.dot_general import dot_general
 from aqtr.core.qtensor import QTensor
 from aqtr.core.rounding import as_typed_key
+from aqtr.core.sharding import permute_sharding
 
 
 def _expand(spec: str, rank: int, ell: str, field: str) -> str:
@@ -137,8 +138,12 @@ def einsum(
   key: jax.Array | None = None,
   precision=None,
   preferred_element_type=None,
+  out_sharding=None,
 ) -> jax.Array:
   """Quantized two-operand `jnp.einsum`; `config=None` is jnp.einsum exactly.
+
+  `out_sharding` (a NamedSharding or PartitionSpec of the output, as in
+  jnp.einsum) is handed to the dot in its output order.
 
   Example:
     >>> import jax.numpy as jnp, aqtr
@@ -157,6 +162,7 @@ def einsum(
       rhs,
       precision=precision,
       preferred_element_type=preferred_element_type,
+      out_sharding=out_sharding,
     )
   lhs, rhs = (
     x if isinstance(x, QTensor) else jnp.asarray(x) for x in (lhs, rhs)
@@ -178,6 +184,11 @@ def einsum(
     rs = ''.join(c for i, c in enumerate(rs) if i not in ronly)
   dn = _dn(ls, rs, os)
   batch = [c for c in ls if c in rs and c in os]
+  got = (
+    ''.join(batch)
+    + ''.join(c for c in ls if c not in rs)
+    + ''.join(c for c in rs if c not in ls)
+  )
   out = dot_general(
     lhs,
     rhs,
@@ -186,11 +197,7 @@ def einsum(
     key=key,
     precision=precision,
     preferred_element_type=preferred_element_type,
-  )
-  got = (
-    ''.join(batch)
-    + ''.join(c for c in ls if c not in rs)
-    + ''.join(c for c in rs if c not in ls)
+    out_sharding=permute_sharding(out_sharding, [os.index(c) for c in got]),
   )
   if got != os:
     out = out.transpose(tuple(got.index(c) for c in os))

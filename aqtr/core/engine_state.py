@@ -7,6 +7,7 @@ Internal API of `dot_general.py`: `check_state_tree` (before the call) and
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -111,3 +112,43 @@ def learned_cotangent(site, learned, d_raw, cfg, lay: DotLayout, side: str):
     for name, h in learned.items()
   }
   return {'stats': zeros['stats'], 'learned': grads}
+
+
+def forward_state(out, state: dict, q_lhs, q_rhs, res):
+  """((out, new_state), res): forward sites' new state into the residuals.
+
+  `res` (a `core.residuals.Residuals`) keeps the state and the learned
+  calibrations' derivatives for the backward pass.
+  """
+  new_state = dict(state)
+  for path, q in (('fwd.lhs', q_lhs), ('fwd.rhs', q_rhs)):
+    if path in state and q is not None and q.state is not None:
+      new_state[path] = q.state
+  res = dataclasses.replace(
+    res,
+    state=state,
+    learned_lhs=None if q_lhs is None else q_lhs.learned,
+    learned_rhs=None if q_rhs is None else q_rhs.learned,
+  )
+  return (out, new_state), res
+
+
+def state_cotangent(res, st_l, st_r, dl_raw, dr_raw, cfg, lay) -> dict:
+  """The state input's cotangent (see `aqtr.core.stateful`).
+
+  It carries the backward sites' new state (st_l, st_r) and the learned
+  parameters' gradients.
+  """
+  st = dict(res.state)
+  for path, new in (('dlhs.lhs', st_l), ('drhs.lhs', st_r)):
+    if path in st and new is not None:
+      st[path] = new
+  if 'fwd.lhs' in st:
+    st['fwd.lhs'] = learned_cotangent(
+      st['fwd.lhs'], res.learned_lhs, dl_raw, cfg, lay, 'lhs'
+    )
+  if 'fwd.rhs' in st:
+    st['fwd.rhs'] = learned_cotangent(
+      st['fwd.rhs'], res.learned_rhs, dr_raw, cfg, lay, 'rhs'
+    )
+  return st

@@ -39,7 +39,15 @@ from aqtr.pax.feedforward import FeedForward
 from aqtr.pax.inject import Rule, inject
 from aqtr.pax.linear import Linear
 from aqtr.pax.mixed_precision import mixed_precision_rules
-from aqtr.pax.ops import ConvOp, DotGeneralOp, EinsumOp, Op, needs_key
+from aqtr.pax.moe import MoeFeedForward
+from aqtr.pax.ops import (
+  ConvOp,
+  DotGeneralOp,
+  EinsumOp,
+  Op,
+  RaggedDotOp,
+  needs_key,
+)
 from aqtr.pax.report import InjectionReport, describe
 from aqtr.pax.transformer import Block, TransformerLm, next_token_loss
 
@@ -56,7 +64,9 @@ __all__ = [
   'InjectionReport',
   'Linear',
   'Mlp',
+  'MoeFeedForward',
   'Op',
+  'RaggedDotOp',
   'Rule',
   'SharedEmbeddingSoftmax',
   'Softmax',

@@ -50,10 +50,12 @@ __all__ = [
   'DotGeneralOp',
   'EinsumOp',
   'Op',
+  'RaggedDotOp',
   'conv',
   'einsum',
   'needs_key',
   'op_fields',
+  'ragged_dot',
 ]
 
 
@@ -193,6 +195,41 @@ class DotGeneralOp(Op):
       precision=precision,
       preferred_element_type=preferred_element_type,
     )
+
+
+class RaggedDotOp(Op):
+  """`lax.ragged_dot` drop-in (experts); `aqtr.ragged_dot(..., config)`.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> x, w = jnp.ones((3, 4)), jnp.ones((2, 4, 5))
+    >>> RaggedDotOp().apply({}, x, w, jnp.array([1, 2])).shape
+    (3, 5)
+  """
+
+  def __call__(
+    self, lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array
+  ) -> jax.Array:
+    return aqtr.ragged_dot(lhs, rhs, group_sizes, self.config, key=self._key())
+
+
+def ragged_dot(
+  op: RaggedDotOp | None,
+  lhs: jax.Array,
+  rhs: jax.Array,
+  group_sizes: jax.Array,
+) -> jax.Array:
+  """Runs `op(lhs, rhs, group_sizes)`, or `lax.ragged_dot` when None.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> x, w = jnp.ones((3, 2)), jnp.ones((2, 2, 1))
+    >>> ragged_dot(None, x, w, jnp.array([1, 2])).ravel().tolist()
+    [2.0, 2.0, 2.0]
+  """
+  if op is None:
+    return lax.ragged_dot(lhs, rhs, group_sizes)
+  return op(lhs, rhs, group_sizes)
 
 
 def einsum(op: EinsumOp | None, eqn: str, lhs: jax.Array, rhs: jax.Array):

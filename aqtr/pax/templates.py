@@ -35,7 +35,8 @@ from aqtr.pax.classifier import Cnn, Conv, Mlp
 from aqtr.pax.embedding import Embedding, SharedEmbeddingSoftmax, Softmax
 from aqtr.pax.feedforward import FeedForward
 from aqtr.pax.linear import Linear
-from aqtr.pax.ops import ConvOp, EinsumOp
+from aqtr.pax.moe import MoeFeedForward
+from aqtr.pax.ops import ConvOp, EinsumOp, RaggedDotOp
 from aqtr.pax.transformer import Block, TransformerLm
 
 __all__ = [
@@ -45,6 +46,7 @@ __all__ = [
   'feed_forward',
   'linear',
   'mlp_classifier',
+  'moe_feed_forward',
   'norm',
   'repeat',
   'transformer_lm',
@@ -120,6 +122,37 @@ def feed_forward(
     wi=linear(hidden_dim),
     wo=linear(d_model),
     wi_gate=linear(hidden_dim) if gated else None,
+    activation=activation,
+  )
+
+
+def moe_feed_forward(
+  d_model: int,
+  hidden_dim: int,
+  *,
+  num_experts: int,
+  top_k: int = 2,
+  gated: bool = False,
+  activation: Callable[[jax.Array], jax.Array] = jax.nn.gelu,
+) -> fdl.Config[MoeFeedForward]:
+  """A `MoeFeedForward` with `num_experts` experts and every op node.
+
+  Use it as a block's `ffn` (`block(...).ffn = moe_feed_forward(...)`).
+
+  Example:
+    >>> moe_feed_forward(8, 32, num_experts=4).router.features
+    4
+  """
+  return fdl.Config(
+    MoeFeedForward,
+    num_experts=num_experts,
+    hidden_dim=hidden_dim,
+    router=linear(num_experts, use_bias=False),
+    wi=fdl.Config(RaggedDotOp),
+    wo=fdl.Config(RaggedDotOp),
+    wi_gate=fdl.Config(RaggedDotOp) if gated else None,
+    top_k=top_k,
+    gated=gated,
     activation=activation,
   )
 

@@ -31,13 +31,14 @@ interrupted (Ctrl-C: a line says where the partial results are).
 
 from __future__ import annotations
 
+import signal
 import sys
 import time
 from collections.abc import Sequence
 
 from absl import app, flags
 
-from aqtr.train import cli, experiment, job, report
+from aqtr.train import cli, experiment, job, loop, report
 
 _FLAGS: dict[str, flags.FlagHolder] = {}
 
@@ -157,6 +158,7 @@ def _main(argv: Sequence[str]) -> None:
     report.prepare_out_dir(out, f['overwrite'].value)
   except report.OutDirError as e:
     _fail(f'--out_dir: {e}')
+  previous = signal.signal(signal.SIGINT, loop.request_stop)
   try:
     rows = job.run(cfg, out, show_progress=f['progress'].value)
   except KeyboardInterrupt:
@@ -165,6 +167,8 @@ def _main(argv: Sequence[str]) -> None:
       f'a {report.INCOMPLETE} file)',
       130,
     )
+  finally:
+    signal.signal(signal.SIGINT, previous)
   diverged = [r['run'] for r in rows if r['status'] != 'ok']
   if diverged:
     _fail(f'run(s) diverged: {", ".join(diverged)}; see {out}', 1)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import math
 import numbers
 from collections.abc import Callable
@@ -52,7 +53,8 @@ from aqtr.fiddlers import (  # noqa: F401
   use_rounding,
   use_tiling,
 )
-from aqtr.train import models
+from aqtr.train import mesh as mesh_lib
+from aqtr.train import models, qt_runs
 
 __all__ = [
   'CONFIGS',
@@ -76,6 +78,9 @@ TASKS = ('lm', 'digits')
 # Every preset; add an entry here to offer another run by name.
 RUNS: dict[str, Callable[[], aqtr.DotGeneralConfig]] = {
   name: getattr(aqtr.presets, name) for name in aqtr.presets.__all__
+} | {
+  name: functools.partial(qt_runs.config, spec)
+  for name, spec in qt_runs.SPECS.items()
 }
 
 # Numeric fields: (type, allowed range as text, range test).
@@ -131,8 +136,9 @@ class Experiment:
       'digits' (MLP classifier, reports accuracy).
     model: the float model template (a Fiddle config, see
       `aqtr.train.models`); None: the task's default model.
-    runs: names of `RUNS` (the presets of `aqtr.presets`) to run, in order
-      ('float' first gives the speed baseline).
+    runs: names of `RUNS` to run, in order ('float' first gives the speed
+      baseline): the presets of `aqtr.presets` and the quantized-training
+      runs of `qt_runs` ('qt_int8', 'qt_int8_w8a8', 'float_adam8bit').
     custom: a user-chosen DotGeneralConfig (Fiddle tree), run last under
       the name 'custom'; None: no custom run.
     steps: optimizer steps per run.
@@ -148,6 +154,11 @@ class Experiment:
     seed: parameters, data order and stochastic rounding keys.
     max_corpus_bytes: train text read from the stdlib (lm); None: all.
     val_percent: share of stdlib files held out (lm).
+    mesh: () one device; (n,) data parallel over n devices; (d, m) data x
+      model parallel (see `aqtr.train.mesh`); the product must be the
+      device count (checked when the run starts).
+    distributed: call `jax.distributed.initialize()` first (multi-host;
+      the coordinator comes from JAX's environment variables).
   """
 
   task: str = 'lm'
@@ -167,6 +178,8 @@ class Experiment:
   seed: int = 0
   max_corpus_bytes: int | None = 2_000_000
   val_percent: int = 10
+  mesh: tuple[int, ...] = ()
+  distributed: bool = False
 
   def __post_init__(self):
     if self.task not in TASKS:
@@ -204,6 +217,17 @@ class Experiment:
       raise ValueError('nothing to run: runs is empty and custom is None.')
     for name in _RANGES:
       check_field(name, getattr(self, name))
+    if isinstance(self.mesh, list):
+      object.__setattr__(self, 'mesh', tuple(self.mesh))
+    if not isinstance(self.mesh, tuple):
+      raise ValueError(f'mesh must be a tuple of ints, got {self.mesh!r}.')
+    error = mesh_lib.shape_error(self.mesh)  # Devices: checked at run time.
+    if error:
+      raise ValueError(error)
+    if not isinstance(self.distributed, bool):
+      raise ValueError(
+        f'distributed must be True or False, got {self.distributed!r}.'
+      )
 
   @property
   def run_names(self) -> tuple[str, ...]:

@@ -28,7 +28,16 @@ import fiddle as fdl
 
 from aqtr import fiddle as aqtr_fiddle
 from aqtr.flax import common
-from aqtr.train import experiment, loop, models, report, serving, tasks
+from aqtr.train import (
+  experiment,
+  loop,
+  models,
+  qt_runs,
+  report,
+  serving,
+  tasks,
+)
+from aqtr.train import mesh as mesh_lib
 
 __all__ = ['columns', 'resolved', 'run']
 
@@ -46,6 +55,7 @@ def columns(metric: str) -> list[str]:
     'serving KB',
     'x params',
     'serve==train',
+    'param+optimizer MB',
   ]
 
 
@@ -55,6 +65,7 @@ FORMATS = {
   'compile s': '.1f',
   'serving KB': '.1f',
   'x params': '.3f',
+  'param+optimizer MB': '.3f',
 }
 
 
@@ -120,6 +131,7 @@ def _row(
     'x params': kb * 1024 / float_bytes,
     'serve==train': serve['serve_equal'] if serve else '-',
     'status': 'ok',
+    'param+optimizer MB': r.param_opt_bytes / 2**20,
   }
 
 
@@ -182,6 +194,8 @@ def run(
   say = print if echo else (lambda *a, **k: None)
   t_start = time.perf_counter()
   exp, template, custom = experiment.split(cfg)
+  if exp.distributed:
+    mesh_lib.initialize_distributed()
   out = report.prepare_out_dir(out_dir, overwrite)
   job_marker = report.mark_incomplete(out, 'this job')
   say(f'output: {out.absolute()}', flush=True)
@@ -213,6 +227,7 @@ def run(
           params=params,
           on_record=on_record,
           show_progress=show_progress,
+          spec=qt_runs.SPECS.get(name),
         )
         (run_dir / 'injection.txt').write_text(str(r.report) + '\n')
         serve = None

@@ -26,6 +26,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -37,7 +38,9 @@ import optax
 
 import aqtr
 import aqtr.pax
-from aqtr.train import models, progress
+from aqtr import qt
+from aqtr.train import mesh as mesh_lib
+from aqtr.train import models, progress, qt_runs
 from aqtr.train.experiment import Experiment
 from aqtr.train.tasks import Task, cross_entropy, evaluate_logits
 
@@ -50,7 +53,11 @@ Record = dict[str, Any]
 
 @dataclasses.dataclass
 class RunResult:
-  """What a run leaves: trained float params, metrics, timings."""
+  """What a run leaves: trained float params, metrics, timings.
+
+  `param_opt_bytes`: bytes of the params and optimizer state as stored
+  between steps (int8 for quantized-training runs).
+  """
 
   name: str
   config: aqtr.DotGeneralConfig
@@ -66,10 +73,37 @@ class RunResult:
   train_s: float
   logits_fn: Callable[[Any, np.ndarray], jax.Array]  # eval batches' shape
   diverged: str | None = None  # Why and where training stopped, if so.
+  param_opt_bytes: int = 0
 
 
-def optimizer(exp: Experiment) -> optax.GradientTransformation:
-  """Clipped AdamW with linear warmup and cosine decay to 10%."""
+# Ctrl-C: the first SIGINT asks the job to stop at the next step boundary
+# (raised from the loop, never from inside a garbage-collector callback,
+# where Python would swallow it); a second one interrupts at once.
+_stop_requested = threading.Event()
+
+
+def request_stop(signum=None, frame=None) -> None:
+  """SIGINT handler: stop at the next step; raise on the second call."""
+  del signum, frame
+  if _stop_requested.is_set():
+    raise KeyboardInterrupt
+  _stop_requested.set()
+
+
+def check_stop() -> None:
+  """Raises KeyboardInterrupt when a stop was requested."""
+  if _stop_requested.is_set():
+    _stop_requested.clear()
+    raise KeyboardInterrupt
+
+
+def optimizer(
+  exp: Experiment, adam_bits: int | None = None
+) -> optax.GradientTransformation:
+  """Clipped AdamW with linear warmup and cosine decay to 10%.
+
+  `adam_bits=8`: `aqtr.qt.adamw_8bit` (8-bit moments) instead of AdamW.
+  """
   warmup = min(exp.warmup_steps, exp.steps // 2)
   schedule = optax.warmup_cosine_decay_schedule(
     0.0,
@@ -78,9 +112,10 @@ def optimizer(exp: Experiment) -> optax.GradientTransformation:
     max(exp.steps, warmup + 1),
     end_value=0.1 * exp.learning_rate,
   )
+  adamw = qt.adamw_8bit if adam_bits == 8 else optax.adamw
   return optax.chain(
     optax.clip_by_global_norm(exp.grad_clip),
-    optax.adamw(schedule, weight_decay=exp.weight_decay),
+    adamw(schedule, weight_decay=exp.weight_decay),
   )
 
 
@@ -108,6 +143,7 @@ def train(
   params: Any = None,
   on_record: Callable[[Record], None] | None = None,
   show_progress: bool = True,
+  spec: qt_runs.RunSpec | None = None,
 ) -> RunResult:
   """Trains the model of `template` quantized by `config`.
 
@@ -120,6 +156,7 @@ def train(
     params: initial params (copied; default: `init_params`).
     on_record: called with each metrics record as it is made.
     show_progress: draw the progress bar.
+    spec: a quantized-training / low-bit-optimizer run (`qt_runs`).
 
   Returns:
     A RunResult with the trained (float) params and the metrics.
@@ -132,8 +169,34 @@ def train(
   if params is None:
     params = init_params(template, task, exp.seed)
   params = jax.tree.map(jnp.copy, params)  # The step donates its buffers.
-  tx = optimizer(exp)
+  spec = spec or qt_runs.RunSpec()
+  tx = optimizer(exp, spec.adam_bits)
+  if spec.weights is not None:  # Weights kept only quantized.
+    params, _ = qt.quantize_params(params, [qt.Rule(fmt=spec.weights)])
+    tx = qt.quantized_training(tx, seed=exp.seed)
+  mesh = mesh_lib.make(exp.mesh) if exp.mesh else None
+  if mesh is not None:
+    params = jax.device_put(params, mesh_lib.param_shardings(mesh, params))
+
+  def place(x):
+    """A batch split over the mesh's 'data' axis (one device: as is)."""
+    return (
+      x if mesh is None else jax.device_put(x, mesh_lib.batch_sharding(mesh))
+    )
+
+  x0, y0 = place(x0), place(y0)
   opt_state = tx.init(params)
+  state_shardings = None  # One device: wherever jit puts them.
+  if mesh is not None:  # The state keeps its shardings from step to step.
+    opt_state = jax.device_put(
+      opt_state, mesh_lib.state_shardings(mesh, opt_state)
+    )
+    state_shardings = (
+      mesh_lib.state_shardings(mesh, params),
+      mesh_lib.state_shardings(mesh, opt_state),
+      None,
+      None,
+    )
 
   def step_fn(params, opt_state, x, y, step):
     def loss_fn(p):
@@ -142,15 +205,16 @@ def train(
       )
       return cross_entropy(logits, y)
 
-    loss, grads = jax.value_and_grad(loss_fn)(params)
+    loss, grads = jax.value_and_grad(loss_fn)(qt.dequantize(params))
     updates, opt_state = tx.update(grads, opt_state, params)
-    params = optax.apply_updates(params, updates)
+    params = qt.apply_updates(params, updates)
     leaves = [jnp.isfinite(p).all() for p in jax.tree.leaves(params)]
     finite = jnp.isfinite(loss) & jnp.stack(leaves).all()
     return params, opt_state, loss, finite
 
   def logits_fn(params, x):
-    return module.apply({'params': params}, x, rngs=_rngs(config, exp.seed, 0))
+    p = qt.dequantize(params)
+    return module.apply({'params': p}, x, rngs=_rngs(config, exp.seed, 0))
 
   history: list[Record] = []
   losses, window, flags, train_s = [], [], [], 0.0
@@ -159,7 +223,7 @@ def train(
     bar.status('compiling')
     t0 = time.perf_counter()
     step_c = (
-      jax.jit(step_fn, donate_argnums=(0, 1))
+      jax.jit(step_fn, donate_argnums=(0, 1), out_shardings=state_shardings)
       .lower(params, opt_state, x0, y0, jnp.int32(0))
       .compile()
     )
@@ -178,7 +242,8 @@ def train(
     final = evaluate(0)
     t = time.perf_counter()
     for i in range(1, exp.steps + 1):
-      x, y = next(batches)
+      check_stop()
+      x, y = map(place, next(batches))
       params, opt_state, loss, finite = step_c(
         params, opt_state, x, y, jnp.int32(i)
       )
@@ -221,12 +286,13 @@ def train(
       if ev:
         final = evaluate(i)
       t = time.perf_counter()
+  stored = qt.tree_bytes(params) + qt.tree_bytes(opt_state)
   return RunResult(
     name=name,
     config=config,
     injected=injected,
     report=report,
-    params=params,
+    params=qt.dequantize(params),
     step=done,
     train_loss=float('nan') if diverged else losses[-1],
     final=final,
@@ -234,6 +300,8 @@ def train(
     steps_per_s=done / max(train_s, 1e-9),
     compile_s=compile_s,
     train_s=train_s,
-    logits_fn=eval_c,
+    # QT runs: eval_c takes the quantized tree; this one the float params.
+    logits_fn=eval_c if spec.weights is None else jax.jit(logits_fn),
+    param_opt_bytes=stored,
     diverged=diverged,
   )

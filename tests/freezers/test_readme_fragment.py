@@ -1,8 +1,7 @@
 """The README's "Write your own freezer" section runs as written.
 
-Its python block is taken from README.md once the section is there, else
-from docs/fragments/freeze.md, and run with the freezer registry restored
-afterwards.
+Its python block is taken from README.md and run with the freezer registry
+restored afterwards.
 """
 
 import pathlib
@@ -17,12 +16,11 @@ HEADING = '## Write your own freezer'
 
 
 def _section() -> str:
-  for path in (ROOT / 'README.md', ROOT / 'docs' / 'fragments' / 'freeze.md'):
-    text = path.read_text() if path.exists() else ''
-    if HEADING in text:
-      section = text.split(HEADING, 1)[1]
-      return re.split(r'\n## ', section, maxsplit=1)[0]
-  pytest.fail(f'no {HEADING!r} section in README.md or docs/fragments.')
+  text = (ROOT / 'README.md').read_text()
+  if HEADING not in text:
+    pytest.fail(f'no {HEADING!r} section in README.md.')
+  section = text.split(HEADING, 1)[1]
+  return re.split(r'\n## ', section, maxsplit=1)[0]
 
 
 def test_write_your_own_freezer_runs(monkeypatch):

@@ -1,0 +1,139 @@
+"""Quantized `ragged_dot`: the grouped (mixture-of-experts) matmul.
+
+Math: rows of lhs [M, K] are split into G consecutive groups of
+`group_sizes[e]` rows; group e is multiplied by rhs[e] [K, N]:
+out[i] = lhs[i] . rhs[e(i)]. The forward and both gradients run as
+quantized dots through aqtr's custom VJP (see `ragged.py` for the passes
+and where the scales live).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from aqtr.core.config import DotGeneralConfig
+from aqtr.core.dot_general import quantized_ragged_dot
+from aqtr.core.quantizer import check_float
+from aqtr.core.rounding import as_typed_key
+
+
+def _check_shapes(lhs, rhs, group_sizes) -> None:
+  if jnp.ndim(lhs) != 2:
+    raise ValueError(
+      f'ragged_dot: lhs must be 2-D [M, K], got shape {jnp.shape(lhs)}.'
+    )
+  if jnp.ndim(rhs) != 3:
+    raise ValueError(
+      f'ragged_dot: rhs must be 3-D [G, K, N], got shape {jnp.shape(rhs)}.'
+    )
+  if jnp.ndim(group_sizes) != 1 or jnp.shape(group_sizes)[0] != rhs.shape[0]:
+    raise ValueError(
+      f'ragged_dot: group_sizes must be 1-D [G] with G = rhs.shape[0] = '
+      f'{rhs.shape[0]}, got shape {jnp.shape(group_sizes)}.'
+    )
+  if not jnp.issubdtype(jnp.result_type(group_sizes), jnp.integer):
+    raise TypeError(
+      f'ragged_dot: group_sizes must have an integer dtype, got '
+      f'{jnp.result_type(group_sizes)}.'
+    )
+  if lhs.shape[1] != rhs.shape[1]:
+    raise ValueError(
+      f'ragged_dot: lhs.shape[1] = {lhs.shape[1]} must equal rhs.shape[1] '
+      f'= {rhs.shape[1]} (the contraction K).'
+    )
+
+
+def _check_group_sizes(group_sizes, m: int) -> None:
+  """Checks concrete group sizes; traced ones are left unchecked."""
+  try:
+    sizes = np.asarray(group_sizes)
+  except jax.errors.ConcretizationTypeError:
+    return
+  except jax.errors.TracerArrayConversionError:
+    return
+  if (sizes < 0).any():
+    raise ValueError(
+      f'ragged_dot: group_sizes must be non-negative, got {sizes.tolist()}.'
+    )
+  if int(sizes.sum()) != m:
+    raise ValueError(
+      f'ragged_dot: group_sizes must sum to the rows of lhs ({m}), got '
+      f'{sizes.tolist()} (sum {int(sizes.sum())}).'
+    )
+
+
+def ragged_dot(
+  lhs: jax.Array,
+  rhs: jax.Array,
+  group_sizes: jax.Array,
+  config: DotGeneralConfig | None = None,
+  *,
+  key: jax.Array | None = None,
+  precision=None,
+  preferred_element_type=None,
+) -> jax.Array:
+  """Drop-in for `jax.lax.ragged_dot` quantized as `config` says.
+
+  out[i, :] = lhs[i, :] . rhs[e(i)], where rows are assigned to groups
+  (experts) in order: the first group_sizes[0] rows to rhs[0], and so on.
+  The forward pass (config.fwd) quantizes lhs per row and rhs per expert
+  and output channel; dlhs (config.dlhs) is the ragged dot g . rhs[e]^T
+  with g quantized per row; drhs (config.drhs) contracts each expert's
+  tokens, lhs_e^T . g_e, with g quantized per output channel (tilings
+  that split the token axis are rejected there).
+
+  Args:
+    lhs: [M, K] float tokens.
+    rhs: [G, K, N] float expert weights.
+    group_sizes: [G] integers. When concrete they must be non-negative and
+      sum to M (checked). Under `jit` they are not checked: as in
+      `lax.ragged_dot`, rows past sum(group_sizes) get zero output and
+      zero gradient.
+    config: a DotGeneralConfig; None (or an all-float config) is exactly
+      `lax.ragged_dot`, values and gradients.
+    key: PRNG key (typed or raw uint32[2]); required by stochastic rounding.
+    precision, preferred_element_type: as in `lax.ragged_dot`.
+
+  Returns:
+    [M, N] in `preferred_element_type` or the operands' result type.
+
+  Example:
+    >>> import jax.numpy as jnp, aqtr
+    >>> x, w = jnp.ones((3, 4)), jnp.ones((2, 4, 5))
+    >>> aqtr.ragged_dot(x, w, jnp.array([1, 2]), aqtr.presets.int8()).shape
+    (3, 5)
+  """
+  if config is not None and not isinstance(config, DotGeneralConfig):
+    raise TypeError(
+      f'config must be an aqtr.DotGeneralConfig or None, got {config!r}.'
+    )
+  lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+  _check_shapes(lhs, rhs, group_sizes)
+  _check_group_sizes(group_sizes, lhs.shape[0])
+  if config is None or config.is_float or lhs.size == 0 or rhs.size == 0:
+    return lax.ragged_dot(
+      lhs,
+      rhs,
+      group_sizes,
+      precision=precision,
+      preferred_element_type=preferred_element_type,
+    )
+  check_float(lhs, 'lhs')
+  check_float(rhs, 'rhs')
+  if config.needs_key and key is None:
+    raise ValueError(
+      'config uses stochastic rounding and needs a PRNG key: pass '
+      'key=jax.random.key(seed) (a raw jax.random.PRNGKey works too).'
+    )
+  key = as_typed_key(key) if config.needs_key else None
+  preferred = (
+    None
+    if preferred_element_type is None
+    else jnp.dtype(preferred_element_type)
+  )
+  return quantized_ragged_dot(
+    lhs, rhs, jnp.asarray(group_sizes), key, config, precision, preferred
+  )

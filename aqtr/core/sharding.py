@@ -1,0 +1,295 @@
+"""The quantized dot on JAX meshes: explicit axes, shard_map, checks.
+
+`dot_general` runs its custom VJP the same way under every kind of mesh:
+
+- Auto axes (or no mesh): the compiler propagates shardings; scales get
+  their operand's sharding (a per-row scale of an M-sharded lhs is
+  M-sharded), and `out_sharding` becomes a sharding constraint.
+- Explicit axes (the default of `jax.make_mesh`): the output's sharding is
+  the one `lax.dot_general` would give (or `out_sharding`), and the
+  quantized passes, whose internal reshapes and int8 dots have no explicit
+  sharding rule of their own, run with the mesh's explicit axes viewed as
+  auto inside (`jax.sharding.auto_axes`); the gradients come back with
+  their operands' shardings.
+- `jax.shard_map` with `check_vma=True`: each device runs the dot on its
+  blocks. An operand that is invariant along a manual axis its cotangent
+  varies along gets that cotangent summed over the axis (the transpose of
+  the implicit broadcast, as lax does), and one that varies along an axis
+  its cotangent does not is given the varying type:
+
+    dL = psum_{vma(dL) - vma(L)} dL
+
+Internal API (used by `dot_general.py`): `explicit_axes`, `output_type`,
+`run_on_mesh`, `vma_of`, `match_vma`, `zeros_varying`, `check_tiles`,
+`check_operands`, `permute_sharding`, `constrain`,
+`gather_specs`, `keep_on_shards`; `collectives` reads a compiled module's
+collective ops and their bytes.
+
+Quantized communication (`TensorConfig.quantized_gather`): an operand
+sharded over the devices that all need it whole (FSDP) is quantized where
+its shards live and its int8 values and f32 scales are gathered:
+
+  gather(q(W)) * gather(s(W)) == q(gather(W)) * s(gather(W))
+
+(a per-channel scale reduces over K: when K is sharded its max is one small
+all-reduce of the scales).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import AxisType
+
+
+def explicit_axes() -> tuple[str, ...]:
+  """The current mesh's explicit axes (empty without a mesh)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return ()
+  return tuple(
+    n
+    for n, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
+    if t == AxisType.Explicit
+  )
+
+
+def output_type(lhs, rhs, dimension_numbers, preferred, out_sharding):
+  """The type (with sharding) `lax.dot_general` gives; lax's own errors.
+
+  `lhs`/`rhs` are arrays or ShapeDtypeStructs (a stored QTensor is seen as
+  its replicated float shape).
+  """
+
+  def dot(a, b):
+    return lax.dot_general(
+      a,
+      b,
+      dimension_numbers,
+      preferred_element_type=preferred,
+      out_sharding=out_sharding,
+    )
+
+  return jax.eval_shape(dot, lhs, rhs)
+
+
+def vma_of(x) -> frozenset:
+  """The manual mesh axes `x` varies along (empty outside shard_map)."""
+  aval = jax.typeof(x)
+  mat = getattr(aval, 'mat', None)  # JAX >= 0.10: the manual axis type.
+  if mat is not None:
+    return frozenset(mat.varying)
+  return frozenset(getattr(aval, 'vma', None) or ())
+
+
+def match_vma(grad: jax.Array, vma: frozenset) -> jax.Array:
+  """A cotangent given the primal's varying-manual-axes type.
+
+  Summed over the axes the cotangent varies along and the primal does not;
+  marked varying along the axes only the primal varies along.
+  """
+  have = vma_of(grad)
+  extra = tuple(sorted(have - vma))
+  if extra:
+    grad = lax.psum(grad, extra)
+  missing = tuple(sorted(vma - have))
+  if missing:
+    grad = lax.pcast(grad, missing, to='varying')
+  return grad
+
+
+def _spec_axes(entry) -> tuple[str, ...]:
+  if entry is None:
+    return ()
+  return tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
+def check_tiles(x, contracting, tile: int | None, name: str) -> None:
+  """Raises when an explicit sharding splits a K tile across devices.
+
+  A quantization tile (sub-channel block, MX block, local shard) must lie
+  on one device: the product of the mesh axes sharding the (single)
+  contracting axis must divide K / tile. Only explicit shardings are
+  visible at trace time; auto shardings are the compiler's to choose.
+  """
+  if tile is None:
+    return
+  sharding = getattr(jax.typeof(x), 'sharding', None)
+  spec = getattr(sharding, 'spec', None)
+  if not spec or sharding.mesh.empty:
+    return
+  mesh = sharding.mesh
+  sizes = [x.shape[a] for a in contracting]
+  for i, axis in enumerate(contracting):
+    axes = _spec_axes(spec[axis]) if axis < len(spec) else ()
+    if not axes:
+      continue
+    n = math.prod(mesh.shape[a] for a in axes)
+    block = sizes[i] // n * math.prod(sizes[i + 1 :])
+    if block % tile:
+      raise ValueError(
+        f'{name}: contracting axis {axis} (size {sizes[i]}) sharded over '
+        f'mesh axis {"x".join(axes)} ({n} devices) splits a quantization '
+        f'tile of {tile} along K; shard K in whole tiles or change the '
+        'tiling.'
+      )
+
+
+def permute_sharding(sharding, perm):
+  """`sharding` (NamedSharding, PartitionSpec or None) of an array whose
+  axis i is axis perm[i] of the array `sharding` describes."""
+  if sharding is None:
+    return None
+  spec = getattr(sharding, 'spec', sharding)
+  entries = tuple(spec) + (None,) * (len(perm) - len(spec))
+  new = jax.sharding.PartitionSpec(*(entries[p] for p in perm))
+  if isinstance(sharding, jax.sharding.NamedSharding):
+    return jax.sharding.NamedSharding(sharding.mesh, new)
+  return new
+
+
+def constrain(x: jax.Array, sharding) -> jax.Array:
+  """`x` with `sharding`: a reshard under explicit axes, else a constraint."""
+  if sharding is None:
+    return x
+  if explicit_axes():
+    return jax.sharding.reshard(x, sharding)
+  return lax.with_sharding_constraint(x, sharding)
+
+
+def _entry_axes(spec, axis: int) -> tuple[str, ...]:
+  return _spec_axes(spec[axis]) if axis < len(spec) else ()
+
+
+def gather_specs(lhs, rhs, fwd):
+  """The operands' PartitionSpecs where `quantized_gather` applies, or None.
+
+  Read from the explicit sharding types (outside `auto_axes`); a QTensor
+  operand or an operand without `quantized_gather` gets None.
+  """
+  if not explicit_axes():
+    return None
+  specs = []
+  for x, cfg in ((lhs, fwd.lhs), (rhs, fwd.rhs)):
+    spec = None
+    if cfg.quantized_gather and cfg.quantized and hasattr(x, 'shape'):
+      sharding = getattr(jax.typeof(x), 'sharding', None)
+      spec = tuple(getattr(sharding, 'spec', None) or ()) or None
+    specs.append(spec)
+  return None if specs == [None, None] else tuple(specs)
+
+
+def keep_on_shards(q_lhs, q_rhs, lay, specs):
+  """Both forward operands pinned to their shards (`specs`: None or a pair
+  of PartitionSpecs, see `gather_specs`)."""
+  if specs is None:
+    return q_lhs, q_rhs
+  return (
+    _keep_on_shards(q_lhs, lay.lhs, specs[0]),
+    _keep_on_shards(q_rhs, lay.rhs, specs[1]),
+  )
+
+
+def _keep_on_shards(q, layout, spec):
+  """Pins a quantized operand's values and scale to its float sharding.
+
+  `q` is a passes.QuantizedOperand in the tiled view [B, T, F, t] ('fk') or
+  [B, T, t, F] ('kf') of an operand with `layout` and PartitionSpec `spec`.
+  Each of B, F, K takes the sharding of its leading axis (K's goes to T when
+  there are several tiles, else to t); an operand sharded on another axis
+  of a merged group is left to the compiler.
+  """
+  if spec is None or q.scale is None:
+    return q
+  groups = {}
+  for role, axes in (
+    ('b', layout.batch),
+    ('f', layout.free),
+    ('k', layout.contract),
+  ):
+    names = [_entry_axes(spec, a) for a in axes]
+    if any(names[1:]):
+      return q
+    groups[role] = (names[0] or None) if names else None
+  tiled = q.values.shape[1] > 1
+  t_spec = None if tiled else groups['k']
+  n_spec = groups['k'] if tiled else None
+  if q.form == 'fk':
+    view = (groups['b'], n_spec, groups['f'], t_spec)
+  else:
+    view = (groups['b'], n_spec, t_spec, groups['f'])
+
+  def pin(x):
+    if x is None:
+      return None
+    entries = [
+      None if d == 1 or e is None else (e if len(e) > 1 else e[0])
+      for d, e in zip(x.shape, view, strict=True)
+    ]
+    return lax.with_sharding_constraint(x, jax.sharding.PartitionSpec(*entries))
+
+  return dataclasses.replace(q, values=pin(q.values), scale=pin(q.scale))
+
+
+_COLLECTIVE = re.compile(
+  r'= (\([^=\n]*?\)|[a-z0-9]+\[[0-9,]*\]\S*) '
+  r'(all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)'
+  r'(?:-start)?\('
+)
+_ARRAY = re.compile(r'([a-z][a-z0-9]*)\[([0-9,]*)\]')
+_BITS = {'pred': 8, 's4': 4, 'u4': 4}
+
+
+def _bytes(dtype: str, dims: str) -> int:
+  n = math.prod(int(d) for d in dims.split(',') if d)
+  bits = _BITS.get(dtype) or int(re.sub('[^0-9]', '', dtype) or 32)
+  return n * bits // 8
+
+
+def collectives(hlo_text: str) -> list[tuple[str, str, int]]:
+  """(op, dtype, result bytes) of each collective in an HLO module's text.
+
+  The bytes are those of the op's results per device (summed over a tuple;
+  the dtype is the first result's): for an all-gather the gathered array,
+  for an all-reduce the reduced one.
+
+  Example:
+    >>> collectives('%a = s8[4,8]{1,0} all-gather(%b), dimensions={0}')
+    [('all-gather', 's8', 32)]
+  """
+  out = []
+  for m in _COLLECTIVE.finditer(hlo_text):
+    arrays = _ARRAY.findall(m.group(1))
+    nbytes = sum(_bytes(d, dims) for d, dims in arrays)
+    out.append((m.group(2), arrays[0][0], nbytes))
+  return out
+
+
+def run_on_mesh(run, args, structs, dn, preferred, out_sharding):
+  """`run(*args)`, the quantized dot, with lax's output sharding.
+
+  Explicit axes: the output type lax gives `structs` (or `out_sharding`),
+  `run` inside `auto_axes`. Otherwise `out_sharding` is a constraint.
+  """
+  if explicit_axes():
+    out = output_type(*structs, dn, preferred, out_sharding)
+    return jax.sharding.auto_axes(run, out_sharding=out.sharding)(*args)
+  return constrain(run(*args), out_sharding)
+
+
+def zeros_varying(struct, vma: frozenset) -> jax.Array:
+  """Zeros of `struct` with the varying-manual-axes type `vma`."""
+  return match_vma(jnp.zeros(struct.shape, struct.dtype), vma)
+
+
+def check_operands(lhs, rhs, dimension_numbers, tile: int | None) -> None:
+  """`check_tiles` for both float operands (a stored QTensor is skipped)."""
+  (lc, rc), _ = dimension_numbers
+  for x, axes, name in ((lhs, lc, 'lhs'), (rhs, rc, 'rhs')):
+    if not hasattr(x, 'qvalue'):
+      check_tiles(x, axes, tile, name)
