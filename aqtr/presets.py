@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from aqtr.calibrations.absmax import AbsMax
 from aqtr.calibrations.base import Calibration
+from aqtr.calibrations.delayed_scaling import DelayedScaling
 from aqtr.calibrations.minmax import MinMax
 from aqtr.core.config import DotGeneralConfig, DotGeneralRaw, TensorConfig
 from aqtr.core.rounding import NearestEven, Rounding, Stochastic
@@ -33,6 +34,7 @@ __all__ = [
   'aqt_v4',
   'float',
   'fp8',
+  'fp8_delayed',
   'fp8_nanoo',
   'fully_quantized',
   'int4_asym_weight_only',
@@ -271,4 +273,32 @@ def int4_asym_weight_only(group: int = 128) -> DotGeneralConfig:
     IntAsymmetric(bits=4, storage='uint8', clip_gradient=False),
     tiling=_tiles(group),
     calibration=MinMax(po2_scale=False),
+  )
+
+
+def fp8_delayed(history_length: int = 16) -> DotGeneralConfig:
+  """FP8 with delayed scaling (Peng et al. 2023, arXiv 2310.18313).
+
+  e4m3 weights and activations, e5m2 gradients, each per tensor with the
+  bound taken from the max of its last `history_length` amax values
+  (`DelayedScaling`); the gradients' histories update in the backward
+  passes. Calls need `state=aqtr.state.init(...)`.
+
+  Args:
+    history_length: amax values kept per tensor, >= 1.
+  """
+  cal = DelayedScaling(history_length=history_length, po2_scale=False)
+
+  def t(dtype_name: str) -> TensorConfig:
+    return _t(
+      Fp8(dtype_name=dtype_name, clip_gradient=False),
+      tiling=PerTensor(),
+      calibration=cal,
+    )
+
+  e4, e5 = t('float8_e4m3fn'), t('float8_e5m2')
+  return DotGeneralConfig(
+    fwd=_raw(e4, e4, False),
+    dlhs=_raw(e5, e4, True),
+    drhs=_raw(e5, e4, True),
   )
