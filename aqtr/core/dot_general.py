@@ -408,9 +408,9 @@ def dot_general(
     raise TypeError(
       f'config must be an aqtr.DotGeneralConfig or None, got {config!r}.'
     )
-  check_state_tree(config, state)
   key = as_typed_key(key)  # Checked even where unused.
   stored = [isinstance(x, QTensor) for x in (lhs, rhs)]
+  check_state_tree(config, state, tuple(stored))
   if any(stored) and config is None:
     raise ValueError(
       'a QTensor operand needs the config it was quantized with: pass '

@@ -26,8 +26,13 @@ def tensor_config(config: DotGeneralConfig, path: str) -> TensorConfig:
   return getattr(getattr(config, pass_), side)
 
 
-def stateful_paths(config: DotGeneralConfig | None) -> list[str]:
+def stateful_paths(
+  config: DotGeneralConfig | None, stored: tuple[bool, bool] = (False, False)
+) -> list[str]:
   """The operand paths of `config` whose calibration needs state.
+
+  A forward operand given as a stored QTensor (`stored`: lhs, rhs) is not
+  quantized by the call, so its path needs no state.
 
   Raises:
     ValueError: a stateful calibration where none is supported (a
@@ -43,6 +48,8 @@ def stateful_paths(config: DotGeneralConfig | None) -> list[str]:
     if not (t.quantized and is_stateful(t.calibration)):
       continue
     if pass_ != 'fwd' and not raw.quantized:
+      continue
+    if pass_ == 'fwd' and stored[0 if side == 'lhs' else 1]:
       continue
     if pass_ != 'fwd' and side == 'rhs':
       if raw.use_fwd_quant:
@@ -62,9 +69,11 @@ def stateful_paths(config: DotGeneralConfig | None) -> list[str]:
   return out
 
 
-def check_state_tree(config: DotGeneralConfig | None, state) -> None:
+def check_state_tree(
+  config: DotGeneralConfig | None, state, stored=(False, False)
+) -> None:
   """Raises a clear error when `state` does not match `config`'s paths."""
-  paths = stateful_paths(config)
+  paths = stateful_paths(config, stored)
   if state is None:
     if paths:
       raise ValueError(
@@ -80,6 +89,15 @@ def check_state_tree(config: DotGeneralConfig | None, state) -> None:
     )
   missing = [p for p in paths if p not in state]
   extra = [p for p in state if p not in paths]
+  for side, is_stored in zip(('lhs', 'rhs'), stored):
+    path = f'fwd.{side}'
+    if is_stored and path in extra:
+      cal = type(tensor_config(config, path).calibration).__name__
+      raise ValueError(
+        f'{path}: the operand is a stored QTensor (frozen, as in SERVE), '
+        f'so its calibration {cal} has nothing to update or learn; drop '
+        f'{path!r} from the state (its frozen scale already holds it).'
+      )
   if missing or extra:
     raise ValueError(
       f'state paths {sorted(state)} do not match the config: missing '
