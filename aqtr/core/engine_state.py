@@ -89,7 +89,7 @@ def check_state_tree(
     )
   missing = [p for p in paths if p not in state]
   extra = [p for p in state if p not in paths]
-  for side, is_stored in zip(('lhs', 'rhs'), stored):
+  for side, is_stored in zip(('lhs', 'rhs'), stored, strict=True):
     path = f'fwd.{side}'
     if is_stored and path in extra:
       cal = type(tensor_config(config, path).calibration).__name__
