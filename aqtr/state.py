@@ -38,7 +38,15 @@ from aqtr.core.engine_state import stateful_paths, tensor_config
 from aqtr.core.passes import common_tile
 from aqtr.core.qtensor import ROLE_AXES, to_view
 
-__all__ = ['init', 'learned', 'merge', 'penalty', 'split', 'with_learned']
+__all__ = [
+  'init',
+  'learned',
+  'merge',
+  'merge_tree',
+  'penalty',
+  'split',
+  'with_learned',
+]
 
 _BWD = ('dlhs.lhs', 'drhs.lhs')
 
@@ -124,6 +132,32 @@ def merge(new_state: dict, state_grads: dict) -> dict:
   for p, st in bwd.items():
     out[p] = {'stats': st, 'learned': new_state[p]['learned']}
   return out
+
+
+def merge_tree(updated, state_grads):
+  """`merge` for a whole model's state: any pytree holding state trees.
+
+  The Flax adapters keep each op's stats as `{path: stats}` (linen
+  collection 'aqtr_state', nnx `CalibState` variables). After
+  `grads = jax.grad(loss)(..., state_vars)` with the model's updated
+  variables `updated`, the next state takes each leaf under a gradient
+  path ('dlhs.lhs', 'drhs.lhs') from `state_grads` and every other leaf
+  from `updated`.
+
+  Args:
+    updated: the state variables after the forward pass (e.g. the
+      `mutable=['aqtr_state']` output of linen's apply).
+    state_grads: the gradient of the loss w.r.t. the same variables.
+
+  Returns:
+    The next state, shaped like `updated`.
+  """
+
+  def pick(path, new, grad):
+    keys = {getattr(k, 'key', getattr(k, 'name', None)) for k in path}
+    return grad if keys & set(_BWD) else new
+
+  return jax.tree_util.tree_map_with_path(pick, updated, state_grads)
 
 
 def learned(state: dict) -> dict:
