@@ -50,6 +50,11 @@ from aqtr.flax.linen_convert import (
 )
 from aqtr.freezers import Mode, lifecycle
 
+# Stateful calibrations: their stats live in the collection 'aqtr_state',
+# learned parameters in the param 'aqtr_learned' of each op.
+STATE = common.STATE
+LEARNED = common.LEARNED
+
 
 class LinenHost(common.Host):
   """The shared op body's view of a linen module (aqtr.flax and aqtr.pax).
@@ -327,6 +332,8 @@ class EinsumDense(nn.Einsum):
 
 __all__ = [
   'FROZEN',
+  'LEARNED',
+  'STATE',
   'STATS',
   'ConvGeneralDilated',
   'DotGeneral',
