@@ -14,6 +14,7 @@ from __future__ import annotations
 from aqtr.calibrations.absmax import AbsMax
 from aqtr.calibrations.base import Calibration
 from aqtr.calibrations.delayed_scaling import DelayedScaling
+from aqtr.calibrations.lsq import Lsq
 from aqtr.calibrations.minmax import MinMax
 from aqtr.core.config import DotGeneralConfig, DotGeneralRaw, TensorConfig
 from aqtr.core.rounding import NearestEven, Rounding, Stochastic
@@ -38,6 +39,7 @@ __all__ = [
   'fp8_nanoo',
   'fully_quantized',
   'int4_asym_weight_only',
+  'int4_lsq',
   'int4_weight_only',
   'int8',
   'int8_fwd',
@@ -301,4 +303,24 @@ def fp8_delayed(history_length: int = 16) -> DotGeneralConfig:
     fwd=_raw(e4, e4, False),
     dlhs=_raw(e5, e4, True),
     drhs=_raw(e5, e4, True),
+  )
+
+
+def int4_lsq() -> DotGeneralConfig:
+  """LSQ (Esser et al. 2020, arXiv 1902.08153): int4 with learned steps.
+
+  Forward: weights int4 per output channel and activations int4 per
+  tensor, each with a learned step size (`Lsq`, trained by the one custom
+  VJP with the paper's step gradient; init 2 mean|x| / sqrt(7)); the
+  backward passes are float (quantization-aware training, as in the
+  paper). Calls need `state=aqtr.state.init(...)`; the Flax ops keep the
+  steps as params named 'aqtr_learned'.
+  """
+  int4 = IntSymmetric(bits=4, preserve_max_val=True, clip_gradient=False)
+  acts = _t(int4, tiling=PerTensor(), calibration=Lsq())
+  weights = _t(int4, calibration=Lsq())
+  return DotGeneralConfig(
+    fwd=_raw(acts, weights, False),
+    dlhs=_raw(_none(), _none(), False),
+    drhs=_raw(_none(), _none(), False),
   )

@@ -47,6 +47,7 @@ PRESETS = {
   'fp8_delayed',
   'fully_quantized',
   'int4_asym_weight_only',
+  'int4_lsq',
   'int4_weight_only',
   'int8',
   'int8_fwd',
