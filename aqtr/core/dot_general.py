@@ -80,7 +80,6 @@ from aqtr.core.residuals import (
 from aqtr.core.rounding import as_typed_key
 from aqtr.core.sharding import (
   check_operands,
-  constrain,
   gather_specs,
   keep_on_shards,
   match_vma,
@@ -454,12 +453,18 @@ def dot_general(
   dn, fwd = lay.dimension_numbers, config.fwd
   check_operands(lhs, rhs, dn, common_tile([fwd.lhs, fwd.rhs], lay.lhs.k))
   static = (dn, config, precision, preferred, gather_specs(lhs, rhs, fwd))
-  if state is not None:  # Auto axes only: out_sharding is a constraint.
-    out, new_state = _qdot_jit(lhs, rhs, key, state, *static)
-    return constrain(out, out_sharding), new_state
+  structs = [struct_of(x) if isinstance(x, QTensor) else x for x in (lhs, rhs)]
+  if state is not None:
+
+    def run_state(lhs, rhs, key, state):
+      return _qdot_jit(lhs, rhs, key, state, *static)
+
+    args = (lhs, rhs, key, state)
+    return run_on_mesh(
+      run_state, args, structs, dn, preferred, out_sharding, state
+    )
 
   def run(lhs, rhs, key):
     return _qdot_jit(lhs, rhs, key, {}, *static)[0]
 
-  structs = [struct_of(x) if isinstance(x, QTensor) else x for x in (lhs, rhs)]
   return run_on_mesh(run, (lhs, rhs, key), structs, dn, preferred, out_sharding)
