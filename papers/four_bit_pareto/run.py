@@ -15,6 +15,7 @@ from typing import Any
 import fiddle as fdl
 
 from aqtr import fiddle as aqtr_fiddle
+from aqtr.train import report
 from papers.four_bit_pareto import config, sweep
 from papers.lib import claim, cli, plots
 
@@ -56,7 +57,7 @@ def run(cfg: fdl.Config, out: pathlib.Path, echo: bool = True) -> list[Any]:
   """Runs the sweep `cfg`; writes the outputs to `out`; returns rows."""
   exp = aqtr_fiddle.build(cfg)
   rows = sweep.run(exp, progress=print if echo else None)
-  claim.finish(out, cfg, rows, COLUMNS, FORMATS, echo)
+  claim.finish(out, cfg, report.table(rows, COLUMNS, FORMATS), echo=echo)
   plot(rows, pathlib.Path(out) / 'results.png')
   return rows
 

@@ -3,7 +3,7 @@
 A claim's `config.py` builds its experiment from `digits()` / `teacher()`
 (the standard full-size tasks, overridable field by field); its `run.py`
 is `comparison(cfg, out, title)` for a `compare.Comparison`, or its own
-loop finished by `finish(out, cfg, rows, columns, formats)`.
+loop finished by `finish(out, cfg, report.table(rows, columns, formats))`.
 
 Example:
   >>> digits(steps=7).steps, teacher().teacher_dims
@@ -13,7 +13,6 @@ Example:
 from __future__ import annotations
 
 import pathlib
-from collections.abc import Sequence
 from typing import Any
 
 import fiddle as fdl
@@ -59,15 +58,11 @@ def teacher(**overrides: Any) -> fdl.Config:
 
 
 def finish(
-  out: str | pathlib.Path,
-  cfg: fdl.Config,
-  rows: list[dict[str, Any]],
-  columns: Sequence[str],
-  formats: dict[str, str],
-  echo: bool = True,
+  out: str | pathlib.Path, cfg: fdl.Config, *tables: str, echo: bool = True
 ) -> str:
-  """Writes results.md (the rows as a table) and config.txt; returns it."""
-  text = report.table(rows, list(columns), formats)
+  """Writes results.md (the tables, e.g. `report.table(rows, columns,
+  formats)`) and config.txt to `out`; prints and returns the text."""
+  text = '\n\n'.join(tables)
   cli.write(pathlib.Path(out), cfg, text)
   if echo:
     print(text)
@@ -84,6 +79,6 @@ def comparison(
   """
   exp = aqtr_fiddle.build(cfg)
   rows, curves = compare.run(exp, progress=print if echo else None)
-  finish(out, cfg, rows, compare.columns(exp), FORMATS, echo)
+  finish(out, cfg, report.table(rows, compare.columns(exp), FORMATS), echo=echo)
   plots.curves(curves, pathlib.Path(out) / 'results.png', title)
   return rows
