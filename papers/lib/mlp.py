@@ -42,6 +42,7 @@ from papers.lib.tasks import Data, Task, load
 
 __all__ = [
   'apply',
+  'apply_jit',
   'init',
   'model_bytes',
   'optimizer',
@@ -206,7 +207,7 @@ def model_bytes(params: Params) -> int:
   return int(sum(a.size * a.dtype.itemsize for a in leaves))
 
 
-_apply = jax.jit(apply, static_argnames=('config',))
+apply_jit = jax.jit(apply, static_argnames=('config',))
 
 
 def run(
@@ -269,7 +270,7 @@ def run(
   }
   if check_serving:
     frozen = serve(params, config)
-    served = _apply(frozen, jnp.asarray(data.x_val), config=config)
+    served = apply_jit(frozen, jnp.asarray(data.x_val), config=config)
     result['serve_equal'] = bool(
       np.array_equal(np.asarray(out), np.asarray(served))
     )
