@@ -34,9 +34,11 @@ def full() -> fdl.Config:
 
 
 def small() -> fdl.Config:
-  """The test size: 16 x 1024 tensors; one seed, one hidden layer of 64."""
+  """The test size: 16 x 1024 tensors, no int4_g64; one seed, one hidden
+  layer of 64, 400 steps."""
   cfg = full()
   cfg.shape = (16, 1024)
-  cfg.task.hidden, cfg.task.steps, cfg.task.seeds = (64,), 600, (0,)
+  cfg.formats = {k: v for k, v in cfg.formats.items() if k != 'int4_g64'}
+  cfg.task.hidden, cfg.task.steps, cfg.task.seeds = (64,), 400, (0,)
   cfg.task.train_size = 4096
   return cfg

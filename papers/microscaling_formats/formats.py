@@ -31,6 +31,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -100,11 +101,16 @@ def bits_per_value(t: aqtr.TensorConfig, k: int, size: int = 0) -> float:
   return _element_bits(n) + scale / group + extra
 
 
+@functools.partial(jax.jit, static_argnames=('t', 'axis'))
+def _energies(x: jax.Array, t: aqtr.TensorConfig, axis: int):
+  q = aqtr.fake_quant(x, t, contracting_axes=(axis,))
+  return jnp.sum(x * x), jnp.sum((x - q) ** 2)
+
+
 def sqnr(x: jax.Array, t: aqtr.TensorConfig, axis: int = -1) -> float:
   """SQNR in dB of `t` on `x`, contracting (blocking along) `axis`."""
-  q = aqtr.fake_quant(x, t, contracting_axes=(axis,))
-  err = jnp.sum((x - q) ** 2)
-  return float(10 * jnp.log10(jnp.sum(x * x) / err))
+  signal, err = _energies(x, t, axis)
+  return float(10 * jnp.log10(signal / err))
 
 
 def data(name: str, shape: tuple[int, int], seed: int = 0) -> jax.Array:
@@ -163,12 +169,8 @@ def sqnr_rows(exp: Microscaling, weights: list[jax.Array]) -> list[dict]:
     }
     for d, x in xs.items():
       row[f'{d} dB'] = sqnr(x, t)
-    num = sum(float(jnp.sum(w * w)) for w in weights)
-    err = sum(
-      float(jnp.sum((w - aqtr.fake_quant(w, t, contracting_axes=(0,))) ** 2))
-      for w in weights
-    )
-    row['MLP weights dB'] = 10 * math.log10(num / err)
+    e = np.array([_energies(w, t, 0) for w in weights], np.float64)
+    row['MLP weights dB'] = 10 * math.log10(e[:, 0].sum() / e[:, 1].sum())
     rows.append(row)
   return rows
 

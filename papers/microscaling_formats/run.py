@@ -4,8 +4,8 @@
   python -m papers.microscaling_formats.run --config=config:small \
     --out_dir=/tmp/mx
 
-Writes results.md (one row per format), results.png (SQNR against bits
-per value; served loss per format) and config.txt to --out_dir (default:
+Writes results.md (one row per format), results.png (SQNR per format and
+source; served loss per format) and config.txt to --out_dir (default:
 this folder).
 """
 
@@ -26,28 +26,23 @@ __all__ = ['main', 'plot', 'run']
 
 
 def plot(rows: list[dict[str, Any]], path: pathlib.Path) -> pathlib.Path:
-  """SQNR (dB) against bits/value per source; served loss per format."""
+  """SQNR (dB) per format and source; served loss per format."""
   plt = plots.pyplot()
   fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.4))
   fs = rows[1:]  # without float
   sources = [k for k in fs[0] if k.endswith(' dB')]
+  x = np.arange(len(fs))
+  width = 0.8 / len(sources)
   for i, src in enumerate(sources):
-    a.scatter(
-      [r['bits/value'] for r in fs],
+    a.bar(
+      x + (i - (len(sources) - 1) / 2) * width,
       [r[src] for r in fs],
-      marker='os^'[i % 3],
+      width,
       label=src.removesuffix(' dB'),
     )
-  for r in fs:
-    a.annotate(
-      r['format'],
-      (r['bits/value'], max(r[s] for s in sources)),
-      textcoords='offset points',
-      xytext=(3, 4),
-      fontsize=8,
-    )
-  a.set(xlabel='bits per value (scales included)', ylabel='SQNR, dB')
-  a.set_title('Quantization SQNR at (about) equal bits')
+  names = [f'{r["format"]}\n{r["bits/value"]:.2f} b' for r in fs]
+  a.set_xticks(x, names, fontsize=8)
+  a.set(ylabel='SQNR, dB', title='Quantization SQNR (bits per value below)')
   x = np.arange(len(rows))
   b.bar(x, [r['loss / float'] for r in rows])
   b.axhline(1.0, color='k', lw=0.8)
