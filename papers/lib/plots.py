@@ -28,6 +28,7 @@ def pyplot():
 
 
 def smooth(y: np.ndarray, n: int = 20) -> np.ndarray:
+  """Moving average of `y` over `n` points (at most a tenth of its length)."""
   n = max(1, min(n, len(y) // 10))
   return np.convolve(y, np.ones(n) / n, mode='valid')
 
