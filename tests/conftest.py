@@ -29,26 +29,31 @@ if os.environ.get('CI'):
   hypothesis.settings.load_profile('ci')
 
 
-# With `-n N`, each module here runs whole on one worker, and these modules
-# start first (most tests first): each builds a module-scoped fixture (a
-# training run) once instead of once per worker, or holds a long test that
-# would otherwise end the run on one worker while the other idles. Every
-# other test goes to whichever worker is free, one at a time.
-WHOLE_MODULES = (
-  'tests/train/test_main.py',
-  'tests/train/test_mesh.py',
-  'tests/train/test_cli.py',
-  'tests/papers/test_int8_training_matches_float.py',
-  'tests/papers/test_four_bit_pareto.py',
-  'tests/papers/test_fp8_formats_and_scaling.py',
-  'tests/data/test_stdlib.py',
-)
+# With `-n N`, the modules of a group here run on one worker, and groups
+# start first (most tests first): a module-scoped fixture (a training run)
+# or a functools.cache shared by the modules (tests/qt/digits_mlp.py,
+# tests/pax/helpers.py) is built once instead of once per worker, and a
+# long test does not end the run on one worker while the other idles.
+# Every other test goes to whichever worker is free, one at a time.
+GROUPS = {
+  'tests/train/test_main.py': 'train_main',
+  'tests/train/test_mesh.py': 'train_mesh',
+  'tests/train/test_cli.py': 'train_cli',
+  'tests/papers/test_int8_training_matches_float.py': 'paper_int8',
+  'tests/papers/test_four_bit_pareto.py': 'paper_pareto',
+  'tests/papers/test_fp8_formats_and_scaling.py': 'paper_fp8',
+  'tests/data/test_stdlib.py': 'stdlib',
+  'tests/qt/test_training.py': 'digits_mlp',
+  'tests/qt/test_adam.py': 'digits_mlp',
+  'tests/pax/test_inject.py': 'pax_float_lm',
+  'tests/pax/test_transformer.py': 'pax_float_lm',
+}
 _GROUPED = pytest.StashKey[bool]()
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_cmdline_main(config):
-  """`-n N` without `--dist` schedules as WHOLE_MODULES says."""
+  """`-n N` without `--dist` schedules as GROUPS says."""
   if getattr(config.option, 'numprocesses', None) and (
     config.option.dist == 'no'
   ):
@@ -63,7 +68,6 @@ def pytest_xdist_make_scheduler(config, log):
 
   class Scheduling(LoadScopeScheduling):
     def _split_scope(self, nodeid):
-      module = nodeid.split('::', 1)[0]
-      return module if module in WHOLE_MODULES else nodeid
+      return GROUPS.get(nodeid.split('::', 1)[0], nodeid)
 
   return Scheduling(config, log)
