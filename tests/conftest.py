@@ -34,14 +34,12 @@ if os.environ.get('CI'):
 # or a functools.cache shared by the modules (tests/qt/digits_mlp.py,
 # tests/pax/helpers.py) is built once instead of once per worker, and a
 # long test does not end the run on one worker while the other idles.
-# Every other test goes to whichever worker is free, one at a time.
+# Each tests/papers/ module is a group of its own. Every other test goes to
+# whichever worker is free, one at a time.
 GROUPS = {
   'tests/train/test_main.py': 'train_main',
   'tests/train/test_mesh.py': 'train_mesh',
   'tests/train/test_cli.py': 'train_cli',
-  'tests/papers/test_int8_training_matches_float.py': 'paper_int8',
-  'tests/papers/test_four_bit_pareto.py': 'paper_pareto',
-  'tests/papers/test_fp8_formats_and_scaling.py': 'paper_fp8',
   'tests/data/test_stdlib.py': 'stdlib',
   'tests/qt/test_training.py': 'digits_mlp',
   'tests/qt/test_adam.py': 'digits_mlp',
@@ -68,6 +66,9 @@ def pytest_xdist_make_scheduler(config, log):
 
   class Scheduling(LoadScopeScheduling):
     def _split_scope(self, nodeid):
-      return GROUPS.get(nodeid.split('::', 1)[0], nodeid)
+      module = nodeid.split('::', 1)[0]
+      if module.startswith('tests/papers/'):  # A claim's run per module.
+        return GROUPS.get(module, module)
+      return GROUPS.get(module, nodeid)
 
   return Scheduling(config, log)
