@@ -71,11 +71,33 @@ def init(key: jax.Array, sizes: tuple[int, ...]) -> Params:
 
 def apply(params: Params, x: jax.Array, config: aqtr.DotGeneralConfig):
   """Logits / predictions; `params[i]['w']` may be a frozen QTensor."""
+  return apply_state(params, x, config, None)[0]
+
+
+def apply_state(params: Params, x, config, states):
+  """(outputs, new states): `apply` with one calibration state per layer
+  (`init_states`; None for stateless configs)."""
+  new = None if states is None else []
   for i, layer in enumerate(params):
-    x = aqtr.dot_general(x, layer['w'], DN, config) + layer['b'][None]
+    if states is None:
+      y = aqtr.dot_general(x, layer['w'], DN, config)
+    else:
+      y, s = aqtr.dot_general(x, layer['w'], DN, config, state=states[i])
+      new.append(s)
+    x = y + layer['b'][None]
     if i < len(params) - 1:
       x = jax.nn.relu(x)
-  return x
+  return x, new
+
+
+def init_states(params: Params, x: jax.Array, config) -> list | None:
+  """The layers' calibration states (`aqtr.state.init`), or None when the
+  config keeps no state (e.g. `fp8_delayed` keeps amax histories)."""
+  states, h = [], x
+  for layer in params:
+    states.append(aqtr.state.init(h, layer['w'], DN, config))
+    h = jnp.zeros((h.shape[0], layer['w'].shape[1]), h.dtype)
+  return states if any(states) else None
 
 
 def _loss(metric: str, out: jax.Array, y: jax.Array) -> jax.Array:
@@ -167,17 +189,27 @@ def train(
   (`quantize_weights`) and stays so.
   """
   tx = optimizer(task, weights, rounding, lr)
+  states = init_states(qt.dequantize(params), x[idx[0]], config)
 
   def step(carry, i):
-    p, s = carry
-    loss, g = jax.value_and_grad(
-      lambda w: _loss(metric, apply(w, x[i], config), y[i])
-    )(qt.dequantize(p))
-    u, s = tx.update(g, s, p)
-    return (qt.apply_updates(p, u), s), loss
+    p, s, st = carry
 
-  (params, _), losses = jax.lax.scan(step, (params, tx.init(params)), idx)
-  return params, losses, apply(qt.dequantize(params), x_val, config)
+    def loss_fn(w, st):
+      out, new = apply_state(w, x[i], config, st)
+      return _loss(metric, out, y[i]), new
+
+    (loss, new), (g, gst) = jax.value_and_grad(loss_fn, (0, 1), has_aux=True)(
+      qt.dequantize(p), st
+    )
+    if st is not None:  # The backward passes' stats come as gradients.
+      st = [aqtr.state.merge(n, gs) for n, gs in zip(new, gst, strict=True)]
+    u, s = tx.update(g, s, p)
+    return (qt.apply_updates(p, u), s, st), loss
+
+  carry = (params, tx.init(params), states)
+  (params, _, states), losses = jax.lax.scan(step, carry, idx)
+  out = apply_state(qt.dequantize(params), x_val, config, states)[0]
+  return params, losses, out, states
 
 
 def _batches(n: int, task: Task, seed: int) -> np.ndarray:
@@ -191,14 +223,28 @@ def _batches(n: int, task: Task, seed: int) -> np.ndarray:
   return idx[: task.steps]
 
 
-def serve(params: Params, config: aqtr.DotGeneralConfig) -> Params:
-  """The serving weights: each `w` frozen by the forward rhs of `config`."""
+def serve(params: Params, config: aqtr.DotGeneralConfig, states=None):
+  """The serving weights: each `w` frozen by the forward rhs of `config`
+  (at its calibration state, for stateful configs)."""
   if not config.fwd.rhs.quantized:
     return params
+  sts = [None] * len(params) if states is None else states
   return [
-    {'w': aqtr.quantize_operand(p['w'], DN, config), 'b': p['b']}
-    for p in params
+    {
+      'w': aqtr.quantize_operand(
+        p['w'], DN, config, state=(st or {}).get('fwd.rhs')
+      ),
+      'b': p['b'],
+    }
+    for p, st in zip(params, sts, strict=True)
   ]
+
+
+def served_states(states):
+  """The states a served model reads: none for the frozen weights."""
+  if states is None:
+    return None
+  return [{k: v for k, v in s.items() if k != 'fwd.rhs'} for s in states]
 
 
 def model_bytes(params: Params) -> int:
@@ -208,6 +254,7 @@ def model_bytes(params: Params) -> int:
 
 
 apply_jit = jax.jit(apply, static_argnames=('config',))
+apply_state_jit = jax.jit(apply_state, static_argnames=('config',))
 
 
 def run(
@@ -250,7 +297,7 @@ def run(
       raise ValueError('mlp.run: check_serving must be False with weights=.')
     params = quantize_weights(params, weights)
   idx = _batches(len(data.x_train), task, seed)
-  params, losses, out = train(
+  params, losses, out, states = train(
     params,
     jnp.asarray(data.x_train),
     jnp.asarray(data.y_train),
@@ -269,8 +316,13 @@ def run(
     'params': params,
   }
   if check_serving:
-    frozen = serve(params, config)
-    served = apply_jit(frozen, jnp.asarray(data.x_val), config=config)
+    frozen = serve(params, config, states)
+    served = apply_state_jit(
+      frozen,
+      jnp.asarray(data.x_val),
+      config=config,
+      states=served_states(states),
+    )[0]
     result['serve_equal'] = bool(
       np.array_equal(np.asarray(out), np.asarray(served))
     )
