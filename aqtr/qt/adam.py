@@ -12,7 +12,8 @@ low-bit between steps and decoded in float32 for the update:
 without zero for v (a v stored as 0 under a nonzero m would make the
 update m / eps explode; Li et al.'s zero-point remedy).
 4-bit (Li et al. 2023, arXiv 2309.01507): m in blocks of 128 with the
-signed 4-bit dynamic type; v with rank-1 normalisation and the
+signed 4-bit dynamic type, rounded stochastically (the paper rounds to
+nearest; see `adamw_4bit`); v with rank-1 normalisation and the
 zero-point-free linear map (1-D v: blocks of 128). Tensors smaller than
 `min_size` elements keep float32 states, as both papers do. Both are
 `lowbit_adamw` with their pair of `StateCodec`s; other pairs (say 4-bit m,
