@@ -76,10 +76,14 @@ class LowBitAdamState(NamedTuple):
   nu: Any
 
 
-def _check_codec(name, codec):
+def _check_codec(name, codec, tables):
   if not isinstance(codec, StateCodec):
     raise TypeError(
       f'{name} must be an aqtr.qt.StateCodec, got {type(codec).__name__}.'
+    )
+  if codec.table not in tables:
+    raise ValueError(
+      f'{name}.table must be one of {tables}, got {codec.table!r}.'
     )
 
 
@@ -100,14 +104,16 @@ def scale_by_lowbit_adam(
 
   Args:
     b1, b2, eps: as in `optax.scale_by_adam`.
-    mu_codec: how the first moment m is stored.
-    nu_codec: how the second moment v is stored (use an unsigned table).
+    mu_codec: how the first moment m is stored (table 'signed_dynamic').
+    nu_codec: how the second moment v is stored (a table without zero:
+      'dynamic_no_zero' or 'linear').
     min_size: tensors with fewer elements keep float32 moments.
     seed: seeds stochastic rounding: step t, leaf i, moment j draw from
       fold_in(fold_in(fold_in(key(seed), t), i), j).
   """
-  _check_codec('mu_codec', mu_codec)
-  _check_codec('nu_codec', nu_codec)
+  # m is signed; v must never decode to 0 (m / eps would explode).
+  _check_codec('mu_codec', mu_codec, ('signed_dynamic',))
+  _check_codec('nu_codec', nu_codec, ('dynamic_no_zero', 'linear'))
   if not 0 <= b1 < 1 or not 0 <= b2 < 1:
     raise ValueError(f'b1 and b2 must be in [0, 1), got b1={b1}, b2={b2}.')
   if not isinstance(min_size, int) or min_size < 0:

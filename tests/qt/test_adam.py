@@ -104,6 +104,10 @@ def test_lowbit_validation():
     qt.StateCodec(rounding='stochastic').encode(jnp.ones(8))
   with pytest.raises(TypeError, match='nu_codec must be an aqtr.qt.State'):
     qt.scale_by_lowbit_adam(nu_codec='linear')
+  with pytest.raises(ValueError, match='nu_codec.table must be one of'):
+    qt.scale_by_lowbit_adam(nu_codec=qt.StateCodec(table='signed_dynamic'))
+  with pytest.raises(ValueError, match='mu_codec.table must be one of'):
+    qt.lowbit_adamw(1e-3, mu_codec=qt.StateCodec(table='linear'))
   with pytest.raises(ValueError, match='b1 and b2'):
     qt.adamw_8bit(1e-3, b1=1.0)
   with pytest.raises(ValueError, match='min_size'):
