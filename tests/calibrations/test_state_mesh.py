@@ -60,4 +60,9 @@ def test_state_on_a_mesh_equals_one_device(axis_type, name):
     got = step(xs, w, s)
     got = step(xs, w, got[3])  # a second step from the new state
   want = step(x, w, want[3])
-  jax.tree.map(np.testing.assert_array_equal, got, want)
+  # Amax histories and running stats are maxima / per-device-free: equal
+  # bit for bit. The loss and the gradients sum over the sharded batch, in
+  # another order across devices: equal to float rounding.
+  jax.tree.map(np.testing.assert_array_equal, got[3], want[3])
+  for a, b in zip(jax.tree.leaves(got[:3]), jax.tree.leaves(want[:3])):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
