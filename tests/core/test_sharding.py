@@ -252,6 +252,51 @@ def test_tile_split_across_devices_is_an_error():
     jax.jit(_dot(_subchannel(tile_size=4), out_sharding=P()))(xs, ws)
 
 
+def test_mx_block_split_across_devices_is_an_error():
+  """An MX block (32 values sharing a power-of-two scale) must not span
+  devices: K = 32 over 8 devices leaves 4 values per device."""
+  mesh = jax.make_mesh((8,), ('k',))
+  x, w, _ = _data()
+  with jax.set_mesh(mesh):
+    xs, ws = _on_mesh(mesh, (P(None, None, 'k'), P(None, 'k')), x, w)
+    with pytest.raises(ValueError, match='lhs: .* mesh axis k .* tile of 32'):
+      jax.jit(_dot(presets.mxfp8(), out_sharding=P()))(xs, ws)
+
+
+def test_local_shard_count_not_dividing_k_names_the_operand():
+  x, w, _ = _data()  # K = 32.
+  with pytest.raises(ValueError, match='^lhs: SubChannel.tile_count=3 '):
+    _dot(_subchannel(tile_count=3))(x, w)
+
+
+def test_mismatched_meshes_are_an_error():
+  x, w, _ = _data()
+  one = jax.make_mesh((8,), ('k',))
+  two = jax.make_mesh((2, 4), ('a', 'b'))
+  xs = jax.device_put(x, NamedSharding(one, P(None, None, 'k')))
+  ws = jax.device_put(w, NamedSharding(two, P('a')))
+  with pytest.raises(ValueError, match=r'^rhs .* axes \(a=2, b=4\), but lhs'):
+    jax.jit(_dot(presets.int8()))(xs, ws)
+  with jax.set_mesh(two):
+    with pytest.raises(ValueError, match=r'^lhs .* axes \(k=8\), but the'):
+      jax.jit(_dot(presets.int8()))(xs, ws)
+
+
+def test_explicit_operands_without_a_mesh_set():
+  """Explicitly sharded operands, no `jax.set_mesh`: run as lax does."""
+  mesh = jax.make_mesh((8,), ('a',))
+  x, w, ct = _data()
+  xs = jax.device_put(x, NamedSharding(mesh, P(None, 'a')))  # M split.
+  ws = jax.device_put(w, NamedSharding(mesh, P()))
+  dot = _dot(presets.int8())
+  got = jax.jit(lambda a, b: _vjp(dot, a, b, ct))(xs, ws)
+  assert got[0].sharding.is_equivalent_to(xs.sharding, 3)
+  assert got[1].sharding.is_equivalent_to(xs.sharding, 3)
+  _compare(
+    got, jax.jit(lambda a, b: _vjp(dot, a, b, ct))(x, w), True, 'no set_mesh'
+  )
+
+
 def _ops(compiled_text: str) -> list[str]:
   return [op for op, _, _ in sharding.collectives(compiled_text)]
 
