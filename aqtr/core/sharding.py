@@ -19,9 +19,10 @@
 
     dL = psum_{vma(dL) - vma(L)} dL
 
-Internal API (used by `dot_general.py`): `explicit_axes`, `output_type`,
-`run_on_mesh`, `vma_of`, `match_vma`, `zeros_varying`, `check_tiles`,
-`check_meshes`, `check_operands`, `permute_sharding`, `constrain`,
+Internal API (used by `dot_general.py` and `ragged_dot.py`):
+`explicit_axes`, `output_type`, `run_on_mesh`, `run_typed`, `vma_of`,
+`match_vma`, `zeros_varying`, `check_tiles`, `check_meshes`,
+`check_operands`, `permute_sharding`, `constrain`,
 `gather_specs`, `keep_on_shards`; `collectives` reads a compiled module's
 collective ops and their bytes.
 
@@ -323,12 +324,23 @@ def run_on_mesh(run, args, structs, dn, preferred, out_sharding):
   Explicit axes: the output type lax gives `structs` (or `out_sharding`),
   `run` inside `auto_axes`. Otherwise `out_sharding` is a constraint.
   """
+
+  def out_type():
+    return output_type(*structs, dn, preferred, out_sharding)
+
+  return run_typed(run, args, out_type, out_sharding)
+
+
+def run_typed(run, args, out_type, out_sharding):
+  """`run(*args)` with the output type `out_type()` (a ShapeDtypeStruct
+  with lax's sharding, asked for under explicit axes only); `args[:2]` are
+  the operands."""
   if jax.sharding.get_abstract_mesh().empty and explicit_axes(*args[:2]):
     # Explicitly sharded operands, no mesh set: run under theirs.
     with jax.sharding.use_abstract_mesh(_operand_mesh(args[:2])):
-      return run_on_mesh(run, args, structs, dn, preferred, out_sharding)
+      return run_typed(run, args, out_type, out_sharding)
   if explicit_axes():
-    out = output_type(*structs, dn, preferred, out_sharding)
+    out = out_type()
     return jax.sharding.auto_axes(run, out_sharding=out.sharding)(*args)
   return constrain(run(*args), out_sharding)
 

@@ -297,6 +297,35 @@ def test_explicit_operands_without_a_mesh_set():
   )
 
 
+def test_ragged_dot_takes_out_sharding():
+  """Token rows split over 8 devices, experts replicated: int8 values and
+  gradients equal one device bit for bit (per-row and per-expert scales
+  reduce only within a device); a mismatched mesh names the operand."""
+  mesh = jax.make_mesh((8,), ('a',))
+  kx, kw, kc = jax.random.split(jax.random.key(3), 3)
+  x, ct = jax.random.normal(kx, (16, 32)), jax.random.normal(kc, (16, 8))
+  w, sizes = jax.random.normal(kw, (2, 32, 8)), jnp.array([8, 8])
+
+  def vjp(a, b, out_sharding=None):
+    def dot(a, b):
+      cfg = presets.int8()
+      return aqtr.ragged_dot(a, b, sizes, cfg, out_sharding=out_sharding)
+
+    out, f = jax.vjp(dot, a, b)
+    return (out,) + f(ct)
+
+  want = jax.jit(vjp)(x, w)
+  with jax.set_mesh(mesh):
+    xs, ws = _on_mesh(mesh, (P('a'), P()), x, w)
+    got = jax.jit(lambda a, b: vjp(a, b, P('a')))(xs, ws)
+    assert jax.typeof(got[0]).sharding.spec == P('a', None)
+  _compare(got, want, True, 'ragged_dot')
+  other = jax.make_mesh((2, 4), ('c', 'd'))
+  wo = jax.device_put(w, NamedSharding(other, P()))
+  with pytest.raises(ValueError, match=r'^rhs .* axes \(c=2, d=4\)'):
+    jax.jit(vjp)(jax.device_put(x, NamedSharding(mesh, P('a'))), wo)
+
+
 def _ops(compiled_text: str) -> list[str]:
   return [op for op, _, _ in sharding.collectives(compiled_text)]
 
