@@ -6,6 +6,8 @@ A QTensor made here can replace the float operand of `aqtr.dot_general` /
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -25,6 +27,7 @@ def quantize_operand(
   operand: str = 'rhs',
   other_shape=None,
   key: jax.Array | None = None,
+  state: dict | None = None,
 ) -> QTensor:
   """Quantizes one operand exactly as the forward pass of `config` would.
 
@@ -40,6 +43,10 @@ def quantize_operand(
     other_shape: shape of the other operand; default: inferred as needed
       (only the contraction/batch sizes matter, taken from `x`).
     key: PRNG key if the forward rounding is stochastic.
+    state: with a stateful or learned calibration, the operand's state
+      (`aqtr.state.init(...)['fwd.<operand>']`): frozen with the bound the
+      forward pass uses at that state (LSQ's learned step, the delayed
+      history's max).
 
   Example:
     >>> import jax.numpy as jnp, aqtr
@@ -70,7 +77,7 @@ def quantize_operand(
   )
   lay = DotLayout.create(*shapes, dimension_numbers)
   return quantize_in_layout(
-    x, getattr(lay, operand), config, operand=operand, key=key
+    x, getattr(lay, operand), config, operand=operand, key=key, state=state
   )
 
 
@@ -81,6 +88,7 @@ def quantize_in_layout(
   *,
   operand: str,
   key: jax.Array | None = None,
+  state: dict | None = None,
 ) -> QTensor:
   """`quantize_operand` for an operand whose layout in the dot is known.
 
@@ -94,15 +102,29 @@ def quantize_in_layout(
     config: the dot's DotGeneralConfig (its fwd.<operand> applies).
     operand: 'lhs' or 'rhs'.
     key: PRNG key if the forward rounding is stochastic.
+    state: the operand's calibration state (its `aqtr.state.init` entry
+      'fwd.<operand>') when its calibration is stateful.
   """
   cfg = getattr(config.fwd, operand)
   if not cfg.quantized:
     raise ValueError(
       f'config.fwd.{operand} is not quantized; nothing to freeze.'
     )
+  return _quantize_jit(
+    x, as_typed_key(key), state, layout=layout, config=config, operand=operand
+  )
+
+
+@functools.partial(jax.jit, static_argnames=('layout', 'config', 'operand'))
+def _quantize_jit(x, key, state, *, layout, config, operand) -> QTensor:
+  """Jitted like the engine's forward pass, so that XLA simplifies the
+  scale arithmetic identically (an eager op-by-op run can differ by an ulp
+  from the compiled one, and frozen weights must equal TRAIN's bit for
+  bit)."""
+  cfg = getattr(config.fwd, operand)
   form = 'fk' if operand == 'lhs' else layout.natural_form()
   tile = common_tile([config.fwd.lhs, config.fwd.rhs], layout.k)
-  keys = PassKeys.split(as_typed_key(key))
+  keys = PassKeys.split(key)
   key = keys.fwd_lhs if operand == 'lhs' else keys.fwd_rhs
-  q = forward_operand(x, cfg, layout, form, tile, key, operand)
+  q = forward_operand(x, cfg, layout, form, tile, key, operand, state)
   return QTensor(q.values, q.scale, layout, form, q.zero_point)

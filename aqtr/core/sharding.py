@@ -318,30 +318,37 @@ def collectives(hlo_text: str) -> list[tuple[str, str, int]]:
   return out
 
 
-def run_on_mesh(run, args, structs, dn, preferred, out_sharding):
+def run_on_mesh(run, args, structs, dn, preferred, out_sharding, state=None):
   """`run(*args)`, the quantized dot, with lax's output sharding.
 
   Explicit axes: the output type lax gives `structs` (or `out_sharding`),
   `run` inside `auto_axes`. Otherwise `out_sharding` is a constraint.
+  With calibration `state` (the last of `args`), `run` returns
+  (out, new_state) and the new state is replicated like the state.
   """
 
   def out_type():
     return output_type(*structs, dn, preferred, out_sharding)
 
-  return run_typed(run, args, out_type, out_sharding)
+  return run_typed(run, args, out_type, out_sharding, state)
 
 
-def run_typed(run, args, out_type, out_sharding):
+def run_typed(run, args, out_type, out_sharding, state=None):
   """`run(*args)` with the output type `out_type()` (a ShapeDtypeStruct
   with lax's sharding, asked for under explicit axes only); `args[:2]` are
-  the operands."""
+  the operands; `state` as in `run_on_mesh`."""
   if jax.sharding.get_abstract_mesh().empty and explicit_axes(*args[:2]):
     # Explicitly sharded operands, no mesh set: run under theirs.
     with jax.sharding.use_abstract_mesh(_operand_mesh(args[:2])):
-      return run_typed(run, args, out_type, out_sharding)
+      return run_typed(run, args, out_type, out_sharding, state)
   if explicit_axes():
-    out = out_type()
-    return jax.sharding.auto_axes(run, out_sharding=out.sharding)(*args)
+    sharding = out_type().sharding
+    if state is not None:
+      sharding = (sharding, jax.tree.map(lambda _: jax.P(), state))
+    return jax.sharding.auto_axes(run, out_sharding=sharding)(*args)
+  if state is not None:
+    out, new_state = run(*args)
+    return constrain(out, out_sharding), new_state
   return constrain(run(*args), out_sharding)
 
 

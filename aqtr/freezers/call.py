@@ -40,6 +40,8 @@ class OperandCall:
     key: PRNG key of the dot (stochastic rounding), or None.
     where: the adapter op's name, for error messages.
     how_stats: how to produce CALIBRATE statistics, for error messages.
+    state: the operand's calibration state ('fwd.<side>' of the call's
+      state tree) when its calibration is stateful, else None.
 
   Example:
     >>> import jax.numpy as jnp, aqtr
@@ -60,6 +62,7 @@ class OperandCall:
   key: jax.Array | None = None
   where: str = 'aqtr op'
   how_stats: str = ''
+  state: dict | None = None
 
   @property
   def layout(self) -> OperandLayout:
@@ -98,6 +101,7 @@ class OperandCall:
       self.config,
       operand=self.side,
       key=self.key,
+      state=self.state,
     )
 
   def qtensor(
