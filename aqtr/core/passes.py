@@ -243,9 +243,14 @@ def canonical_noise(
 
 def common_tile(configs: list[TensorConfig | None], k: int) -> int | None:
   """The one tile size the quantized configs ask for along K (None: none)."""
-  tiles = {
-    c.tiling.tile(k) for c in configs if c is not None and c.quantized
-  } - {None}
+  tiles = set()
+  for side, c in zip(('lhs', 'rhs'), configs, strict=False):
+    if c is not None and c.quantized:
+      try:
+        tiles.add(c.tiling.tile(k))
+      except ValueError as e:  # Name the operand whose tiling refused K.
+        raise ValueError(f'{side}: {e}') from e
+  tiles -= {None}
   if len(tiles) > 1:
     raise ValueError(
       f'the lhs and rhs tilings ask for different tile sizes {sorted(tiles)} '

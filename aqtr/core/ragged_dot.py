@@ -9,6 +9,8 @@ and where the scales live).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,6 +20,7 @@ from aqtr.core.config import DotGeneralConfig
 from aqtr.core.dot_general import quantized_ragged_dot
 from aqtr.core.quantizer import check_float
 from aqtr.core.rounding import as_typed_key
+from aqtr.core.sharding import check_meshes, run_typed
 
 
 def _check_shapes(lhs, rhs, group_sizes) -> None:
@@ -74,6 +77,7 @@ def ragged_dot(
   key: jax.Array | None = None,
   precision=None,
   preferred_element_type=None,
+  out_sharding=None,
 ) -> jax.Array:
   """Drop-in for `jax.lax.ragged_dot` quantized as `config` says.
 
@@ -96,6 +100,8 @@ def ragged_dot(
       `lax.ragged_dot`, values and gradients.
     key: PRNG key (typed or raw uint32[2]); required by stochastic rounding.
     precision, preferred_element_type: as in `lax.ragged_dot`.
+    out_sharding: as in `lax.ragged_dot` (explicit axes need it): the
+      output's sharding; under auto axes a sharding constraint.
 
   Returns:
     [M, N] in `preferred_element_type` or the operands' result type.
@@ -120,9 +126,11 @@ def ragged_dot(
       group_sizes,
       precision=precision,
       preferred_element_type=preferred_element_type,
+      out_sharding=out_sharding,
     )
   check_float(lhs, 'lhs')
   check_float(rhs, 'rhs')
+  check_meshes(lhs, rhs)
   if config.needs_key and key is None:
     raise ValueError(
       'config uses stochastic rounding and needs a PRNG key: pass '
@@ -134,6 +142,22 @@ def ragged_dot(
     if preferred_element_type is None
     else jnp.dtype(preferred_element_type)
   )
-  return quantized_ragged_dot(
-    lhs, rhs, jnp.asarray(group_sizes), key, config, precision, preferred
-  )
+  static = (config, precision, preferred)
+
+  def run(lhs, rhs, group_sizes, key):
+    return quantized_ragged_dot(lhs, rhs, group_sizes, key, *static)
+
+  def out_type():  # lax's output type (explicit axes: its sharding)
+    return jax.eval_shape(
+      functools.partial(
+        lax.ragged_dot,
+        preferred_element_type=preferred,
+        out_sharding=out_sharding,
+      ),
+      lhs,
+      rhs,
+      group_sizes,
+    )
+
+  args = (lhs, rhs, jnp.asarray(group_sizes), key)
+  return run_typed(run, args, out_type, out_sharding)

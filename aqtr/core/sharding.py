@@ -19,8 +19,9 @@
 
     dL = psum_{vma(dL) - vma(L)} dL
 
-Internal API (used by `dot_general.py`): `explicit_axes`, `output_type`,
-`run_on_mesh`, `vma_of`, `match_vma`, `zeros_varying`, `check_tiles`,
+Internal API (used by `dot_general.py` and `ragged_dot.py`):
+`explicit_axes`, `output_type`, `run_on_mesh`, `run_typed`, `vma_of`,
+`match_vma`, `zeros_varying`, `check_tiles`, `check_meshes`,
 `check_operands`, `permute_sharding`, `constrain`,
 `gather_specs`, `keep_on_shards`; `collectives` reads a compiled module's
 collective ops and their bytes.
@@ -47,10 +48,16 @@ from jax import lax
 from jax.sharding import AxisType
 
 
-def explicit_axes() -> tuple[str, ...]:
-  """The current mesh's explicit axes (empty without a mesh)."""
+def explicit_axes(*operands) -> tuple[str, ...]:
+  """The current mesh's explicit axes (empty without a mesh).
+
+  Without a mesh set (`jax.set_mesh`), the mesh of the first of `operands`
+  that has one (explicitly sharded arrays carry theirs).
+  """
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
+    mesh = _operand_mesh(operands)
+  if mesh is None or mesh.empty:
     return ()
   return tuple(
     n
@@ -76,6 +83,47 @@ def output_type(lhs, rhs, dimension_numbers, preferred, out_sharding):
     )
 
   return jax.eval_shape(dot, lhs, rhs)
+
+
+def _mesh_of(x):
+  """The (abstract) mesh `x`'s type is sharded on, or None."""
+  x = getattr(x, 'qvalue', x)  # A stored QTensor: its values' mesh.
+  if not hasattr(x, 'shape'):
+    return None
+  mesh = getattr(getattr(jax.typeof(x), 'sharding', None), 'mesh', None)
+  return None if mesh is None or mesh.empty else mesh
+
+
+def _operand_mesh(operands):
+  return next(filter(None, map(_mesh_of, operands)), None)
+
+
+def _axes(mesh) -> str:
+  return ', '.join(f'{n}={k}' for n, k in mesh.shape.items())
+
+
+def check_meshes(lhs, rhs) -> None:
+  """Raises when the operands lie on different meshes, or on a mesh other
+  than the one `jax.set_mesh` set (compared by axis names and sizes)."""
+  context = jax.sharding.get_abstract_mesh()
+  seen = []
+  for name, x in (('lhs', lhs), ('rhs', rhs)):
+    mesh = _mesh_of(x)
+    if mesh is None:
+      continue
+    if not context.empty and dict(mesh.shape) != dict(context.shape):
+      raise ValueError(
+        f'{name} is sharded on a mesh with axes ({_axes(mesh)}), but the '
+        f'mesh set by jax.set_mesh has axes ({_axes(context)}); put it on '
+        'that mesh (jax.device_put / jax.sharding.reshard).'
+      )
+    seen.append((name, mesh))
+  if len(seen) == 2 and dict(seen[0][1].shape) != dict(seen[1][1].shape):
+    raise ValueError(
+      f'rhs is sharded on a mesh with axes ({_axes(seen[1][1])}), but lhs '
+      f'on one with axes ({_axes(seen[0][1])}); put both operands on one '
+      'mesh.'
+    )
 
 
 def vma_of(x) -> frozenset:
@@ -172,7 +220,7 @@ def gather_specs(lhs, rhs, fwd):
   Read from the explicit sharding types (outside `auto_axes`); a QTensor
   operand or an operand without `quantized_gather` gets None.
   """
-  if not explicit_axes():
+  if not explicit_axes(lhs, rhs):
     return None
   specs = []
   for x, cfg in ((lhs, fwd.lhs), (rhs, fwd.rhs)):
@@ -278,9 +326,23 @@ def run_on_mesh(run, args, structs, dn, preferred, out_sharding, state=None):
   With calibration `state` (the last of `args`), `run` returns
   (out, new_state) and the new state is replicated like the state.
   """
+
+  def out_type():
+    return output_type(*structs, dn, preferred, out_sharding)
+
+  return run_typed(run, args, out_type, out_sharding, state)
+
+
+def run_typed(run, args, out_type, out_sharding, state=None):
+  """`run(*args)` with the output type `out_type()` (a ShapeDtypeStruct
+  with lax's sharding, asked for under explicit axes only); `args[:2]` are
+  the operands; `state` as in `run_on_mesh`."""
+  if jax.sharding.get_abstract_mesh().empty and explicit_axes(*args[:2]):
+    # Explicitly sharded operands, no mesh set: run under theirs.
+    with jax.sharding.use_abstract_mesh(_operand_mesh(args[:2])):
+      return run_typed(run, args, out_type, out_sharding, state)
   if explicit_axes():
-    out = output_type(*structs, dn, preferred, out_sharding)
-    sharding = out.sharding
+    sharding = out_type().sharding
     if state is not None:
       sharding = (sharding, jax.tree.map(lambda _: jax.P(), state))
     return jax.sharding.auto_axes(run, out_sharding=sharding)(*args)
@@ -296,7 +358,9 @@ def zeros_varying(struct, vma: frozenset) -> jax.Array:
 
 
 def check_operands(lhs, rhs, dimension_numbers, tile: int | None) -> None:
-  """`check_tiles` for both float operands (a stored QTensor is skipped)."""
+  """`check_meshes`, then `check_tiles` for both float operands (a stored
+  QTensor is skipped)."""
+  check_meshes(lhs, rhs)
   (lc, rc), _ = dimension_numbers
   for x, axes, name in ((lhs, lc, 'lhs'), (rhs, rc, 'rhs')):
     if not hasattr(x, 'qvalue'):

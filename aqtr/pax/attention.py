@@ -27,7 +27,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from aqtr.pax import ops, tags
+from aqtr.pax import ops, sharding, tags
 from aqtr.pax.linear import Linear
 
 __all__ = ['Attention']
@@ -65,7 +65,7 @@ class Attention(nn.Module):
         f'Attention: projection size {f} is not divisible by num_heads='
         f'{self.num_heads}.'
       )
-    return x.reshape(b, t, self.num_heads, f // self.num_heads)
+    return sharding.split_heads(x, self.num_heads)
 
   def __call__(self, x: jax.Array) -> jax.Array:
     """[batch, time, d] -> [batch, time, d]."""
@@ -81,5 +81,4 @@ class Attention(nn.Module):
       logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
     out = ops.einsum(self.pv_einsum, 'bnts,bsnh->btnh', probs, v)
-    b, t = out.shape[:2]
-    return self.o_proj(out.reshape(b, t, -1))
+    return self.o_proj(sharding.merge_heads(out))

@@ -26,7 +26,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from aqtr.pax import ops, tags
+from aqtr.pax import ops, sharding, tags
 from aqtr.pax.linear import Initializer, add_bias
 
 __all__ = ['Embedding', 'SharedEmbeddingSoftmax', 'Softmax']
@@ -35,7 +35,7 @@ _EMBEDDING_INIT = nn.initializers.normal(stddev=0.02)
 
 
 def _lookup(table: jax.Array, ids: jax.Array, scale: bool) -> jax.Array:
-  x = jnp.take(table, ids, axis=0)
+  x = sharding.lookup(table, ids)  # Explicit axes: sharded like the ids.
   return x * jnp.sqrt(table.shape[-1]).astype(x.dtype) if scale else x
 
 

@@ -29,6 +29,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from aqtr.pax import sharding
 from aqtr.pax.attention import Attention
 from aqtr.pax.feedforward import FeedForward
 from aqtr.pax.linear import Initializer
@@ -106,5 +107,4 @@ def next_token_loss(logits: jax.Array, ids: jax.Array) -> jax.Array:
     1.386...
   """
   logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
-  picked = jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1)
-  return -jnp.mean(picked)
+  return -jnp.mean(sharding.pick(logp, ids[:, 1:]))

@@ -6,7 +6,11 @@ over n devices (axis 'data'), (d, m) data x model parallel (axes 'data',
 parameter whose last axis the model axis divides is split along it (the
 projections' output features), the rest replicated. The compiler
 (auto axis types) places the collectives; the quantized dots compute what
-they compute on one device, so losses match a single-device run.
+they compute on one device, so losses match a single-device run up to
+float summation order (XLA sums per-example reductions in an order that
+depends on the per-device batch shape; an int8 rounding that flips on
+such a last-bit difference moves later steps by ~1e-5 relative, as much
+as computing each example alone on one device does).
 
 On CPU, give the host several devices before JAX starts:
 

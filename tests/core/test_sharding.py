@@ -252,6 +252,80 @@ def test_tile_split_across_devices_is_an_error():
     jax.jit(_dot(_subchannel(tile_size=4), out_sharding=P()))(xs, ws)
 
 
+def test_mx_block_split_across_devices_is_an_error():
+  """An MX block (32 values sharing a power-of-two scale) must not span
+  devices: K = 32 over 8 devices leaves 4 values per device."""
+  mesh = jax.make_mesh((8,), ('k',))
+  x, w, _ = _data()
+  with jax.set_mesh(mesh):
+    xs, ws = _on_mesh(mesh, (P(None, None, 'k'), P(None, 'k')), x, w)
+    with pytest.raises(ValueError, match='lhs: .* mesh axis k .* tile of 32'):
+      jax.jit(_dot(presets.mxfp8(), out_sharding=P()))(xs, ws)
+
+
+def test_local_shard_count_not_dividing_k_names_the_operand():
+  x, w, _ = _data()  # K = 32.
+  with pytest.raises(ValueError, match='^lhs: SubChannel.tile_count=3 '):
+    _dot(_subchannel(tile_count=3))(x, w)
+
+
+def test_mismatched_meshes_are_an_error():
+  x, w, _ = _data()
+  one = jax.make_mesh((8,), ('k',))
+  two = jax.make_mesh((2, 4), ('a', 'b'))
+  xs = jax.device_put(x, NamedSharding(one, P(None, None, 'k')))
+  ws = jax.device_put(w, NamedSharding(two, P('a')))
+  with pytest.raises(ValueError, match=r'^rhs .* axes \(a=2, b=4\), but lhs'):
+    jax.jit(_dot(presets.int8()))(xs, ws)
+  with jax.set_mesh(two):
+    with pytest.raises(ValueError, match=r'^lhs .* axes \(k=8\), but the'):
+      jax.jit(_dot(presets.int8()))(xs, ws)
+
+
+def test_explicit_operands_without_a_mesh_set():
+  """Explicitly sharded operands, no `jax.set_mesh`: run as lax does."""
+  mesh = jax.make_mesh((8,), ('a',))
+  x, w, ct = _data()
+  xs = jax.device_put(x, NamedSharding(mesh, P(None, 'a')))  # M split.
+  ws = jax.device_put(w, NamedSharding(mesh, P()))
+  dot = _dot(presets.int8())
+  got = jax.jit(lambda a, b: _vjp(dot, a, b, ct))(xs, ws)
+  assert got[0].sharding.is_equivalent_to(xs.sharding, 3)
+  assert got[1].sharding.is_equivalent_to(xs.sharding, 3)
+  _compare(
+    got, jax.jit(lambda a, b: _vjp(dot, a, b, ct))(x, w), True, 'no set_mesh'
+  )
+
+
+def test_ragged_dot_takes_out_sharding():
+  """Token rows split over 8 devices, experts replicated: int8 values and
+  gradients equal one device bit for bit (per-row and per-expert scales
+  reduce only within a device); a mismatched mesh names the operand."""
+  mesh = jax.make_mesh((8,), ('a',))
+  kx, kw, kc = jax.random.split(jax.random.key(3), 3)
+  x, ct = jax.random.normal(kx, (16, 32)), jax.random.normal(kc, (16, 8))
+  w, sizes = jax.random.normal(kw, (2, 32, 8)), jnp.array([8, 8])
+
+  def vjp(a, b, out_sharding=None):
+    def dot(a, b):
+      cfg = presets.int8()
+      return aqtr.ragged_dot(a, b, sizes, cfg, out_sharding=out_sharding)
+
+    out, f = jax.vjp(dot, a, b)
+    return (out,) + f(ct)
+
+  want = jax.jit(vjp)(x, w)
+  with jax.set_mesh(mesh):
+    xs, ws = _on_mesh(mesh, (P('a'), P()), x, w)
+    got = jax.jit(lambda a, b: vjp(a, b, P('a')))(xs, ws)
+    assert jax.typeof(got[0]).sharding.spec == P('a', None)
+  _compare(got, want, True, 'ragged_dot')
+  other = jax.make_mesh((2, 4), ('c', 'd'))
+  wo = jax.device_put(w, NamedSharding(other, P()))
+  with pytest.raises(ValueError, match=r'^rhs .* axes \(c=2, d=4\)'):
+    jax.jit(vjp)(jax.device_put(x, NamedSharding(mesh, P('a'))), wo)
+
+
 def _ops(compiled_text: str) -> list[str]:
   return [op for op, _, _ in sharding.collectives(compiled_text)]
 
