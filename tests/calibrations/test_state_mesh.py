@@ -44,6 +44,10 @@ def _step(cfg):
   return step
 
 
+def _close(a, b):
+  np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize('axis_type', [AxisType.Auto, AxisType.Explicit])
 @pytest.mark.parametrize('name', ['fp8_delayed', 'lsq_pact'])
 def test_state_on_a_mesh_equals_one_device(axis_type, name):
@@ -64,5 +68,4 @@ def test_state_on_a_mesh_equals_one_device(axis_type, name):
   # bit for bit. The loss and the gradients sum over the sharded batch, in
   # another order across devices: equal to float rounding.
   jax.tree.map(np.testing.assert_array_equal, got[3], want[3])
-  for a, b in zip(jax.tree.leaves(got[:3]), jax.tree.leaves(want[:3])):
-    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  jax.tree.map(_close, got[:3], want[:3])
