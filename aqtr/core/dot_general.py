@@ -71,6 +71,7 @@ from aqtr.core.sharding import (
   vma_of,
   zeros_varying,
 )
+from aqtr.core.sparsify import prune_operands
 from aqtr.core.zero_point import reuse_term
 
 # ------------------------------------------------------------------- forward
@@ -83,11 +84,13 @@ def _fwd(
   lay = DotLayout.create(struct_of(lhs).shape, struct_of(rhs).shape, dn)
   keys = PassKeys.split(key)
   stored = isinstance(lhs, QTensor) or isinstance(rhs, QTensor)
+  lhs, rhs, *terms = prune_operands(lhs, rhs, lay, cfg)  # Sparsity.
   if not (cfg.fwd.lhs.quantized or cfg.fwd.rhs.quantized or stored):
     out = lax.dot_general(
       lhs, rhs, dn, precision=precision, preferred_element_type=preferred
     )
-    return out, _residuals(lhs, rhs, None, None, lay, cfg, keys)
+    res = _residuals(lhs, rhs, None, None, lay, cfg, keys)
+    return out, _with_terms(res, terms)
   rhs_form = rhs.form if isinstance(rhs, QTensor) else lay.rhs.natural_form()
   tile = common_tile([cfg.fwd.lhs, cfg.fwd.rhs], lay.lhs.k)
   q_lhs = forward_operand(
@@ -106,7 +109,12 @@ def _fwd(
     jnp.result_type(*floats) if floats else jnp.dtype(jnp.float32)
   )
   res = _residuals(lhs, rhs, q_lhs, q_rhs, lay, cfg, keys, q_lhs_t)
-  return out.astype(out_dtype), res
+  return out.astype(out_dtype), _with_terms(res, terms)
+
+
+def _with_terms(res: Residuals, terms) -> Residuals:
+  """Residuals with the SR-STE gradient terms of the operands (or None)."""
+  return dataclasses.replace(res, sr_lhs=terms[0], sr_rhs=terms[1])
 
 
 def _reuses_q_lhs(lhs, q_lhs, cfg: DotGeneralConfig) -> bool:
@@ -185,16 +193,21 @@ def _bwd(dn, cfg: DotGeneralConfig, precision, preferred, specs, res, g):
   ctx = _Backward(lay, precision, preferred)
   dl = dr = None  # No gradient reaches a stored QTensor operand.
   if not res.lhs_stored:
-    dl = _masked(_dlhs(ctx, cfg.dlhs, res, g), res.mask_lhs)
+    dl = _plus(_masked(_dlhs(ctx, cfg.dlhs, res, g), res.mask_lhs), res.sr_lhs)
     dl = match_vma(dl.astype(res.lhs_struct.dtype), res.lhs_vma)
   if not res.rhs_stored:
-    dr = _masked(_drhs(ctx, cfg.drhs, res, g), res.mask_rhs)
+    dr = _plus(_masked(_drhs(ctx, cfg.drhs, res, g), res.mask_rhs), res.sr_rhs)
     dr = match_vma(dr.astype(res.rhs_struct.dtype), res.rhs_vma)
   return (*first_order_only(dl, dr), None)  # Differentiating again raises.
 
 
 def _masked(grad: jax.Array, mask: jax.Array | None) -> jax.Array:
   return grad if mask is None else jnp.where(mask, grad, jnp.zeros_like(grad))
+
+
+def _plus(grad: jax.Array, term: jax.Array | None) -> jax.Array:
+  """The gradient plus a sparsity's SR-STE term (`sparsify.decay_term`)."""
+  return grad if term is None else grad + term.astype(grad.dtype)
 
 
 def _float_grad(ctx: _Backward, lhs, rhs, g, wrt: int) -> jax.Array:

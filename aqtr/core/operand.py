@@ -15,6 +15,7 @@ from aqtr.core.passes import PassKeys, common_tile, forward_operand
 from aqtr.core.qtensor import QTensor
 from aqtr.core.quantizer import check_float
 from aqtr.core.rounding import as_typed_key
+from aqtr.core.sparsify import prune
 
 
 def quantize_operand(
@@ -30,7 +31,8 @@ def quantize_operand(
 
   The result can be stored (e.g. frozen int8 weights) and passed to
   `dot_general` in place of the float operand: the output is bit-identical
-  to running the float operand through the same config.
+  to running the float operand through the same config (pruned by its
+  sparsity first, as the forward pass does).
 
   Args:
     x: the float operand.
@@ -101,6 +103,7 @@ def quantize_in_layout(
       f'config.fwd.{operand} is not quantized; nothing to freeze.'
     )
   form = 'fk' if operand == 'lhs' else layout.natural_form()
+  x, _ = prune(x, cfg, layout, form, f'config.fwd.{operand}')
   tile = common_tile([config.fwd.lhs, config.fwd.rhs], layout.k)
   keys = PassKeys.split(as_typed_key(key))
   key = keys.fwd_lhs if operand == 'lhs' else keys.fwd_rhs

@@ -1,0 +1,98 @@
+"""Pruning an operand before it is quantized (`TensorConfig.sparsity`).
+
+Math: `x_s = M * x` with `M = sparsity.mask(x3, axis)`, computed on the
+operand in the canonical layout the dot sees it in ([B, F, K] or
+[B, K, F], `axis` its contraction K). The engine prunes the forward
+operands once, at the start of the forward pass, so `x_s` is what every
+pass sees (the forward dot and the backward residuals) and `Q(x_s)` is
+what is stored and served. Gradient: straight-through to the dense `x`,
+plus `decay * (1 - M) * x` with SR-STE (`Sparsity.decay > 0`; Zhou et al.
+2021, arXiv 2102.04010), added by the custom VJP after the numerics'
+gradient mask.
+
+Internal API (used by `dot_general.py`, `quantizer.py`, `operand.py`):
+`prune`, `decay_term`, `prune_operands`, `sr_ste_zero`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from aqtr.core.config import DotGeneralConfig, TensorConfig
+from aqtr.core.dimension_numbers import DotLayout, OperandLayout
+from aqtr.core.qtensor import QTensor
+
+
+def _mask(x, t: TensorConfig, layout: OperandLayout, form: str, path: str):
+  """The keep-mask of `x` (in its own layout) along the contraction."""
+  try:
+    t.sparsity.check_size(layout.k)
+  except ValueError as e:
+    raise ValueError(f'{path}.sparsity: {e}') from None
+  x3 = layout.to_canonical(x, form).astype(jnp.float32)
+  m3 = t.sparsity.mask(x3, 2 if form == 'fk' else 1)
+  return layout.from_canonical(m3, form)
+
+
+def prune(
+  x: jax.Array,
+  t: TensorConfig,
+  layout: OperandLayout,
+  form: str,
+  path: str,
+) -> tuple[jax.Array, jax.Array | None]:
+  """(x_s, keep-mask or None) of one float operand.
+
+  Args:
+    x: the operand in its own layout.
+    t: its TensorConfig (`t.sparsity` applies; 'none' returns `x`, None).
+    layout: its OperandLayout in the dot.
+    form: the canonical form the mask is computed in ('fk' / 'kf').
+    path: e.g. 'config.fwd.rhs', for error messages.
+  """
+  if not t.sparse:
+    return x, None
+  mask = _mask(x, t, layout, form, path)
+  return jnp.where(mask, x, jnp.zeros_like(x)), mask
+
+
+def decay_term(
+  x: jax.Array, t: TensorConfig, mask: jax.Array | None
+) -> jax.Array | None:
+  """SR-STE: `decay * (1 - M) * x`, added to x's gradient; None if unused."""
+  if mask is None or not t.sparsity.decay:
+    return None
+  term = jnp.where(mask, jnp.zeros_like(x), x)
+  return (t.sparsity.decay * term).astype(x.dtype)
+
+
+def prune_operands(lhs, rhs, lay: DotLayout, cfg: DotGeneralConfig):
+  """(lhs_s, rhs_s, term_lhs, term_rhs): both forward operands pruned.
+
+  The terms are the SR-STE gradient terms (`decay_term`) or None. Stored
+  QTensor operands (`aqtr.quantize_operand`, pruned when made) are
+  returned as they are.
+  """
+  out = []
+  for side, x, form in (
+    ('lhs', lhs, 'fk'),
+    ('rhs', rhs, lay.rhs.natural_form()),
+  ):
+    t = getattr(cfg.fwd, side)
+    if isinstance(x, QTensor) or not t.sparse:
+      out.append((x, None))
+      continue
+    pruned, mask = prune(x, t, getattr(lay, side), form, f'config.fwd.{side}')
+    out.append((pruned, decay_term(x, t, mask)))
+  (lhs, term_l), (rhs, term_r) = out
+  return lhs, rhs, term_l, term_r
+
+
+def sr_ste_zero(x: jax.Array, t: TensorConfig, mask: jax.Array) -> jax.Array:
+  """Zero, whose gradient w.r.t. `x` is `decay_term` (for fake quant).
+
+  `u - stop_gradient(u)` with `u = decay / 2 * (1 - M) * x^2`.
+  """
+  u = 0.5 * t.sparsity.decay * jnp.where(mask, jnp.zeros_like(x), x * x)
+  return u - jax.lax.stop_gradient(u)
