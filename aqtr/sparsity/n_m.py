@@ -112,6 +112,7 @@ class NM(Sparsity):
     score = g.astype(jnp.float32).sum(-1)  # [..., G, m]
     score = jnp.where(jnp.isnan(score), jnp.inf, score)
     _, idx = lax.top_k(score, self.n)  # [..., G, n]
-    keep = (idx[..., None] == jnp.arange(self.m)).any(-2)
+    slots = jnp.arange(self.m).reshape((1,) * idx.ndim + (self.m,))
+    keep = (idx[..., None] == slots).any(-2)
     keep = jnp.broadcast_to(keep[..., None], g.shape)
     return jnp.moveaxis(self.ungroup(keep), -1, axis)

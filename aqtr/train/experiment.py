@@ -51,6 +51,7 @@ from aqtr.fiddlers import (  # noqa: F401
   use_calibration,
   use_numerics,
   use_rounding,
+  use_sparsity,
   use_tiling,
 )
 from aqtr.train import mesh as mesh_lib
