@@ -44,7 +44,7 @@ from aqtr.core.scale import (
   scale_from_range,
   scale_shape,
 )
-from aqtr.core.sparsify import prune, sr_ste_zero
+from aqtr.core.sparsify import prune
 
 
 def _blocked(calibrate, x: jax.Array, axes, free_axis: int, rows: int):
@@ -242,8 +242,9 @@ def fake_quant(
 
   The value is `quantize(x).dequant()`; the gradient is straight-through,
   masked by the numerics' clip_gradient, and no gradient reaches the scale.
-  A pruning sparsity passes the gradient to the dense `x` (plus its SR-STE
-  term `decay * (1 - M) * x`).
+  A pruning sparsity passes the gradient to the dense `x` (SR-STE's added
+  `decay * (1 - M) * x` does not depend on the loss, so only the engine's
+  custom VJP, `aqtr.dot_general`, adds it).
 
   Example:
     >>> import jax.numpy as jnp, aqtr
@@ -253,12 +254,10 @@ def fake_quant(
   """
   config = config or TensorConfig()
   xs = jax.lax.stop_gradient(x)
-  qt, mask4, keep = _quantize(xs, config, contracting_axes, batch_axes, key)
+  qt, mask4, _ = _quantize(xs, config, contracting_axes, batch_axes, key)
   xhat = qt.dequant(jnp.result_type(x))
   st = x - xs
   if mask4 is not None:
     mask = qt.layout.from_canonical(from_view(mask4, 'fk'), 'fk')
     st = jnp.where(mask, st, jnp.zeros_like(st))
-  if keep is not None and config.sparsity.decay:
-    st = st + sr_ste_zero(x, config, keep)
   return xhat + st

@@ -8,10 +8,12 @@ pass sees (the forward dot and the backward residuals) and `Q(x_s)` is
 what is stored and served. Gradient: straight-through to the dense `x`,
 plus `decay * (1 - M) * x` with SR-STE (`Sparsity.decay > 0`; Zhou et al.
 2021, arXiv 2102.04010), added by the custom VJP after the numerics'
-gradient mask.
+gradient mask. That term does not depend on the output's cotangent: it is
+added once per call whose VJP is taken (accumulating k micro-batches adds
+it k times; scale `decay` accordingly).
 
 Internal API (used by `dot_general.py`, `quantizer.py`, `operand.py`):
-`prune`, `decay_term`, `prune_operands`, `sr_ste_zero`.
+`prune`, `decay_term`, `prune_operands`.
 """
 
 from __future__ import annotations
@@ -87,12 +89,3 @@ def prune_operands(lhs, rhs, lay: DotLayout, cfg: DotGeneralConfig):
     out.append((pruned, decay_term(x, t, mask)))
   (lhs, term_l), (rhs, term_r) = out
   return lhs, rhs, term_l, term_r
-
-
-def sr_ste_zero(x: jax.Array, t: TensorConfig, mask: jax.Array) -> jax.Array:
-  """Zero, whose gradient w.r.t. `x` is `decay_term` (for fake quant).
-
-  `u - stop_gradient(u)` with `u = decay / 2 * (1 - M) * x^2`.
-  """
-  u = 0.5 * t.sparsity.decay * jnp.where(mask, jnp.zeros_like(x), x * x)
-  return u - jax.lax.stop_gradient(u)
