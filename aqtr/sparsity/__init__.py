@@ -8,7 +8,14 @@ The engine applies an operand's sparsity before quantizing it, in every
 pass the operand appears in; see `aqtr.core.algorithms.Sparsity`.
 """
 
-from aqtr.sparsity.base import Sparsity, get, names, register, registry
+from aqtr.sparsity.base import (
+  Sparsity,
+  configure,
+  get,
+  names,
+  register,
+  registry,
+)
 from aqtr.sparsity.magnitude import Magnitude
 from aqtr.sparsity.n_m import NM
 from aqtr.sparsity.none import NoSparsity
@@ -18,6 +25,7 @@ __all__ = [
   'Magnitude',
   'NoSparsity',
   'Sparsity',
+  'configure',
   'get',
   'names',
   'register',
