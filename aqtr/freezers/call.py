@@ -23,6 +23,7 @@ from aqtr.calibrations.constant import Constant
 from aqtr.core.config import DotGeneralConfig, TensorConfig
 from aqtr.core.dimension_numbers import DotLayout, OperandLayout
 from aqtr.core.operand import quantize_in_layout
+from aqtr.core.passes import common_tile
 from aqtr.core.qtensor import QTensor
 
 
@@ -85,6 +86,14 @@ class OperandCall:
   def form(self) -> str:
     """The view the engine keeps this operand's QTensor in ('fk' / 'kf')."""
     return 'fk' if self.side == 'lhs' else self.layout.natural_form()
+
+  @property
+  def tile(self) -> int | None:
+    """The dot's tile size along the contraction (None: untiled), as in
+    the view of `quantize()`'s values."""
+    return common_tile(
+      [self.config.fwd.lhs, self.config.fwd.rhs], self.layout.k
+    )
 
   def canonical(self) -> jax.Array:
     """The operand as [batch, free, contraction] (each axis group merged)."""
