@@ -21,11 +21,11 @@ report the final train and validation losses and their gap.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import platform
 import subprocess
 import time
 
-import fiddle as fdl
 import jax
 import numpy as np
 
@@ -89,16 +89,8 @@ def bytes_table(template, task, params) -> list[str]:
 
 def loss_gap(exp, template, task, warmup: int, steps: int) -> list[str]:
   def run(name, config, n, params=None):
-    e = fdl.build(
-      fdl.Config(
-        type(exp),
-        **{
-          **{k: getattr(exp, k) for k in exp.__dataclass_fields__},
-          'steps': n,
-          'eval_every': n,
-          'log_every': min(n, exp.log_every),
-        },
-      )
+    e = dataclasses.replace(
+      exp, steps=n, eval_every=n, log_every=min(n, exp.log_every)
     )
     return loop.train(
       name, config, e, task, template, params=params, show_progress=False
