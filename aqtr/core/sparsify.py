@@ -89,3 +89,47 @@ def prune_operands(lhs, rhs, lay: DotLayout, cfg: DotGeneralConfig):
     out.append((pruned, decay_term(x, t, mask)))
   (lhs, term_l), (rhs, term_r) = out
   return lhs, rhs, term_l, term_r
+
+
+# ------------------------------------------------------------------ schedule
+
+
+def schedule_init(x: jax.Array) -> dict:
+  """The schedule state of an operand shaped like `x`: a dense mask (1.0)
+  and step 0 (float32, so it can be a differentiable input)."""
+  return {
+    'mask': jnp.ones(jnp.shape(x), jnp.float32),
+    'step': jnp.zeros((), jnp.float32),
+  }
+
+
+def has_schedule(t: TensorConfig) -> bool:
+  """Whether the operand's mask needs state (a start or held steps)."""
+  s = t.sparsity
+  return s.prunes and (s.start_step > 0 or s.update_step > 1)
+
+
+def scheduled_prune(
+  x: jax.Array,
+  t: TensorConfig,
+  layout: OperandLayout,
+  form: str,
+  path: str,
+  site: dict,
+) -> tuple[jax.Array, jax.Array, dict]:
+  """(x_s, mask, new site): the mask as the schedule says at `site['step']`.
+
+  Before `start_step` the mask is dense; at `start_step + j * update_step`
+  it is made from `x`; in between the stored one is held. The new site
+  holds the mask used and the next step.
+  """
+  s = t.sparsity
+  step = site['step']
+  held = site['mask'] > 0.5
+  fresh = _mask(x, t, layout, form, path)
+  active = step >= s.start_step
+  since = jnp.maximum(step - s.start_step, 0.0)
+  refresh = active & (jnp.mod(since, float(s.update_step)) == 0)
+  mask = jnp.where(refresh, fresh, held) | ~active
+  new = {'mask': mask.astype(jnp.float32), 'step': step + 1.0}
+  return jnp.where(mask, x, jnp.zeros_like(x)), mask, new
