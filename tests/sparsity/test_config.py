@@ -91,3 +91,10 @@ def test_role_tags_and_fiddler():
   with pytest.raises(ValueError, match=r'fwd\.rhs.*NM\.n must be < NM\.m'):
     aqtr.fiddlers.use_sparsity(cfg, r'fwd\.rhs', 'n_m', n=8, m=8)
   assert tags.Sparsity in fdl.get_tags(cfg.fwd.rhs, 'sparsity')
+
+
+def test_check_shapes_names_the_sparsity_path():
+  cfg = sparsity.configure(presets.int8(), lhs=sparsity.NM(n=1, m=8))
+  aqtr.validation.check_shapes(cfg, (4, 64), (64, 3), DN)
+  with pytest.raises(ValueError, match=r'^fwd\.lhs\.sparsity: NM.*= 8, got 60'):
+    aqtr.validation.check_shapes(cfg, (4, 60), (60, 3), DN)
