@@ -84,7 +84,7 @@ def _fwd(
   lay = DotLayout.create(struct_of(lhs).shape, struct_of(rhs).shape, dn)
   keys = PassKeys.split(key)
   stored = isinstance(lhs, QTensor) or isinstance(rhs, QTensor)
-  lhs, rhs, *terms = prune_operands(lhs, rhs, lay, cfg)  # Sparsity.
+  lhs, rhs, terms, _ = prune_operands(lhs, rhs, lay, cfg)  # Sparsity.
   if not (cfg.fwd.lhs.quantized or cfg.fwd.rhs.quantized or stored):
     out = lax.dot_general(
       lhs, rhs, dn, precision=precision, preferred_element_type=preferred

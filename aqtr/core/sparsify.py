@@ -69,26 +69,44 @@ def decay_term(
   return (t.sparsity.decay * term).astype(x.dtype)
 
 
-def prune_operands(lhs, rhs, lay: DotLayout, cfg: DotGeneralConfig):
-  """(lhs_s, rhs_s, term_lhs, term_rhs): both forward operands pruned.
+def prune_operands(lhs, rhs, lay: DotLayout, cfg: DotGeneralConfig, sites=None):
+  """Both forward operands pruned: (lhs_s, rhs_s, terms, new sites).
 
-  The terms are the SR-STE gradient terms (`decay_term`) or None. Stored
+  `terms` are the SR-STE gradient terms (`decay_term`, or None) of lhs and
+  rhs. A sparsity with a schedule (`has_schedule`) reads its mask state
+  from `sites` ({'lhs': site, 'rhs': site}, see `schedule_init`) and
+  returns the next one in `new sites`; without a site it raises. Stored
   QTensor operands (`aqtr.quantize_operand`, pruned when made) are
   returned as they are.
   """
-  out = []
+  sites = sites or {}
+  out, terms, new = {}, [], {}
   for side, x, form in (
     ('lhs', lhs, 'fk'),
     ('rhs', rhs, lay.rhs.natural_form()),
   ):
     t = getattr(cfg.fwd, side)
     if isinstance(x, QTensor) or not t.sparse:
-      out.append((x, None))
+      out[side] = x
+      terms.append(None)
       continue
-    pruned, mask = prune(x, t, getattr(lay, side), form, f'config.fwd.{side}')
-    out.append((pruned, decay_term(x, t, mask)))
-  (lhs, term_l), (rhs, term_r) = out
-  return lhs, rhs, term_l, term_r
+    path, layout = f'config.fwd.{side}', getattr(lay, side)
+    if has_schedule(t):
+      site = sites.get(side)
+      if site is None:
+        raise ValueError(
+          f'{path}.sparsity: {t.sparsity!r} has a schedule (start_step > 0 '
+          'or update_step > 1) and needs its mask state: call '
+          'aqtr.dot_general(..., state=aqtr.state.init(lhs, rhs, '
+          'dimension_numbers, config)).'
+        )
+      out[side], mask, new[side] = scheduled_prune(
+        x, t, layout, form, path, site
+      )
+    else:
+      out[side], mask = prune(x, t, layout, form, path)
+    terms.append(decay_term(x, t, mask))
+  return out['lhs'], out['rhs'], terms, new
 
 
 # ------------------------------------------------------------------ schedule

@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import aqtr
 from aqtr import sparsity
@@ -41,3 +42,12 @@ def test_has_schedule():
   assert not sparsify.has_schedule(aqtr.TensorConfig(sparsity=sparsity.NM()))
   for s in (sparsity.NM(start_step=1), sparsity.Magnitude(update_step=2)):
     assert sparsify.has_schedule(aqtr.TensorConfig(sparsity=s))
+
+
+def test_a_schedule_without_state_is_an_error():
+  cfg = sparsity.configure(aqtr.presets.int8(), rhs=sparsity.NM(start_step=10))
+  x, w = jnp.ones((2, 8)), jnp.ones((8, 4))
+  with pytest.raises(ValueError) as e:
+    aqtr.dot_general(x, w, (((1,), (0,)), ((), ())), cfg)
+  msg = str(e.value)
+  assert msg.startswith('config.fwd.rhs.sparsity: NM(') and 'state' in msg
