@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from aqtr.calibrations.absmax import AbsMax
 from aqtr.calibrations.base import Calibration
+from aqtr.calibrations.delayed_scaling import DelayedScaling
+from aqtr.calibrations.lsq import Lsq
 from aqtr.calibrations.minmax import MinMax
 from aqtr.core.config import DotGeneralConfig, DotGeneralRaw, TensorConfig
 from aqtr.core.rounding import NearestEven, Rounding, Stochastic
@@ -36,9 +38,11 @@ __all__ = [
   'aqt_v4',
   'float',
   'fp8',
+  'fp8_delayed',
   'fp8_nanoo',
   'fully_quantized',
   'int4_asym_weight_only',
+  'int4_lsq',
   'int4_weight_only',
   'int8',
   'int8_fwd',
@@ -312,4 +316,52 @@ def int4_asym_weight_only(group: int = 128) -> DotGeneralConfig:
     IntAsymmetric(bits=4, storage='uint8', clip_gradient=False),
     tiling=_tiles(group),
     calibration=MinMax(po2_scale=False),
+  )
+
+
+def fp8_delayed(history_length: int = 16) -> DotGeneralConfig:
+  """FP8 with delayed scaling (Peng et al. 2023, arXiv 2310.18313).
+
+  e4m3 weights and activations, e5m2 gradients, each per tensor with the
+  bound taken from the max of its last `history_length` amax values
+  (`DelayedScaling`); the gradients' histories update in the backward
+  passes. Calls need `state=aqtr.state.init(...)`.
+
+  Args:
+    history_length: amax values kept per tensor, >= 1.
+  """
+  cal = DelayedScaling(history_length=history_length, po2_scale=False)
+
+  def t(dtype_name: str) -> TensorConfig:
+    return _t(
+      Fp8(dtype_name=dtype_name, clip_gradient=False),
+      tiling=PerTensor(),
+      calibration=cal,
+    )
+
+  e4, e5 = t('float8_e4m3fn'), t('float8_e5m2')
+  return DotGeneralConfig(
+    fwd=_raw(e4, e4, False),
+    dlhs=_raw(e5, e4, True),
+    drhs=_raw(e5, e4, True),
+  )
+
+
+def int4_lsq() -> DotGeneralConfig:
+  """LSQ (Esser et al. 2020, arXiv 1902.08153): int4 with learned steps.
+
+  Forward: weights int4 per output channel and activations int4 per
+  tensor, each with a learned step size (`Lsq`, trained by the one custom
+  VJP with the paper's step gradient; init 2 mean|x| / sqrt(7)); the
+  backward passes are float (quantization-aware training, as in the
+  paper). Calls need `state=aqtr.state.init(...)`; the Flax ops keep the
+  steps as params named 'aqtr_learned'.
+  """
+  int4 = IntSymmetric(bits=4, preserve_max_val=True, clip_gradient=False)
+  acts = _t(int4, tiling=PerTensor(), calibration=Lsq())
+  weights = _t(int4, calibration=Lsq())
+  return DotGeneralConfig(
+    fwd=_raw(acts, weights, False),
+    dlhs=_raw(_none(), _none(), False),
+    drhs=_raw(_none(), _none(), False),
   )

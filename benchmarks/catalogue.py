@@ -6,7 +6,8 @@ Three tables, every row built by iterating the registries (`aqtr.numerics`,
 1. SQNR (dB) = 10 log10(sum x^2 / sum (x - fake_quant(x))^2) of every
    numerics x calibration pair that builds (a TensorConfig that rejects the
    pair, e.g. an asymmetric numerics with a symmetric-only calibration, is
-   left out; `constant` is left out: it ignores the data), per-channel
+   left out; `constant` is left out: it ignores the data, and so are the
+   stateful calibrations: their bound depends on past steps), per-channel
    tiling (one scale per row of 1024, or per weight output column; block
    formats MX / NVFP4: their 32 / 16-element blocks), on
    (a) N(0, 1) [256, 1024], (b) Laplace(0, 1) [256, 1024], (c) the main
@@ -71,8 +72,8 @@ def calibration_variants() -> Iterator[tuple[str, Any]]:
   """(label, Calibration) for every registered data-dependent calibration."""
   for name in calibrations.names():
     cls = calibrations.get(name)
-    if name == 'constant':
-      continue
+    if name == 'constant' or issubclass(cls, calibrations.StatefulCalibration):
+      continue  # Stateful ones need state across steps: not a one-shot.
     if name == 'rms':
       yield 'rms 3sd', cls(p=2.0, c=3.0)
       yield 'absmean', cls(p=1.0, c=1.0)

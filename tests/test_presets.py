@@ -165,7 +165,9 @@ def test_every_preset_runs_forward_and_backward():
     for name, cfg in cfgs.items():
 
       def loss(x, w, cfg=cfg):
-        y = aqtr.dot_general(x, w, dn, cfg, key=jax.random.key(0))
+        s = aqtr.state.init(x, w, dn, cfg) or None  # fp8_delayed
+        y = aqtr.dot_general(x, w, dn, cfg, key=jax.random.key(0), state=s)
+        y = y if s is None else y[0]
         return jnp.sum(y * y), y
 
       (_, y), grads = jax.value_and_grad(loss, (0, 1), has_aux=True)(x, w)

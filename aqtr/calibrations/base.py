@@ -11,12 +11,14 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
-from aqtr.core.algorithms import Calibration
+from aqtr.core.algorithms import Calibration, StatefulCalibration, group_shape
 from aqtr.core.registry import Registry
 
 __all__ = [
   'Calibration',
+  'StatefulCalibration',
   'get',
+  'group_shape',
   'names',
   'nonfinite_guard',
   'register',

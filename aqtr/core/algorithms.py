@@ -108,6 +108,60 @@ class Calibration(abc.ABC):
     return self.calibrate(x, axes)
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StatefulCalibration(Calibration):
+  """Base of calibrations that carry state (and maybe learned parameters).
+
+  Subclasses implement `init_state` and `bound_with_state`. Those with
+  learned parameters set `has_learned = True` and implement `value_grad`.
+  `calibrate(x, axes)` is the bound of a fresh state (absmax by default):
+  what `aqtr.state.init` and the stateless contract checks see.
+  """
+
+  has_learned: ClassVar[bool] = False
+  # Whether init_state reads the operand's values (not only its shape).
+  init_from_data: ClassVar[bool] = False
+
+  def calibrate(self, x: jax.Array, axes: Sequence[int]) -> jax.Array:
+    return jnp.max(jnp.abs(x), axis=tuple(axes), keepdims=True)
+
+  @abc.abstractmethod
+  def init_state(self, x, axes: Sequence[int], numerics: Numerics) -> dict:
+    """{'stats': {...}, 'learned': {...}} for operand view `x`.
+
+    Args:
+      x: the operand's view, an array (forward operands) or a
+        ShapeDtypeStruct (gradient operands: their values are not known).
+      axes: the view axes sharing one scale.
+      numerics: the operand's numerics.
+    """
+
+  @abc.abstractmethod
+  def bound_with_state(
+    self, x: jax.Array, axes: Sequence[int], numerics: Numerics, state: dict
+  ) -> tuple[jax.Array, dict]:
+    """(bound, new_state): the bound for `x` and the updated state."""
+
+  def value_grad(
+    self, x: jax.Array, s: jax.Array, numerics: Numerics, state: dict
+  ) -> tuple[dict, jax.Array]:
+    """Learned only: ({name: d xhat/d param per element}, x gradient mask).
+
+    Args:
+      x: the float view; s: its scale (bound / max_value); numerics, state.
+    """
+    raise NotImplementedError(type(self).__name__)
+
+  def grad_scale(self, group_size: int, numerics: Numerics) -> float:
+    """Learned only: the factor on the learned parameters' gradient."""
+    del group_size, numerics
+    return 1.0
+
+
+def group_shape(shape: Sequence[int], axes: Sequence[int]) -> tuple:
+  return tuple(1 if i in axes else d for i, d in enumerate(shape))
+
+
 # ----------------------------------------------------------------- numerics
 
 

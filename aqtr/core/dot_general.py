@@ -16,7 +16,14 @@ where Y is the float operand or, when reusing the forward quantization
 (g * s_R) . q_R == g . dequant(R). Each of these dots is quantized by
 `config.dlhs` / `config.drhs` (the gradient g is their lhs operand).
 Gradients pass straight through the rounding, masked by the forward
-numerics' clip_gradient; no gradient reaches the scales.
+numerics' clip_gradient; no gradient reaches the scales, except through a
+learned calibration (LSQ, PACT), whose own rule replaces the straight
+through one.
+
+State (`aqtr.core.stateful`): with `state=`, the call returns
+(out, new_state); the state is a differentiable input of this VJP, whose
+cotangent carries the backward operands' new state and the learned
+parameters' gradients.
 
 Layout: on XLA:CPU an integer dot is fast only when its lhs contracts its
 last axis (MK.KN, MK.NK). The forward dot is MK.NK or MK.KN, dlhs is MK.KN
@@ -39,6 +46,11 @@ from jax import lax
 
 from aqtr.core.config import DotGeneralConfig, DotGeneralRaw
 from aqtr.core.dimension_numbers import DotLayout
+from aqtr.core.engine_state import (
+  check_state_tree,
+  forward_state,
+  state_cotangent,
+)
 from aqtr.core.first_order import first_order_only
 from aqtr.core.passes import (
   Operand,
@@ -51,7 +63,7 @@ from aqtr.core.passes import (
   fold_scale,
   forward_operand,
   merge_tiles,
-  quantized_dot,
+  quantized_dot_state,
   repeat_tiles,
   residual_key,
   rounding_noise,
@@ -60,7 +72,11 @@ from aqtr.core.passes import (
 from aqtr.core.qtensor import QTensor
 from aqtr.core.quantizer import check_float
 from aqtr.core.ragged import ragged_bwd, ragged_fwd
-from aqtr.core.residuals import Residuals
+from aqtr.core.residuals import (
+  Residuals,
+  drhs_contracts_q_lhs_t,
+  make_residuals,
+)
 from aqtr.core.rounding import as_typed_key
 from aqtr.core.sharding import (
   check_operands,
@@ -68,111 +84,63 @@ from aqtr.core.sharding import (
   keep_on_shards,
   match_vma,
   run_on_mesh,
-  vma_of,
   zeros_varying,
 )
-from aqtr.core.sparsify import prune_operands
+from aqtr.core.sparsify import prune_operands, site_entries, sites_of
 from aqtr.core.zero_point import reuse_term
 
 # ------------------------------------------------------------------- forward
 
 
-def _fwd(
-  lhs, rhs, key, dn, cfg: DotGeneralConfig, precision, preferred, specs=None
-):
-  """out = L . R as `cfg.fwd` says, and residuals (specs: `gather_specs`)."""
+def _fwd(lhs, rhs, key, state, dn, cfg, precision, preferred, specs=None):
+  """((out, new_state), residuals) (specs: `gather_specs`).
+
+  A sparsity prunes the forward operands first (`core.sparsify`): every
+  pass then sees the pruned operands; SR-STE terms go to the residuals.
+  """
+  lay = DotLayout.create(struct_of(lhs).shape, struct_of(rhs).shape, dn)
+  lhs, rhs, terms, sites = prune_operands(lhs, rhs, lay, cfg, sites_of(state))
+  out, q_lhs, q_rhs, res = _fwd_out(
+    lhs, rhs, key, state, dn, cfg, precision, preferred, specs
+  )
+  res = dataclasses.replace(res, sr_lhs=terms[0], sr_rhs=terms[1])
+  (out, new_state), res = forward_state(out, state, q_lhs, q_rhs, res)
+  return (out, {**new_state, **site_entries(sites)}), res
+
+
+def _fwd_out(lhs, rhs, key, state, dn, cfg: DotGeneralConfig, *static):
+  """out = L . R, quantized as `cfg.fwd` says; q_L, q_R; the residuals."""
+  precision, preferred, specs = static
   lay = DotLayout.create(struct_of(lhs).shape, struct_of(rhs).shape, dn)
   keys = PassKeys.split(key)
   stored = isinstance(lhs, QTensor) or isinstance(rhs, QTensor)
-  lhs, rhs, terms, _ = prune_operands(lhs, rhs, lay, cfg)  # Sparsity.
   if not (cfg.fwd.lhs.quantized or cfg.fwd.rhs.quantized or stored):
     out = lax.dot_general(
       lhs, rhs, dn, precision=precision, preferred_element_type=preferred
     )
-    res = _residuals(lhs, rhs, None, None, lay, cfg, keys)
-    return out, _with_terms(res, terms)
+    res = make_residuals(lhs, rhs, None, None, lay, cfg, keys)
+    return out, None, None, res
   rhs_form = rhs.form if isinstance(rhs, QTensor) else lay.rhs.natural_form()
   tile = common_tile([cfg.fwd.lhs, cfg.fwd.rhs], lay.lhs.k)
   q_lhs = forward_operand(
-    lhs, cfg.fwd.lhs, lay.lhs, 'fk', tile, keys.fwd_lhs, 'lhs'
-  )
+    lhs, cfg.fwd.lhs, lay.lhs, 'fk', tile, keys.fwd_lhs, 'lhs',
+    state.get('fwd.lhs'),
+  )  # fmt: skip
   q_rhs = forward_operand(
-    rhs, cfg.fwd.rhs, lay.rhs, rhs_form, tile, keys.fwd_rhs, 'rhs'
-  )
+    rhs, cfg.fwd.rhs, lay.rhs, rhs_form, tile, keys.fwd_rhs, 'rhs',
+    state.get('fwd.rhs'),
+  )  # fmt: skip
   q_lhs, q_rhs = keep_on_shards(q_lhs, q_rhs, lay, specs)
   q_lhs_t = None
-  if _drhs_contracts_q_lhs_t(lhs, rhs, q_lhs, lay, cfg):
+  if drhs_contracts_q_lhs_t(lhs, rhs, q_lhs, lay, cfg):
     q_lhs, q_lhs_t = q_lhs.with_transposed()
   out = contract(q_lhs, q_rhs, cfg.fwd, precision).reshape(lay.out_shape)
   floats = [x.dtype for x in (lhs, rhs) if not isinstance(x, QTensor)]
   out_dtype = preferred or (
     jnp.result_type(*floats) if floats else jnp.dtype(jnp.float32)
   )
-  res = _residuals(lhs, rhs, q_lhs, q_rhs, lay, cfg, keys, q_lhs_t)
-  return out.astype(out_dtype), _with_terms(res, terms)
-
-
-def _with_terms(res: Residuals, terms) -> Residuals:
-  """Residuals with the SR-STE gradient terms of the operands (or None)."""
-  return dataclasses.replace(res, sr_lhs=terms[0], sr_rhs=terms[1])
-
-
-def _reuses_q_lhs(lhs, q_lhs, cfg: DotGeneralConfig) -> bool:
-  """Whether drhs reuses the forward quantization of L (not L itself)."""
-  quantized = q_lhs is not None and q_lhs.scale is not None
-  return quantized and (cfg.drhs.use_fwd_quant or isinstance(lhs, QTensor))
-
-
-def _drhs_contracts_q_lhs_t(lhs, rhs, q_lhs, lay, cfg) -> bool:
-  """Whether a quantized drhs on [K, N] weights contracts q_L^T [K, M]."""
-  return (
-    _reuses_q_lhs(lhs, q_lhs, cfg)
-    and not isinstance(rhs, QTensor)
-    and lay.rhs.natural_form() == 'kf'
-    and cfg.drhs.quantized
-  )
-
-
-def _residuals(
-  lhs,
-  rhs,
-  q_lhs: QuantizedOperand | None,
-  q_rhs: QuantizedOperand | None,
-  lay: DotLayout,
-  cfg: DotGeneralConfig,
-  keys: PassKeys,
-  q_lhs_t: QuantizedOperand | None = None,
-) -> Residuals:
-  """Keeps q_L for drhs and q_R for dlhs where they are reused, else L, R.
-
-  A stored QTensor has no float form: its gradient partner always reuses
-  it. For [K, N] weights a quantized drhs contracts q_L^T [K, M]
-  (`q_lhs_t`, written by the forward pass): it is kept instead of q_L.
-  """
-  lhs_stored, rhs_stored = isinstance(lhs, QTensor), isinstance(rhs, QTensor)
-  reuse_l = _reuses_q_lhs(lhs, q_lhs, cfg)
-  if q_lhs is not None and q_lhs.scale is None:  # Not quantized.
-    q_lhs = None
-  if q_rhs is not None and q_rhs.scale is None:
-    q_rhs = None
-  reuse_r = q_rhs is not None and (cfg.dlhs.use_fwd_quant or rhs_stored)
-  kept_l = q_lhs if q_lhs_t is None else q_lhs_t
-  return Residuals(
-    lhs=None if reuse_l else lhs,
-    rhs=None if reuse_r else rhs,
-    q_lhs=kept_l.without_mask() if reuse_l else None,
-    q_rhs=q_rhs.without_mask() if reuse_r else None,
-    mask_lhs=None if q_lhs is None else q_lhs.grad_mask(lay.lhs),
-    mask_rhs=None if q_rhs is None else q_rhs.grad_mask(lay.rhs),
-    key_dlhs=keys.dlhs,
-    key_drhs=keys.drhs,
-    lhs_struct=struct_of(lhs),
-    rhs_struct=struct_of(rhs),
-    lhs_stored=lhs_stored,
-    rhs_stored=rhs_stored,
-    lhs_vma=frozenset() if lhs_stored else vma_of(lhs),
-    rhs_vma=frozenset() if rhs_stored else vma_of(rhs),
-  )
+  res = make_residuals(lhs, rhs, q_lhs, q_rhs, lay, cfg, keys, q_lhs_t)
+  return out.astype(out_dtype), q_lhs, q_rhs, res
 
 
 # ------------------------------------------------------------------ backward
@@ -187,18 +155,24 @@ class _Backward:
   preferred: object
 
 
-def _bwd(dn, cfg: DotGeneralConfig, precision, preferred, specs, res, g):
+def _bwd(dn, cfg: DotGeneralConfig, precision, preferred, specs, res, gs):
   del specs  # Forward only.
+  g = gs[0]  # The new state's cotangent is ignored.
   lay = DotLayout.create(res.lhs_struct.shape, res.rhs_struct.shape, dn)
   ctx = _Backward(lay, precision, preferred)
-  dl = dr = None  # No gradient reaches a stored QTensor operand.
+  dl = dr = dl_raw = dr_raw = None  # No gradient reaches a stored QTensor.
+  st_l = st_r = None
   if not res.lhs_stored:
-    dl = _plus(_masked(_dlhs(ctx, cfg.dlhs, res, g), res.mask_lhs), res.sr_lhs)
+    dl_raw, st_l = _dlhs(ctx, cfg.dlhs, res, g)
+    dl = _plus(_masked(dl_raw, res.mask_lhs), res.sr_lhs)
     dl = match_vma(dl.astype(res.lhs_struct.dtype), res.lhs_vma)
   if not res.rhs_stored:
-    dr = _plus(_masked(_drhs(ctx, cfg.drhs, res, g), res.mask_rhs), res.sr_rhs)
+    dr_raw, st_r = _drhs(ctx, cfg.drhs, res, g)
+    dr = _plus(_masked(dr_raw, res.mask_rhs), res.sr_rhs)
     dr = match_vma(dr.astype(res.rhs_struct.dtype), res.rhs_vma)
-  return (*first_order_only(dl, dr), None)  # Differentiating again raises.
+  st = state_cotangent(res, st_l, st_r, dl_raw, dr_raw, cfg, lay)
+  # Differentiating again raises.
+  return (*first_order_only(dl, dr), None, st)
 
 
 def _masked(grad: jax.Array, mask: jax.Array | None) -> jax.Array:
@@ -242,18 +216,20 @@ def _gradient(ctx: _Backward, raw: DotGeneralRaw, key, g):
 
 
 def _dlhs(ctx: _Backward, raw: DotGeneralRaw, res: Residuals, g):
+  """(dL, the gradient operand's new calibration state or None)."""
   lay = ctx.lay
   if not raw.quantized:
     y_r = _float_residual(res.rhs, res.q_rhs, lay.rhs, res.rhs_struct)
     zero_l = zeros_varying(res.lhs_struct, res.lhs_vma)
-    return _float_grad(ctx, zero_l, y_r, g, wrt=0)
+    return _float_grad(ctx, zero_l, y_r, g, wrt=0), None
   g3, noise = _gradient(ctx, raw, res.key_dlhs, g)
+  gst = res.state.get('dlhs.lhs')
   if res.q_rhs is not None:
-    dl3 = _dlhs_reusing(ctx, raw, g3, noise, res.q_rhs)
+    dl3, st = _dlhs_reusing(ctx, raw, g3, noise, res.q_rhs, gst)
   else:
     key = residual_key(res.key_dlhs)
-    dl3 = _dlhs_requantizing(ctx, raw, g3, noise, res.rhs, key)
-  return lay.lhs.from_canonical(dl3, 'fk')
+    dl3, st = _dlhs_requantizing(ctx, raw, g3, noise, res.rhs, key, gst)
+  return lay.lhs.from_canonical(dl3, 'fk'), st
 
 
 def _minus_zero_point(out, g_s, q: QuantizedOperand, axis: int):
@@ -262,15 +238,20 @@ def _minus_zero_point(out, g_s, q: QuantizedOperand, axis: int):
   return out if z is None else out - reuse_term(g_s, z, axis)
 
 
-def _dlhs_reusing(ctx, raw, g, noise, q_r: QuantizedOperand):
+def _grad_operand(g, form, raw, noise, gst, path) -> Operand:
+  """The gradient g as the lhs operand of a backward dot (state `gst`)."""
+  return Operand(g, form, raw.lhs, noise, None, gst, path)
+
+
+def _dlhs_reusing(ctx, raw, g, noise, q_r: QuantizedOperand, gst):
   """(g * s_R) . q_R, per tile of R."""
   g_s, n = fold_scale(g, q_r, axis=2)
-  a = Operand(g_s, 'fk', raw.lhs, repeat_tiles(noise, n))
-  out = quantized_dot(a, q_r.as_partner(), raw, ctx.precision)
-  return merge_tiles(_minus_zero_point(out, g_s, q_r, 2), n, 'fk')
+  a = _grad_operand(g_s, 'fk', raw, repeat_tiles(noise, n), gst, 'dlhs.lhs')
+  out, st, _ = quantized_dot_state(a, q_r.as_partner(), raw, ctx.precision)
+  return merge_tiles(_minus_zero_point(out, g_s, q_r, 2), n, 'fk'), st
 
 
-def _dlhs_requantizing(ctx, raw, g, noise, rhs, key):
+def _dlhs_requantizing(ctx, raw, g, noise, rhs, key, gst):
   """g . R, both quantized by `raw`; R is seen in its natural form."""
   form = ctx.lay.rhs.natural_form()
   r = Operand(
@@ -278,8 +259,11 @@ def _dlhs_requantizing(ctx, raw, g, noise, rhs, key):
     flip(form),  # R's free axis N is contracted here.
     raw.rhs,
     canonical_noise(raw.rhs, key, ctx.lay.rhs, form),
+    path='dlhs.rhs',
   )
-  return quantized_dot(Operand(g, 'fk', raw.lhs, noise), r, raw, ctx.precision)
+  a = _grad_operand(g, 'fk', raw, noise, gst, 'dlhs.lhs')
+  out, st, _ = quantized_dot_state(a, r, raw, ctx.precision)
+  return out, st
 
 
 # drhs: dR = g^T . Y_L, contracting M, emitted in R's natural form:
@@ -288,85 +272,95 @@ def _dlhs_requantizing(ctx, raw, g, noise, rhs, key):
 
 
 def _drhs(ctx: _Backward, raw: DotGeneralRaw, res: Residuals, g):
+  """(dR, the gradient operand's new calibration state or None)."""
   lay = ctx.lay
   if not raw.quantized:
     y_l = _float_residual(res.lhs, res.q_lhs, lay.lhs, res.lhs_struct)
     zero_r = zeros_varying(res.rhs_struct, res.rhs_vma)
-    return _float_grad(ctx, y_l, zero_r, g, wrt=1)
+    return _float_grad(ctx, y_l, zero_r, g, wrt=1), None
   g3, noise = _gradient(ctx, raw, res.key_drhs, g)
   key = residual_key(res.key_drhs)
-  form = lay.rhs.natural_form()
-  if form == 'fk':
-    if res.q_lhs is not None:
-      dr3 = _drhs_nk_reusing(ctx, raw, g3, noise, res.q_lhs)
-    else:
-      dr3 = _drhs_nk_requantizing(ctx, raw, g3, noise, res.lhs, key)
-  elif res.q_lhs is not None:
-    dr3 = _drhs_kn_reusing(ctx, raw, g3, noise, res.q_lhs)
+  gst = res.state.get('drhs.lhs')
+  reusing = res.q_lhs is not None
+  if lay.rhs.natural_form() == 'fk':
+    run = _drhs_nk_reusing if reusing else _drhs_nk_requantizing
   else:
-    dr3 = _drhs_kn_requantizing(ctx, raw, g3, noise, res.lhs, key)
-  return lay.rhs.from_canonical(dr3, form)
+    run = _drhs_kn_reusing if reusing else _drhs_kn_requantizing
+  y = res.q_lhs if reusing else (res.lhs, key)
+  dr3, st = run(ctx, raw, g3, noise, y, gst)
+  return lay.rhs.from_canonical(dr3, lay.rhs.natural_form()), st
 
 
-def _drhs_nk_reusing(ctx, raw, g, noise, q_l: QuantizedOperand):
+def _drhs_nk_reusing(ctx, raw, g, noise, q_l: QuantizedOperand, gst):
   """(g * s_L)^T . q_L, per tile of L: [B, N, K].
 
   g [B, M, N] is the 'kf' lhs of this dot (M contracted), written
   transposed after its quantization.
   """
   g_s, n = fold_scale(g, q_l, axis=1)
-  a = Operand(g_s, 'kf', raw.lhs, repeat_tiles(noise, n))
-  out = quantized_dot(a, q_l.as_partner(), raw, ctx.precision)
+  a = _grad_operand(g_s, 'kf', raw, repeat_tiles(noise, n), gst, 'drhs.lhs')
+  out, st, _ = quantized_dot_state(a, q_l.as_partner(), raw, ctx.precision)
   z = q_l.partner_zero_point()  # g_s is [B, M, N]: sum over M, as [B, N, 1]
   if z is not None:
     out = out - reuse_term(g_s, z, 1).transpose(0, 2, 1)
-  return merge_tiles(out, n, 'fk')
+  return merge_tiles(out, n, 'fk'), st
 
 
-def _drhs_nk_requantizing(ctx, raw, g, noise, lhs, key):
+def _drhs_nk_requantizing(ctx, raw, g, noise, lhs_key, gst):
   """g^T . L, both quantized by `raw`: [B, N, K]."""
+  lhs, key = lhs_key
   lay_l = ctx.lay.lhs
   l_op = Operand(
     lay_l.to_canonical(lhs, 'fk'),
     'kf',  # L's free axis M is contracted here.
     raw.rhs,
     canonical_noise(raw.rhs, key, lay_l, 'fk'),
+    path='drhs.rhs',
   )
-  a = Operand(g, 'kf', raw.lhs, noise)  # g^T after quantization.
-  return quantized_dot(a, l_op, raw, ctx.precision)
+  a = _grad_operand(g, 'kf', raw, noise, gst, 'drhs.lhs')  # g^T, quantized.
+  out, st, _ = quantized_dot_state(a, l_op, raw, ctx.precision)
+  return out, st
 
 
-def _drhs_kn_reusing(ctx, raw, g, noise, q_lt: QuantizedOperand):
+def _drhs_kn_reusing(ctx, raw, g, noise, q_lt: QuantizedOperand, gst):
   """q_L^T . (g * s_L), per tile of L: [B, K, N]; q_L^T is [B, T, t, M]."""
   g_s, n = fold_scale(g, q_lt, axis=1)
-  b = Operand(g_s, 'kf', raw.lhs, repeat_tiles(noise, n))
-  out = quantized_dot(q_lt.as_partner(), b, raw, ctx.precision)
-  return merge_tiles(_minus_zero_point(out, g_s, q_lt, 1), n, 'kf')
+  b = _grad_operand(g_s, 'kf', raw, repeat_tiles(noise, n), gst, 'drhs.lhs')
+  out, _, st = quantized_dot_state(q_lt.as_partner(), b, raw, ctx.precision)
+  return merge_tiles(_minus_zero_point(out, g_s, q_lt, 1), n, 'kf'), st
 
 
-def _drhs_kn_requantizing(ctx, raw, g, noise, lhs, key):
+def _drhs_kn_requantizing(ctx, raw, g, noise, lhs_key, gst):
   """L^T . g, both quantized by `raw`: [B, K, N]."""
+  lhs, key = lhs_key
   lay_l = ctx.lay.lhs
   l_op = Operand(
     lay_l.to_canonical(lhs, 'fk'),
     'kf',  # L's free axis M is contracted: L^T after quantization.
     raw.rhs,
     canonical_noise(raw.rhs, key, lay_l, 'fk'),
+    path='drhs.rhs',
   )
-  b = Operand(g, 'kf', raw.lhs, noise)
-  return quantized_dot(l_op, b, raw, ctx.precision)
+  b = _grad_operand(g, 'kf', raw, noise, gst, 'drhs.lhs')
+  out, _, st = quantized_dot_state(l_op, b, raw, ctx.precision)
+  return out, st
 
 
 # ------------------------------------------------------------ the custom VJP
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
-def _qdot(lhs, rhs, key, dn, cfg, precision, preferred, specs):
-  return _fwd(lhs, rhs, key, dn, cfg, precision, preferred, specs)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
+def _qdot(lhs, rhs, key, state, dn, cfg, precision, preferred, specs):
+  return _fwd(lhs, rhs, key, state, dn, cfg, precision, preferred, specs)[0]
 
 
 _qdot.defvjp(_fwd, _bwd)
-_qdot_jit = jax.jit(_qdot, static_argnums=(3, 4, 5, 6, 7))
+_qdot_jit = jax.jit(_qdot, static_argnums=(4, 5, 6, 7, 8))
+
+
+def raw_qdot(lhs, rhs, state, dn, config, key=None):
+  """(out, new_state) without checks or jit (for `aqtr.state.init`)."""
+  return _qdot(lhs, rhs, key, state, dn, config, None, None, None)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
@@ -390,7 +384,8 @@ def dot_general(
   precision=None,
   preferred_element_type=None,
   out_sharding=None,
-) -> jax.Array:
+  state: dict | None = None,
+):
   """Drop-in for `jax.lax.dot_general` quantized as `config` says.
 
   On a mesh (auto/explicit axes, `jax.shard_map`) it computes what it
@@ -408,10 +403,12 @@ def dot_general(
       applies to the float dots.
     out_sharding: as in `lax.dot_general` (a NamedSharding or
       PartitionSpec of the output); under auto axes a sharding constraint.
+    state: the calibration state tree (`aqtr.state.init`) when the config
+      has stateful or learned calibrations; see `aqtr.core.stateful`.
 
   Returns:
     [batch..., lhs free..., rhs free...] in `preferred_element_type` or the
-    operands' result type.
+    operands' result type; with `state`, the pair (out, new_state).
 
   Example:
     >>> import jax, jax.numpy as jnp, aqtr
@@ -426,6 +423,7 @@ def dot_general(
     )
   key = as_typed_key(key)  # Checked even where unused.
   stored = [isinstance(x, QTensor) for x in (lhs, rhs)]
+  check_state_tree(config, state, tuple(stored))
   if any(stored) and config is None:
     raise ValueError(
       'a QTensor operand needs the config it was quantized with: pass '
@@ -437,7 +435,7 @@ def dot_general(
   # Zero-size operands: nothing to quantize; lax gives the (empty or zero)
   # result and gradients.
   if not any(stored) and (config is None or config.is_float or empty):
-    return lax.dot_general(
+    out = lax.dot_general(
       lhs,
       rhs,
       dimension_numbers,
@@ -445,6 +443,7 @@ def dot_general(
       preferred_element_type=preferred_element_type,
       out_sharding=out_sharding,
     )
+    return out if state is None else (out, state)
   if not stored[0]:
     lhs = jnp.asarray(lhs)
     check_float(lhs, 'lhs')
@@ -468,6 +467,18 @@ def dot_general(
   dn, fwd = lay.dimension_numbers, config.fwd
   check_operands(lhs, rhs, dn, common_tile([fwd.lhs, fwd.rhs], lay.lhs.k))
   static = (dn, config, precision, preferred, gather_specs(lhs, rhs, fwd))
-  run = lambda lhs, rhs, key: _qdot_jit(lhs, rhs, key, *static)  # noqa: E731
   structs = [struct_of(x) if isinstance(x, QTensor) else x for x in (lhs, rhs)]
+  if state is not None:
+
+    def run_state(lhs, rhs, key, state):
+      return _qdot_jit(lhs, rhs, key, state, *static)
+
+    args = (lhs, rhs, key, state)
+    return run_on_mesh(
+      run_state, args, structs, dn, preferred, out_sharding, state
+    )
+
+  def run(lhs, rhs, key):
+    return _qdot_jit(lhs, rhs, key, {}, *static)[0]
+
   return run_on_mesh(run, (lhs, rhs, key), structs, dn, preferred, out_sharding)

@@ -6,6 +6,8 @@ A QTensor made here can replace the float operand of `aqtr.dot_general` /
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -15,7 +17,7 @@ from aqtr.core.passes import PassKeys, common_tile, forward_operand
 from aqtr.core.qtensor import QTensor
 from aqtr.core.quantizer import check_float
 from aqtr.core.rounding import as_typed_key
-from aqtr.core.sparsify import prune
+from aqtr.core.sparsify import has_schedule, prune, scheduled_prune
 
 
 def quantize_operand(
@@ -26,6 +28,7 @@ def quantize_operand(
   operand: str = 'rhs',
   other_shape=None,
   key: jax.Array | None = None,
+  state: dict | None = None,
 ) -> QTensor:
   """Quantizes one operand exactly as the forward pass of `config` would.
 
@@ -42,6 +45,10 @@ def quantize_operand(
     other_shape: shape of the other operand; default: inferred as needed
       (only the contraction/batch sizes matter, taken from `x`).
     key: PRNG key if the forward rounding is stochastic.
+    state: with a stateful or learned calibration, the operand's state
+      (`aqtr.state.init(...)['fwd.<operand>']`): frozen with the bound the
+      forward pass uses at that state (LSQ's learned step, the delayed
+      history's max).
 
   Example:
     >>> import jax.numpy as jnp, aqtr
@@ -72,7 +79,7 @@ def quantize_operand(
   )
   lay = DotLayout.create(*shapes, dimension_numbers)
   return quantize_in_layout(
-    x, getattr(lay, operand), config, operand=operand, key=key
+    x, getattr(lay, operand), config, operand=operand, key=key, state=state
   )
 
 
@@ -83,6 +90,8 @@ def quantize_in_layout(
   *,
   operand: str,
   key: jax.Array | None = None,
+  state: dict | None = None,
+  sparsity_state: dict | None = None,
 ) -> QTensor:
   """`quantize_operand` for an operand whose layout in the dot is known.
 
@@ -96,16 +105,43 @@ def quantize_in_layout(
     config: the dot's DotGeneralConfig (its fwd.<operand> applies).
     operand: 'lhs' or 'rhs'.
     key: PRNG key if the forward rounding is stochastic.
+    state: the operand's calibration state (its `aqtr.state.init` entry
+      'fwd.<operand>') when its calibration is stateful.
+    sparsity_state: the operand's sparsity schedule state (the 'stats' of
+      its entry 'fwd.<operand>.sparsity'): pruned with the mask the
+      forward pass uses at that state; None: a mask made from `x`.
   """
   cfg = getattr(config.fwd, operand)
   if not cfg.quantized:
     raise ValueError(
       f'config.fwd.{operand} is not quantized; nothing to freeze.'
     )
+  return _quantize_jit(
+    x,
+    as_typed_key(key),
+    state,
+    sparsity_state if has_schedule(cfg) else None,
+    layout=layout,
+    config=config,
+    operand=operand,
+  )
+
+
+@functools.partial(jax.jit, static_argnames=('layout', 'config', 'operand'))
+def _quantize_jit(x, key, state, site, *, layout, config, operand) -> QTensor:
+  """Jitted like the engine's forward pass, so that XLA simplifies the
+  scale arithmetic identically (an eager op-by-op run can differ by an ulp
+  from the compiled one, and frozen weights must equal TRAIN's bit for
+  bit)."""
+  cfg = getattr(config.fwd, operand)
   form = 'fk' if operand == 'lhs' else layout.natural_form()
-  x, _ = prune(x, cfg, layout, form, f'config.fwd.{operand}')
+  path = f'config.fwd.{operand}'
+  if site is not None:  # The mask the schedule holds at this state.
+    x = scheduled_prune(x, cfg, layout, form, path, site)[0]
+  else:
+    x, _ = prune(x, cfg, layout, form, path)
   tile = common_tile([config.fwd.lhs, config.fwd.rhs], layout.k)
-  keys = PassKeys.split(as_typed_key(key))
+  keys = PassKeys.split(key)
   key = keys.fwd_lhs if operand == 'lhs' else keys.fwd_rhs
-  q = forward_operand(x, cfg, layout, form, tile, key, operand)
+  q = forward_operand(x, cfg, layout, form, tile, key, operand, state)
   return QTensor(q.values, q.scale, layout, form, q.zero_point)

@@ -13,8 +13,8 @@ fp8 x fp8 -> f32) and applies both scales to its output:
 
 Internal API (used by `dot_general.py` and `operand.py` only): `Operand`,
 `QuantizedOperand`, `PassKeys`, `common_tile`, `quantize_tiled`,
-`forward_operand`, `contract`, `quantized_dot`, `fold_scale`,
-`repeat_tiles`, `merge_tiles`, `with_transposed_copy`, `flip`,
+`forward_operand`, `contract`, `quantized_dot`, `quantized_dot_state`,
+`fold_scale`, `repeat_tiles`, `merge_tiles`, `with_transposed_copy`, `flip`,
 `rounding_noise`, `canonical_noise`, `residual_key`, `struct_of`.
 """
 
@@ -29,7 +29,7 @@ from jax import lax
 from aqtr.core.config import DotGeneralRaw, TensorConfig
 from aqtr.core.dimension_numbers import OperandLayout
 from aqtr.core.qtensor import QTensor, from_view, to_view
-from aqtr.core.quantizer import quantize_view, scale_problems
+from aqtr.core.quantizer import quantize_view_stateful, scale_problems
 from aqtr.core.zero_point import as_int8, int_corrections, per_row
 
 
@@ -50,6 +50,8 @@ class Operand:
     noise: rounding noise shaped like `x`, or None.
     dot_dtype: the dtype an unquantized `x` enters the dot in (None: its
       own); e.g. int4 values reused from the forward pass are widened.
+    state: its calibration state (`aqtr.core.stateful`), or None.
+    path: its name in errors and in the state tree, e.g. 'fwd.lhs'.
   """
 
   x: jax.Array
@@ -57,6 +59,8 @@ class Operand:
   config: TensorConfig | None = None
   noise: jax.Array | None = None
   dot_dtype: jnp.dtype | None = None
+  state: dict | None = None
+  path: str = 'operand'
 
 
 def _swap_last(x: jax.Array | None) -> jax.Array | None:
@@ -108,6 +112,8 @@ class QuantizedOperand:
       `dot_dtype`, e.g. int8 for int4 storage).
     zero_point: z shaped like `scale` for affine numerics (x ~ s (q - z)),
       else None (see `zero_point.py`).
+    state: the calibration's new state, or None (stateless).
+    learned: {name: d xhat / d param} in the view (learned calibrations).
   """
 
   values: jax.Array
@@ -116,6 +122,8 @@ class QuantizedOperand:
   form: str
   dot_dtype: jnp.dtype
   zero_point: jax.Array | None = None
+  state: dict | None = None
+  learned: dict | None = None
 
   @property
   def n_tiles(self) -> int:
@@ -126,7 +134,7 @@ class QuantizedOperand:
     return self.scale[..., 0] if self.form == 'fk' else self.scale[:, :, 0, :]
 
   def without_mask(self) -> QuantizedOperand:
-    return dataclasses.replace(self, mask=None)
+    return dataclasses.replace(self, mask=None, state=None, learned=None)
 
   def with_transposed(self) -> tuple[QuantizedOperand, QuantizedOperand]:
     """This operand, and the same in the other form (`with_transposed_copy`).
@@ -185,7 +193,7 @@ class QuantizedOperand:
 
 jax.tree_util.register_dataclass(
   QuantizedOperand,
-  data_fields=['values', 'scale', 'mask', 'zero_point'],
+  data_fields=['values', 'scale', 'mask', 'zero_point', 'state', 'learned'],
   meta_fields=['form', 'dot_dtype'],
 )
 
@@ -253,9 +261,11 @@ def quantize_tiled(op: Operand, tile: int | None) -> QuantizedOperand:
     dot_dtype = jnp.dtype(op.dot_dtype or x4.dtype)
     return QuantizedOperand(x4, None, None, op.form, dot_dtype)
   noise = None if op.noise is None else to_view(op.noise, op.form, tile)
-  q, s, z, mask = quantize_view(x4, op.config, op.form, noise)
+  q, s, z, mask, state, learned = quantize_view_stateful(
+    x4, op.config, op.form, noise, op.state, op.path
+  )
   dot_dtype = jnp.dtype(op.config.numerics.dot_dtype)
-  return QuantizedOperand(q, s, mask, op.form, dot_dtype, z)
+  return QuantizedOperand(q, s, mask, op.form, dot_dtype, z, state, learned)
 
 
 def _stored_operand(
@@ -309,16 +319,19 @@ def forward_operand(
   tile: int | None,
   key: jax.Array | None,
   name: str,
+  state: dict | None = None,
 ) -> QuantizedOperand:
   """One forward operand (`name` 'lhs' or 'rhs') quantized in `form`.
 
-  A float `x` is quantized with `cfg` (noise drawn from `key`); a stored
-  QTensor is checked against the dot and used as it is.
+  A float `x` is quantized with `cfg` (noise drawn from `key`, calibration
+  state `state`); a stored QTensor is checked against the dot and used as
+  it is.
   """
   if isinstance(x, QTensor):
     return _stored_operand(x, cfg, layout, form, tile, name)
   noise = canonical_noise(cfg, key, layout, form)
-  op = Operand(layout.to_canonical(x, form), form, cfg, noise)
+  x3 = layout.to_canonical(x, form)
+  op = Operand(x3, form, cfg, noise, None, state, f'fwd.{name}')
   return quantize_tiled(op, tile)
 
 
@@ -382,7 +395,12 @@ def contract(
 def quantized_dot(
   a: Operand, b: Operand, raw: DotGeneralRaw, precision
 ) -> jax.Array:
-  """One backward dot: quantize `a` and `b` as `raw` says; contract.
+  """One backward dot: quantize `a` and `b` as `raw` says; contract."""
+  return quantized_dot_state(a, b, raw, precision)[0]
+
+
+def quantized_dot_state(a: Operand, b: Operand, raw: DotGeneralRaw, precision):
+  """`quantized_dot` and the operands' new calibration states (or None).
 
   The lhs `a` may come in either form. A 'kf' lhs [B, K, F] is quantized
   as it lies and its values then written transposed by a plain copy
@@ -392,9 +410,10 @@ def quantized_dot(
   k = a.x.shape[2] if a.form == 'fk' else a.x.shape[1]
   tile = common_tile([a.config, b.config], k)
   qa, qb = quantize_tiled(a, tile), quantize_tiled(b, tile)
+  state_a = qa.state
   if qa.form == 'kf':
     qa = qa.with_transposed()[1]
-  return contract(qa, qb, raw, precision)
+  return contract(qa, qb, raw, precision), state_a, qb.state
 
 
 def fold_scale(

@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from aqtr.core import stateful
 from aqtr.core.config import TensorConfig
 from aqtr.core.dimension_numbers import OperandLayout, normalize_axes
 from aqtr.core.qtensor import ROLE_AXES, QTensor, from_view, to_view
@@ -87,22 +88,40 @@ def scale_problems(scale, view_shape, cfg: TensorConfig, form: str):
   return []
 
 
-def _calibrator(cfg: TensorConfig, form: str, x_shape):
+def _bound(cal, x, axes, n, state, path):
+  """(bound, new_state or None): stateless, recorded, or stateful."""
+  if not stateful.is_stateful(cal):
+    return cal.bound_for(x, axes, n), None
+  if state is None and stateful.record(path, x, axes):
+    return cal.calibrate(x, axes), None
+  return stateful.site_bound(cal, x, axes, n, state, path)
+
+
+def _calibrator(cfg: TensorConfig, form: str, x_shape, state, path: str):
   """`calibrate(x, axes)` for the numerics: a bound, or (lo, hi) if affine.
 
   Block tilings (`free_block`) also share the free axis in blocks of rows.
-  Returns (calibrate, axes, spans_rows).
+  A stateful calibration's new state is written to the returned `box`.
+  Returns (calibrate, axes, spans_rows, box).
   """
   n = cfg.numerics
   cal = cfg.calibration
   roles = ROLE_AXES[form]
   axes = tuple(sorted(roles[r] for r in cfg.tiling.shared))
+  box = {}
   if n.asymmetric:
+    if stateful.is_stateful(cal):
+      raise ValueError(
+        f'{path}.calibration: {type(cal).__name__} is stateful and gives a '
+        f'symmetric bound; numerics {type(n).__name__} is asymmetric and '
+        'needs a range; allowed: a stateless calibration.'
+      )
     base = cal.calibrate_range
   else:
 
     def base(x, axes):
-      return cal.bound_for(x, axes, n)
+      bound, box['state'] = _bound(cal, x, axes, n, state, path)
+      return bound
 
   free_axis = roles['free']
   rows = cfg.tiling.free_block(x_shape[free_axis])
@@ -111,8 +130,8 @@ def _calibrator(cfg: TensorConfig, form: str, x_shape):
     def calibrate(x, axes):
       return _blocked(base, x, axes, free_axis, rows)
 
-    return calibrate, axes, True
-  return base, axes, not cfg.tiling.shared <= FIBER_ROLES
+    return calibrate, axes, True, box
+  return base, axes, not cfg.tiling.shared <= FIBER_ROLES, box
 
 
 def quantize_view(x4: jax.Array, cfg: TensorConfig, form: str, noise=None):
@@ -124,10 +143,31 @@ def quantize_view(x4: jax.Array, cfg: TensorConfig, form: str, noise=None):
   Returns:
     (qvalue, scale, zero_point or None, grad_mask or None).
   """
+  return quantize_view_stateful(x4, cfg, form, noise)[:4]
+
+
+def quantize_view_stateful(
+  x4: jax.Array,
+  cfg: TensorConfig,
+  form: str,
+  noise=None,
+  state: dict | None = None,
+  path: str = 'operand',
+):
+  """`quantize_view` with calibration state (see `aqtr.core.stateful`).
+
+  Returns:
+    (qvalue, scale, zero_point or None, grad_mask or None, new_state or
+    None, learned): learned is {name: d xhat / d param} in the view for
+    learned calibrations, or None.
+  """
   n = cfg.numerics
+  cal = cfg.calibration
   x = x4.astype(jnp.float32)
   roles = ROLE_AXES[form]
-  calibrate, axes, spans_rows = _calibrator(cfg, form, x.shape)
+  calibrate, axes, spans_rows, box = _calibrator(
+    cfg, form, x.shape, state, path
+  )
   if spans_rows:  # Groups span rows: bound the finite values, mark bad rows.
     finite = jnp.isfinite(x)
     bound = calibrate(jnp.where(finite, x, jnp.float32(0)), axes)
@@ -137,7 +177,8 @@ def quantize_view(x4: jax.Array, cfg: TensorConfig, form: str, noise=None):
     # already marks the rows holding NaN/inf.
     bound = calibrate(x, axes)
     flags = None
-  po2 = cfg.calibration.po2_scale
+  new_state = box.get('state')
+  po2 = cal.po2_scale
   z = None
   if n.asymmetric:
     lo, hi = (b.astype(jnp.float32) for b in bound)
@@ -155,9 +196,12 @@ def quantize_view(x4: jax.Array, cfg: TensorConfig, form: str, noise=None):
     v = v + z
   q = n.quantize(v, noise)
   mask = n.grad_mask(v)
+  learned = None
+  if new_state is not None and cal.has_learned:
+    learned, mask = cal.value_grad(x, s, n, state)
   if mask is not None:  # Never zero the gradient of a non-finite value.
     mask = mask | ~jnp.isfinite(v)
-  return q, s, z, mask
+  return q, s, z, mask, new_state, learned
 
 
 def check_float(x, field: str) -> None:

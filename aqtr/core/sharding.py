@@ -270,15 +270,23 @@ def collectives(hlo_text: str) -> list[tuple[str, str, int]]:
   return out
 
 
-def run_on_mesh(run, args, structs, dn, preferred, out_sharding):
+def run_on_mesh(run, args, structs, dn, preferred, out_sharding, state=None):
   """`run(*args)`, the quantized dot, with lax's output sharding.
 
   Explicit axes: the output type lax gives `structs` (or `out_sharding`),
   `run` inside `auto_axes`. Otherwise `out_sharding` is a constraint.
+  With calibration `state` (the last of `args`), `run` returns
+  (out, new_state) and the new state is replicated like the state.
   """
   if explicit_axes():
     out = output_type(*structs, dn, preferred, out_sharding)
-    return jax.sharding.auto_axes(run, out_sharding=out.sharding)(*args)
+    sharding = out.sharding
+    if state is not None:
+      sharding = (sharding, jax.tree.map(lambda _: jax.P(), state))
+    return jax.sharding.auto_axes(run, out_sharding=sharding)(*args)
+  if state is not None:
+    out, new_state = run(*args)
+    return constrain(out, out_sharding), new_state
   return constrain(run(*args), out_sharding)
 
 

@@ -13,7 +13,8 @@ added once per call whose VJP is taken (accumulating k micro-batches adds
 it k times; scale `decay` accordingly).
 
 Internal API (used by `dot_general.py`, `quantizer.py`, `operand.py`):
-`prune`, `decay_term`, `prune_operands`.
+`prune`, `decay_term`, `prune_operands`, `has_schedule`, `schedule_init`,
+`scheduled_prune`, `sites_of`, `site_entries`, `SITE`.
 """
 
 from __future__ import annotations
@@ -151,3 +152,27 @@ def scheduled_prune(
   mask = jnp.where(refresh, fresh, held) | ~active
   new = {'mask': mask.astype(jnp.float32), 'step': step + 1.0}
   return jnp.where(mask, x, jnp.zeros_like(x)), mask, new
+
+
+# The state path of a forward operand's sparsity schedule, e.g.
+# 'fwd.rhs.sparsity': {'stats': {'mask', 'step'}, 'learned': {}}.
+SITE = 'fwd.{side}.sparsity'
+
+
+def sites_of(state: dict | None) -> dict:
+  """{side: schedule site} of a call's state tree (`aqtr.state`)."""
+  state = state or {}
+  out = {}
+  for side in ('lhs', 'rhs'):
+    entry = state.get(SITE.format(side=side))
+    if entry is not None:
+      out[side] = entry['stats']
+  return out
+
+
+def site_entries(sites: dict) -> dict:
+  """{state path: entry} of the new schedule sites `prune_operands` gave."""
+  return {
+    SITE.format(side=side): {'stats': site, 'learned': {}}
+    for side, site in sites.items()
+  }

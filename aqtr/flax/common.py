@@ -25,11 +25,17 @@ from jax import lax
 from aqtr.core import conv as conv_lib
 from aqtr.core import einsum as einsum_lib
 from aqtr.core.config import DotGeneralConfig
+from aqtr.core.engine_state import state_paths, stateful_paths, tensor_config
 from aqtr.freezers import Mode, lifecycle
+from aqtr.state import init as init_state
 
 # Variable collections (linen) / Variable types' names (nnx).
 FROZEN = 'aqtr'
 STATS = 'aqtr_stats'
+# Stateful calibrations: stats (linen collection / nnx CalibState) and the
+# learned parameters (a param / nnx.Param of this name).
+STATE = 'aqtr_state'
+LEARNED = 'aqtr_learned'
 # Linen CONVERT only: which ops' float kernels serving does not read.
 PLAN = 'aqtr_convert'
 # The default rng stream of stochastic rounding.
@@ -106,6 +112,13 @@ class Host:
     """CALIBRATE / CONVERT: {side: statistics}; may raise if not mutable."""
     raise NotImplementedError
 
+  def calib_state(self, make: CalibStateInit) -> dict:
+    """The op's calibration state tree (stateful configs only).
+
+    `make()` gives ({path: stats}, {path: learned}) for new variables.
+    """
+    raise NotImplementedError
+
   def store(self, result: lifecycle.Result) -> None:
     """Stores what `lifecycle.run` returned (statistics, frozen entry)."""
     raise NotImplementedError
@@ -139,11 +152,50 @@ def prng_key(host: Host) -> jax.Array | None:
   )
 
 
+@dataclasses.dataclass(frozen=True)
+class CalibStateInit:
+  """Makes an op's initial calibration state from its first operands."""
+
+  lhs: jax.Array
+  rhs: jax.Array
+  dn: object
+  config: DotGeneralConfig
+
+  @property
+  def learns(self) -> bool:
+    """Whether some stateful calibration of the config learns parameters."""
+    return any(
+      tensor_config(self.config, p).calibration.has_learned
+      for p in stateful_paths(self.config)
+    )
+
+  def __call__(self) -> tuple[dict, dict]:
+    full = init_state(self.lhs, self.rhs, self.dn, self.config)
+    stats = {p: v['stats'] for p, v in full.items()}
+    learned = {p: v['learned'] for p, v in full.items() if v['learned']}
+    return stats, learned
+
+
+def assemble(stats: Mapping, learned: Mapping) -> dict:
+  """The engine's state tree from an op's stats and learned parameters."""
+  return {
+    p: {'stats': stats[p], 'learned': dict(learned.get(p, {}))} for p in stats
+  }
+
+
+def stats_of(state: Mapping) -> dict:
+  """{path: stats} of an engine state tree (what the adapters store)."""
+  return {p: v['stats'] for p, v in state.items()}
+
+
 def quantized_dot(host: Host, lhs, rhs, dn, precision, preferred):
   """One `dot_general` of an adapter op in its mode (see lifecycle.run)."""
   cfg, mode = host.config, host.mode
   lifecycle.validate(cfg)
   check_mode(mode)
+  state = None
+  if state_paths(cfg):
+    state = host.calib_state(CalibStateInit(lhs, rhs, dn, cfg))
   frozen = stats = None
   if lifecycle.freezers(cfg) and not host.initializing:
     if mode is Mode.SERVE:
@@ -170,6 +222,7 @@ def quantized_dot(host: Host, lhs, rhs, dn, precision, preferred):
     initializing=host.initializing,
     where=host.where,
     how_stats=host.how_calibrate,
+    state=state,
   )
   host.store(r)
   if r.frozen is not None and lifecycle.removable(cfg):

@@ -33,6 +33,7 @@ import math
 from typing import Any
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 
 from aqtr.core.config import DotGeneralConfig
@@ -48,6 +49,11 @@ from aqtr.flax.linen_convert import (
   report,
 )
 from aqtr.freezers import Mode, lifecycle
+
+# Stateful calibrations: their stats live in the collection 'aqtr_state',
+# learned parameters in the param 'aqtr_learned' of each op.
+STATE = common.STATE
+LEARNED = common.LEARNED
 
 
 class LinenHost(common.Host):
@@ -102,9 +108,43 @@ class LinenHost(common.Host):
       )
     return self.module.variables.get(STATS)
 
+  def calib_state(self, make):
+    m = self.module
+    fresh = stats = None
+    if not m.has_variable(common.STATE, 'stats'):
+      fresh = make() if self.initializing else jax.eval_shape(make)
+      if jax.tree.leaves(fresh[0]):  # Stats to keep (not only learned).
+        if not self.initializing and not m.is_mutable_collection(common.STATE):
+          raise ValueError(
+            f'{self.where}: the config has stateful calibrations; their '
+            f'state lives in the collection {common.STATE!r}: create it '
+            f'with init and pass it to apply (mutable=[{common.STATE!r}] '
+            'in TRAIN and CALIBRATE).'
+          )
+        fresh = make() if not self.initializing else fresh
+      else:
+        stats = fresh[0]  # Only empty dicts: nothing to store.
+    if stats is None:
+      stats = m.variable(common.STATE, 'stats', lambda: fresh[0]).value
+    learned = {}
+    if make.learns:
+      learned = m.param(common.LEARNED, lambda _: make()[1])
+    return common.assemble(stats, learned)
+
   def store(self, result):
     for side, value in (result.stats or {}).items():
       self.module.put_variable(STATS, side, value)
+    stats = None if result.state is None else common.stats_of(result.state)
+    if stats is not None and jax.tree.leaves(stats) and not self.initializing:
+      if self.mode in (Mode.TRAIN, Mode.CALIBRATE):
+        if not self.module.is_mutable_collection(common.STATE):
+          raise ValueError(
+            f'{self.where}: {self.mode.name} updates the calibration state '
+            f'in the collection {common.STATE!r}: apply with '
+            f"mutable=['{common.STATE}'] (and merge the backward passes' "
+            'state with aqtr.state.merge_tree).'
+          )
+        self.module.put_variable(common.STATE, 'stats', stats)
     if result.frozen is not None:
       name = lifecycle.entry_name(self.config)
       self.module.put_variable(FROZEN, name, result.frozen)
@@ -292,6 +332,8 @@ class EinsumDense(nn.Einsum):
 
 __all__ = [
   'FROZEN',
+  'LEARNED',
+  'STATE',
   'STATS',
   'ConvGeneralDilated',
   'DotGeneral',

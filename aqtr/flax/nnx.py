@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -34,6 +35,7 @@ from flax.nnx import variablelib
 from aqtr.core.config import DotGeneralConfig
 from aqtr.flax import common
 from aqtr.freezers import Mode, lifecycle
+from aqtr.state import merge_tree
 
 _HOW_CONVERT = (
   'Produce them with aqtr.flax.nnx.convert(model, *sample_inputs) on the '
@@ -51,6 +53,14 @@ class Frozen(nnx.Variable):
 
 class Stats(nnx.Variable):
   """CALIBRATE statistics of one operand of an aqtr op: {mean, count}."""
+
+
+class CalibState(nnx.Variable):
+  """Stats of an op's stateful calibrations: {operand path: stats}.
+
+  Differentiate the loss w.r.t. these too (`nnx.DiffState`) and pass the
+  gradients to `update_state`: they carry the backward passes' new stats.
+  """
 
 
 class Removed(nnx.Variable):
@@ -129,8 +139,23 @@ class _Host(common.Host):
       if isinstance(v, Stats)
     }
 
+  def calib_state(self, make):
+    op = self.op
+    if not isinstance(getattr(op, common.STATE, None), CalibState):
+      stats, learned = make()
+      setattr(op, common.STATE, CalibState(stats))
+      if learned:
+        setattr(op, common.LEARNED, nnx.Param(learned))
+    learned = getattr(op, common.LEARNED, None)
+    return common.assemble(
+      getattr(op, common.STATE).get_value(),
+      {} if learned is None else learned.get_value(),
+    )
+
   def store(self, result):
     op = self.op
+    if result.state is not None and self.mode in (Mode.TRAIN, Mode.CALIBRATE):
+      getattr(op, common.STATE).set_value(common.stats_of(result.state))
     for side, value in (result.stats or {}).items():
       name = f'stats_{side}'
       if isinstance(getattr(op, name, None), Stats):
@@ -347,6 +372,42 @@ def _remove_kernel(parent, op: _Op) -> None:
   )
 
 
+def update_state(model: nnx.Module, grads) -> nnx.Module:
+  """Writes the backward passes' new calibration stats into `model`.
+
+  `grads`: the gradient State of a loss w.r.t. the model's `CalibState`
+  variables (e.g. `nnx.grad(loss, argnums=nnx.DiffState(0,
+  nnx.Any(nnx.Param, CalibState)))`); the forward stats were already
+  updated in place by the call. The ops create their `CalibState` on
+  their first call: call the model once (e.g. on a sample batch) before
+  differentiating. Returns the model.
+
+  Example:
+    >>> import jax.numpy as jnp, aqtr
+    >>> from flax import nnx
+    >>> m = nnx.Linear(8, 2, rngs=nnx.Rngs(0),
+    ...                dot_general=DotGeneral(aqtr.presets.fp8_delayed()))
+    >>> x = jnp.ones((2, 8))
+    >>> _ = m(x)  # creates the state
+    >>> diff = nnx.DiffState(0, nnx.Any(nnx.Param, CalibState))
+    >>> grads = nnx.grad(lambda m: m(x).sum(), argnums=diff)(m)
+    >>> h = update_state(m, grads).dot_general.aqtr_state.get_value()
+    >>> bool(h['dlhs.lhs']['history'].max() > 0)
+    True
+  """
+  current = nnx.state(model, CalibState)
+  g_state = nnx.filter_state(grads, CalibState)
+  if jax.tree.structure(current) != jax.tree.structure(g_state):
+    raise ValueError(
+      'update_state: grads do not hold the gradient of every CalibState '
+      'of the model; differentiate w.r.t. nnx.Any(nnx.Param, CalibState) '
+      '(nnx.DiffState), and call the model once before differentiating '
+      '(the ops create their CalibState on their first call).'
+    )
+  nnx.update(model, merge_tree(current, g_state))
+  return model
+
+
 def report(model: nnx.Module) -> common.Report:
   """Bytes of the removed float kernels, their frozen values, the state."""
   removed = frozen_k = 0
@@ -363,6 +424,7 @@ def report(model: nnx.Module) -> common.Report:
 
 
 __all__ = [
+  'CalibState',
   'ConvGeneralDilated',
   'DotGeneral',
   'Einsum',
@@ -374,4 +436,5 @@ __all__ = [
   'ops',
   'report',
   'set_mode',
+  'update_state',
 ]

@@ -41,6 +41,10 @@ class OperandCall:
     key: PRNG key of the dot (stochastic rounding), or None.
     where: the adapter op's name, for error messages.
     how_stats: how to produce CALIBRATE statistics, for error messages.
+    state: the operand's calibration state ('fwd.<side>' of the call's
+      state tree) when its calibration is stateful, else None.
+    sparsity_state: its sparsity schedule's state (the stats of
+      'fwd.<side>.sparsity'), else None.
 
   Example:
     >>> import jax.numpy as jnp, aqtr
@@ -61,6 +65,8 @@ class OperandCall:
   key: jax.Array | None = None
   where: str = 'aqtr op'
   how_stats: str = ''
+  state: dict | None = None
+  sparsity_state: dict | None = None
 
   @property
   def layout(self) -> OperandLayout:
@@ -107,6 +113,8 @@ class OperandCall:
       self.config,
       operand=self.side,
       key=self.key,
+      state=self.state,
+      sparsity_state=self.sparsity_state,
     )
 
   def qtensor(

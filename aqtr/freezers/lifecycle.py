@@ -41,6 +41,9 @@ import jax.numpy as jnp
 from aqtr.core.config import DotGeneralConfig
 from aqtr.core.dimension_numbers import DotLayout
 from aqtr.core.dot_general import dot_general
+from aqtr.core.engine_state import state_paths
+from aqtr.core.qtensor import QTensor
+from aqtr.core.sparsify import sites_of
 from aqtr.freezers.base import Mode, NoFreezer
 from aqtr.freezers.call import OperandCall
 
@@ -56,16 +59,19 @@ class Result:
     out: the dot's output.
     frozen: CONVERT: the new frozen entry (store under `entry_name`).
     stats: CALIBRATE: {side: new statistics} for 'calibration' operands.
+    state: TRAIN / CALIBRATE with a stateful config: the dot's new
+      calibration state (`aqtr.state`); the adapter stores it.
   """
 
   out: jax.Array
   frozen: dict | None = None
   stats: dict | None = None
+  state: dict | None = None
 
 
 # A pytree, so `jax.jit(run, static_argnums=(0, 3, 4))` works.
 jax.tree_util.register_dataclass(
-  Result, data_fields=['out', 'frozen', 'stats'], meta_fields=[]
+  Result, data_fields=['out', 'frozen', 'stats', 'state'], meta_fields=[]
 )
 
 
@@ -166,17 +172,45 @@ def find_frozen(
   )
 
 
-def _calls(lhs, rhs, dn, config, key, where, how_stats) -> dict:
+def _calls(lhs, rhs, dn, config, key, where, how_stats, state) -> dict:
   """{side: OperandCall} of the frozen operands (the layout made once)."""
   lay = DotLayout.create(jnp.shape(lhs), jnp.shape(rhs), dn)
   ops = {'lhs': lhs, 'rhs': rhs}
   return {
-    side: OperandCall(side, ops[side], lay, dn, config, key, where, how_stats)
+    side: OperandCall(
+      side,
+      ops[side],
+      lay,
+      dn,
+      config,
+      key,
+      where,
+      how_stats,
+      (state or {}).get(f'fwd.{side}'),
+      sites_of(state).get(side),
+    )
     for side in freezers(config)
   }
 
 
-def _served_dot(calls, entry, lhs, rhs, dn, config, key, kw) -> jax.Array:
+def _train_dot(lhs, rhs, dn, config, key, state, kw) -> Result:
+  """The on-the-fly dot; with calibration state, its new state too."""
+  if state is None:
+    return Result(dot_general(lhs, rhs, dn, config, key=key, **kw))
+  out, new = dot_general(lhs, rhs, dn, config, key=key, state=state, **kw)
+  return Result(out, state=new)
+
+
+def _served_state(state, config, ops) -> dict | None:
+  """The state a served dot needs: none for stored (frozen) operands, nor
+  for operands whose served calibration is no longer stateful."""
+  if state is None:
+    return None
+  stored = tuple(isinstance(ops[s], QTensor) for s in SIDES)
+  return {p: v for p, v in state.items() if p in state_paths(config, stored)}
+
+
+def _served_dot(calls, entry, lhs, rhs, dn, config, key, kw, state=None):
   """SERVE: each freezer turns its stored parts into the dot's operand."""
   ops = {'lhs': lhs, 'rhs': rhs}
   fwd = config.fwd
@@ -199,7 +233,11 @@ def _served_dot(calls, entry, lhs, rhs, dn, config, key, kw) -> jax.Array:
   if scales and kw['preferred_element_type'] is None:
     kw = dict(kw, preferred_element_type=jnp.float32)
   cfg = dataclasses.replace(config, fwd=fwd)
+  st = _served_state(state, cfg, ops)
+  if st is not None:
+    kw = dict(kw, state=st)
   out = dot_general(ops['lhs'], ops['rhs'], dn, cfg, key=key, **kw)
+  out = out[0] if st is not None else out
   return out * _out_scale(scales, calls, out.ndim) if scales else out
 
 
@@ -250,6 +288,7 @@ def run(
   initializing: bool = False,
   where: str = 'aqtr op',
   how_stats: str = 'Run the model in CALIBRATE mode on sample batches first.',
+  state: Mapping | None = None,
 ) -> Result:
   """Runs one dot_general in `mode` (see the module docstring).
 
@@ -269,6 +308,11 @@ def run(
       CONVERT compute the TRAIN output and store nothing; CALIBRATE does
       not count the call.
     where, how_stats: context for error messages.
+    state: the dot's calibration state tree (`aqtr.state.init`) when its
+      config has stateful or learned calibrations. TRAIN and CALIBRATE
+      return the new state; CONVERT freezes each frozen operand with the
+      bound its state gives (so SERVE equals TRAIN at that state) and
+      SERVE reads the state of the operands it still quantizes.
 
   Returns:
     A Result: the output and what to store.
@@ -292,16 +336,18 @@ def run(
     else jnp.result_type(lhs, rhs)
   )
   kw = dict(precision=precision, preferred_element_type=preferred_element_type)
+  state = None if state is None else dict(state)
   if (
     mode is Mode.TRAIN
     or not freezers(config)
     or (initializing and mode is not Mode.CALIBRATE)
   ):
-    return Result(dot_general(lhs, rhs, dn, config, key=key, **kw))
-  calls = _calls(lhs, rhs, dn, config, key, where, how_stats)
+    return _train_dot(lhs, rhs, dn, config, key, state, kw)
+  calls = _calls(lhs, rhs, dn, config, key, where, how_stats, state)
   stats = stats or {}
   if mode is Mode.CALIBRATE:
-    out = dot_general(lhs, rhs, dn, config, key=key, **kw)
+    trained = _train_dot(lhs, rhs, dn, config, key, state, kw)
+    out = trained.out
     new = {}
     for side, call in calls.items():
       f = call.tensor.freezer
@@ -311,7 +357,7 @@ def run(
       if old is None:
         old = f.start_stats(call)
       new[side] = old if initializing else f.collect(old, call)
-    return Result(out, stats=new)
+    return Result(out, stats=new, state=trained.state)
   if mode is Mode.CONVERT:
     entry = {
       side: _checked_parts(
@@ -319,9 +365,9 @@ def run(
       )
       for side, call in calls.items()
     }
-    out = _served_dot(calls, entry, lhs, rhs, dn, config, key, kw)
+    out = _served_dot(calls, entry, lhs, rhs, dn, config, key, kw, state)
     return Result(out.astype(out_dtype), frozen=entry)
-  out = _served_dot(calls, frozen, lhs, rhs, dn, config, key, kw)
+  out = _served_dot(calls, frozen, lhs, rhs, dn, config, key, kw, state)
   return Result(out.astype(out_dtype))
 
 

@@ -41,6 +41,7 @@ from jax import lax
 
 import aqtr
 from aqtr.core.config import DotGeneralConfig, TensorConfig
+from aqtr.core.engine_state import state_paths
 from aqtr.flax import common
 from aqtr.flax.linen import LinenHost
 from aqtr.freezers import Mode
@@ -137,9 +138,13 @@ class Op(nn.Module):
     return key
 
   def _frozen_modes(self) -> bool:
-    """Whether this call goes through the freezers (any mode but TRAIN)."""
+    """Whether this call goes through the adapters' shared op body: in any
+    mode but TRAIN (the freezers), and with stateful calibrations (their
+    state lives in the collection 'aqtr_state')."""
     common.check_mode(self.mode)
-    return self.mode is not Mode.TRAIN and not _is_float(self.config)
+    if _is_float(self.config):
+      return False
+    return self.mode is not Mode.TRAIN or bool(state_paths(self.config))
 
 
 class EinsumOp(Op):

@@ -8,6 +8,8 @@ its VJP with autodiff of that reference; the bound is >= 0 with the reduced
 axes kept; a NaN or inf in a group makes that group's bound non-finite (and
 the dot's output there); all-zero input quantizes without NaN (scale 1
 where the bound is 0); bad field values raise an error naming the field.
+Stateful calibrations run `aqtr.testing.stateful`'s versions of the
+engine, non-finite and zero checks.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from aqtr.core.config import DotGeneralConfig, DotGeneralRaw, TensorConfig
 from aqtr.core.dot_general import dot_general
 from aqtr.core.quantizer import fake_quant, quantize
 from aqtr.testing import checks as cc
+from aqtr.testing import stateful
 
 # 4-D inputs (the quantizer's [batch, tile, free, k] view) and reductions.
 _AXES = ((3,), (2, 3), (1, 3), (0, 1, 2, 3))
@@ -35,6 +38,10 @@ def _input(seed=0, shape=(2, 3, 4, 8)):
 
 def _calibrate(c, x, axes):
   return jax.jit(c.calibrate, static_argnums=1)(x, axes)
+
+
+def _stateful(cls) -> bool:
+  return issubclass(cls, calibrations.StatefulCalibration)
 
 
 def check_builds(cls, bad_fields):
@@ -53,6 +60,9 @@ def check_static_arg(cls, bad_fields):
 def check_engine(cls, bad_fields):
   """jit-able in dot_general; agrees with the fake-quant reference."""
   del bad_fields
+  if _stateful(cls):
+    stateful.check_engine(cls)
+    return
   c = cls()
   po2 = dataclasses.replace(c, po2_scale=True)
   cc.check_in_engine(
@@ -101,6 +111,9 @@ def check_nonfinite(cls, bad_fields):
     assert not np.isfinite(b[bad]), (axes, b)
     rest = np.delete(b.ravel(), np.ravel_multi_index(bad, b.shape))
     assert np.isfinite(rest).all(), (axes, b)
+  if _stateful(cls):
+    stateful.check_nonfinite(cls)
+    return
   w = _input(2, (64, 5))
   for tiling in (tilings.PerChannel(), tilings.PerTensor()):
     cfg = DotGeneralConfig(
@@ -118,6 +131,9 @@ def check_nonfinite(cls, bad_fields):
 def check_zeros(cls, bad_fields):
   """All-zero input: no NaN; the scale is 1 wherever the bound is 0."""
   del bad_fields
+  if _stateful(cls):
+    stateful.check_zeros(cls)
+    return
   c = cls()
   x = jnp.zeros((4, 16))
   b = _calibrate(c, x, (1,))

@@ -143,6 +143,7 @@ def _serve(r: loop.RunResult, task, run_dir: pathlib.Path, say) -> dict:
     r.logits_fn,
     task.eval_set,
     run_dir / 'serving',
+    r.collections,
   )
   (run_dir / 'serving.json').write_text(json.dumps(serve, indent=1))
   say(

@@ -74,6 +74,9 @@ class RunResult:
   logits_fn: Callable[[Any, np.ndarray], jax.Array]  # eval batches' shape
   diverged: str | None = None  # Why and where training stopped, if so.
   param_opt_bytes: int = 0
+  # Other variable collections of the trained model, e.g. 'aqtr_state'
+  # (stateful calibrations: amax histories, running statistics).
+  collections: dict = dataclasses.field(default_factory=dict)
 
 
 # Ctrl-C: the first SIGINT asks the job to stop at the next step boundary
@@ -133,6 +136,37 @@ def _rngs(config, seed: int, step) -> dict[str, jax.Array] | None:
   return {'quant': jax.random.fold_in(jax.random.key(seed + 1), step)}
 
 
+def _with_quant_params(float_params: Any, quant_params: Any) -> Any:
+  """The float params plus the quantized model's own (e.g. LSQ steps)."""
+  if not isinstance(quant_params, dict):
+    return float_params
+  out = dict(float_params)
+  for k, v in quant_params.items():
+    out[k] = _with_quant_params(out[k], v) if k in out else v
+  return out
+
+
+def _bind_collections(fn, calib):
+  """(params, x) -> fn(params, calib, x)."""
+  return lambda params, x: fn(params, calib, x)
+
+
+def stateful_init(module, params, x, seed: int) -> tuple[Any, dict]:
+  """(params, collections) of a model whose calibrations keep state.
+
+  Stateless configs: (params, {}). Otherwise the model is initialised once
+  for its learned calibration parameters (added to `params`, which keep
+  their float values) and its 'aqtr_state' collection.
+  """
+  shapes = jax.eval_shape(module.init, jax.random.key(seed), x)
+  same = jax.tree.structure(shapes['params']) == jax.tree.structure(params)
+  if set(shapes) == {'params'} and same:
+    return params, {}
+  v = jax.jit(module.init)(jax.random.key(seed), x)
+  collections = {k: c for k, c in v.items() if k != 'params'}
+  return _with_quant_params(params, v['params']), collections
+
+
 def train(
   name: str,
   config: aqtr.DotGeneralConfig,
@@ -168,6 +202,7 @@ def train(
   x0, y0 = next(task.batches())
   if params is None:
     params = init_params(template, task, exp.seed)
+  params, calib = stateful_init(module, params, x0, exp.seed)
   params = jax.tree.map(jnp.copy, params)  # The step donates its buffers.
   spec = spec or qt_runs.RunSpec()
   tx = optimizer(exp, spec.adam_bits)
@@ -196,25 +231,36 @@ def train(
       mesh_lib.state_shardings(mesh, opt_state),
       None,
       None,
+      None,
     )
 
-  def step_fn(params, opt_state, x, y, step):
-    def loss_fn(p):
-      logits = module.apply(
-        {'params': p}, x, rngs=_rngs(config, exp.seed, step)
-      )
-      return cross_entropy(logits, y)
+  def apply(p, calib, x, step):
+    """(logits, updated collections); stateful calibrations update."""
+    rngs = _rngs(config, exp.seed, step)
+    if not calib:
+      return module.apply({'params': p}, x, rngs=rngs), calib
+    return module.apply(
+      {'params': p, **calib}, x, rngs=rngs, mutable=list(calib)
+    )
 
-    loss, grads = jax.value_and_grad(loss_fn)(qt.dequantize(params))
+  def step_fn(params, opt_state, calib, x, y, step):
+    def loss_fn(p, c):
+      logits, updated = apply(p, c, x, step)
+      return cross_entropy(logits, y), updated
+
+    (loss, updated), (grads, calib_grads) = jax.value_and_grad(
+      loss_fn, (0, 1), has_aux=True
+    )(qt.dequantize(params), calib)
+    # The backward passes' calibration state arrives as the gradient.
+    calib = aqtr.state.merge_tree(updated, calib_grads)
     updates, opt_state = tx.update(grads, opt_state, params)
     params = qt.apply_updates(params, updates)
     leaves = [jnp.isfinite(p).all() for p in jax.tree.leaves(params)]
     finite = jnp.isfinite(loss) & jnp.stack(leaves).all()
-    return params, opt_state, loss, finite
+    return params, opt_state, calib, loss, finite
 
-  def logits_fn(params, x):
-    p = qt.dequantize(params)
-    return module.apply({'params': p}, x, rngs=_rngs(config, exp.seed, 0))
+  def logits_fn(params, calib, x):
+    return apply(qt.dequantize(params), calib, x, 0)[0]
 
   history: list[Record] = []
   losses, window, flags, train_s = [], [], [], 0.0
@@ -224,15 +270,17 @@ def train(
     t0 = time.perf_counter()
     step_c = (
       jax.jit(step_fn, donate_argnums=(0, 1), out_shardings=state_shardings)
-      .lower(params, opt_state, x0, y0, jnp.int32(0))
+      .lower(params, opt_state, calib, x0, y0, jnp.int32(0))
       .compile()
     )
-    eval_c = jax.jit(logits_fn).lower(params, task.eval_set[0][0]).compile()
+    eval_c = (
+      jax.jit(logits_fn).lower(params, calib, task.eval_set[0][0]).compile()
+    )
     compile_s = time.perf_counter() - t0
 
     def evaluate(step):
       rec = evaluate_logits(
-        lambda x: eval_c(params, x), task.eval_set, task.metric
+        lambda x: eval_c(params, calib, x), task.eval_set, task.metric
       )
       rec = {'run': name, 'step': step, **rec}
       history.append(rec)
@@ -244,8 +292,8 @@ def train(
     for i in range(1, exp.steps + 1):
       check_stop()
       x, y = map(place, next(batches))
-      params, opt_state, loss, finite = step_c(
-        params, opt_state, x, y, jnp.int32(i)
+      params, opt_state, calib, loss, finite = step_c(
+        params, opt_state, calib, x, y, jnp.int32(i)
       )
       window.append(loss)
       flags.append(finite)
@@ -301,7 +349,10 @@ def train(
     compile_s=compile_s,
     train_s=train_s,
     # QT runs: eval_c takes the quantized tree; this one the float params.
-    logits_fn=eval_c if spec.weights is None else jax.jit(logits_fn),
+    logits_fn=_bind_collections(
+      eval_c if spec.weights is None else jax.jit(logits_fn), calib
+    ),
     param_opt_bytes=stored,
     diverged=diverged,
+    collections=calib,
   )

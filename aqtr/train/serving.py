@@ -108,6 +108,7 @@ def check(
   train_logits: Callable[[Any, np.ndarray], jax.Array],
   eval_set: list[tuple[np.ndarray, np.ndarray]],
   out: str | pathlib.Path,
+  collections: dict | None = None,
 ) -> dict[str, Any]:
   """Converts, saves, restores and compares serving with training logits.
 
@@ -118,6 +119,8 @@ def check(
     train_logits: (params, inputs) -> logits of the training model.
     eval_set: validation (inputs, labels) batches.
     out: the checkpoint folder.
+    collections: the model's other trained collections (e.g. the
+      calibration state 'aqtr_state'), kept in the serving variables.
 
   Returns:
     {'serving_bytes', 'float_bytes', 'kernel_ratio', 'serve_equal' (bit
@@ -128,7 +131,7 @@ def check(
   x0 = eval_set[0][0]
 
   def convert(p):
-    return aqtr_linen.convert(conv, {'params': p}, x0)
+    return aqtr_linen.convert(conv, {'params': p, **(collections or {})}, x0)
 
   variables = jax.jit(convert)(params)
   report = aqtr_linen.report(variables)

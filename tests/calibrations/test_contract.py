@@ -14,7 +14,7 @@ import pytest
 
 import aqtr
 from aqtr import calibrations
-from aqtr.testing import ContractError, check_registry
+from aqtr.testing import ContractError, check_registry, stateful
 from aqtr.testing import calibrations as contract
 
 CHECKS = contract.CHECKS
@@ -34,6 +34,30 @@ BAD_FIELDS = {
     {'clip_scale': '1'},
   ],
   'minmax': [],
+  'delayed_scaling': [
+    {'history_length': 0},
+    {'history_length': 2.0},
+    {'history_length': True},
+  ],
+  'ema_stats': [
+    {'p': 0.0},
+    {'c1': -1.0},
+    {'c0': math.nan},
+    {'ema_update_count': 0},
+    {'prior_count': -1.0},
+    {'exclude_zeros': 1},
+    {'freeze_step': -1},
+  ],
+  'lsq': [{'po2_scale': 1}],
+  'mean_absmax': [{'po2_scale': 'yes'}],
+  'pact': [
+    {'init_clip': 0.0},
+    {'init_clip': math.nan},
+    {'init_clip': '1'},
+    {'l2': -1.0},
+    {'l2': math.inf},
+    {'l2': 'x'},
+  ],
   'constant': [
     {'bound': 0.0},
     {'bound': -2.0},
@@ -75,6 +99,22 @@ BAD_FIELDS = {
 @pytest.mark.parametrize('name', calibrations.names())
 def test_contract(name, check):
   check(calibrations.get(name), BAD_FIELDS.get(name))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+  'name',
+  [
+    n
+    for n in calibrations.names()
+    if issubclass(calibrations.get(n), calibrations.StatefulCalibration)
+  ],
+)
+def test_stateful_jit_equals_eager(name):
+  rng = np.random.default_rng(4)
+  x = jnp.asarray(rng.standard_normal((4, 16)), jnp.float32)
+  w = jnp.asarray(rng.standard_normal((16, 3)), jnp.float32)
+  stateful.run(calibrations.get(name)(), x, w, eager=True)
 
 
 def test_missing_bad_field_entry_fails_with_a_hint():

@@ -1,0 +1,70 @@
+"""ema_stats and mean_absmax equal their hand-computed recurrences."""
+
+import jax.numpy as jnp
+import numpy as np
+
+from aqtr.calibrations import EmaStats, MeanAbsMax
+
+STEPS = [
+  [1.0, -2.0, 0.0, 4.0],
+  [0.0, 0.0, 3.0, -1.0],
+  [0.0, 0.0, 0.0, 0.0],
+  [2.0, 2.0, -2.0, 2.0],
+  [8.0, 0.0, 0.0, 0.0],
+]
+
+
+def _run(c, steps):
+  st = c.init_state(jnp.zeros((1, 1, 1, 4)), (3,), None)
+  bounds = []
+  for row in steps:
+    b, st = c.bound_with_state(jnp.array([[[row]]]), (3,), None, st)
+    bounds.append(float(b.squeeze()))
+  return bounds, st
+
+
+def _reference(c, steps):
+  """The recurrence written out in plain Python."""
+  n, s = c.prior_count, {'l1': c.prior_l1, 'lp': c.prior_lp, 'max': c.prior_max}
+  out = []
+  for t, row in enumerate(steps):
+    a = np.abs(np.asarray(row))
+    kept = a[a != 0] if c.exclude_zeros else a
+    frozen = c.freeze_step is not None and t >= c.freeze_step
+    if len(kept) and not frozen:
+      n = min(n + 1, c.ema_update_count)
+      batch = {'l1': kept.mean(), 'lp': (kept**c.p).mean(), 'max': a.max()}
+      s = {k: s[k] + (batch[k] - s[k]) / n for k in s}
+    out.append(
+      c.c1 * s['l1'] + c.c2 * s['lp'] ** (1 / c.p) + c.c3 * s['max'] + c.c0
+    )
+  return out
+
+
+def test_ema_stats_recurrence_with_priors_zeros_and_freeze():
+  for c in (
+    EmaStats(c1=1.0, c2=0.5, c3=0.25, c0=0.1, ema_update_count=2),
+    EmaStats(
+      c1=2.0,
+      c2=1.0,
+      c3=0.5,
+      p=3.0,
+      ema_update_count=3,
+      prior_count=2.0,
+      prior_l1=1.0,
+      prior_lp=8.0,
+      prior_max=5.0,
+      exclude_zeros=True,
+    ),
+    EmaStats(c1=0.0, c3=1.0, exclude_zeros=True, freeze_step=2),
+  ):
+    got, _ = _run(c, STEPS)
+    np.testing.assert_allclose(got, _reference(c, STEPS), rtol=1e-5)
+
+
+def test_mean_absmax_is_the_mean_of_step_maxima():
+  got, st = _run(MeanAbsMax(), STEPS)
+  maxima = [max(abs(v) for v in row) for row in STEPS]
+  want = np.cumsum(maxima) / np.arange(1, len(STEPS) + 1)
+  np.testing.assert_allclose(got, want, rtol=1e-6)
+  assert float(st['stats']['count'].squeeze()) == len(STEPS)
