@@ -51,3 +51,46 @@ def test_a_schedule_without_state_is_an_error():
     aqtr.dot_general(x, w, (((1,), (0,)), ((), ())), cfg)
   msg = str(e.value)
   assert msg.startswith('config.fwd.rhs.sparsity: NM(') and 'state' in msg
+
+
+def test_engine_holds_the_mask_in_the_state_tree():
+  nm = sparsity.NM(n=2, m=4, start_step=1, update_step=2)
+  cfg = sparsity.configure(aqtr.presets.int8(), rhs=nm)
+  dn = (((1,), (0,)), ((), ()))
+  x = jax.random.normal(jax.random.key(9), (4, 16))
+  ws = [jax.random.normal(jax.random.key(i), (16, 8)) for i in range(5)]
+  state = aqtr.state.init(x, ws[0], dn, cfg)
+  assert set(state) == {'fwd.rhs.sparsity'}
+
+  @jax.jit
+  def step(w, state):
+    def loss(w, state):
+      out, new = aqtr.dot_general(x, w, dn, cfg, state=state)
+      return jnp.sum(out * out), (out, new)
+
+    (_, (out, new)), (dw, ds) = jax.value_and_grad(loss, (0, 1), has_aux=True)(
+      w, state
+    )
+    return out, dw, aqtr.state.merge(new, ds)
+
+  mask = None
+  for i, w in enumerate(ws):
+    out, dw, state = step(w, state)
+    if i == 0:
+      want = np.ones(w.shape, bool)  # before start_step: dense
+    elif i % 2 == 1:
+      want = np.asarray(nm.mask(w[None], 1)[0])  # update steps 1, 3
+    else:
+      want = mask  # held
+    mask = want
+    got = np.asarray(state['fwd.rhs.sparsity']['stats']['mask']) > 0.5
+    np.testing.assert_array_equal(got, want)
+    w_s = jnp.where(want, w, 0.0)
+    np.testing.assert_array_equal(
+      out, aqtr.dot_general(x, w_s, dn, aqtr.presets.int8())
+    )
+    # Straight-through: the dense weight gets the pruned weight's gradient.
+    ref = jax.grad(
+      lambda w: jnp.sum(aqtr.dot_general(x, w, dn, aqtr.presets.int8()) ** 2)
+    )(w_s)
+    np.testing.assert_allclose(dw, ref, rtol=1e-6, atol=1e-6)
