@@ -12,7 +12,13 @@ gradient mask. That term does not depend on the output's cotangent: it is
 added once per call whose VJP is taken (accumulating k micro-batches adds
 it k times; scale `decay` accordingly).
 
-Internal API (used by `dot_general.py`, `quantizer.py`, `operand.py`):
+Schedule: with `start_step > 0` or `update_step > 1` the mask is state
+(`'fwd.<side>.sparsity'` in the call's state tree, `aqtr.state`): a
+float32 0/1 mask and a step counter; the forward pass returns the next
+one (`scheduled_prune`).
+
+Internal API (used by `dot_general.py`, `engine_state.py`, `operand.py`,
+`quantizer.py`, `aqtr.state`, the freezer lifecycle):
 `prune`, `decay_term`, `prune_operands`, `has_schedule`, `schedule_init`,
 `scheduled_prune`, `sites_of`, `site_entries`, `SITE`.
 """
