@@ -7,10 +7,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from flax_cases import LinenMLP, bitwise, digits
+from flax import nnx
+from flax_cases import LinenMLP, NnxMLP, bitwise, digits
 
 import aqtr
 import aqtr.flax.linen as ql
+import aqtr.flax.nnx as qn
 from aqtr import sparsity
 from aqtr.freezers import Mode
 
@@ -90,3 +92,31 @@ def test_linen_schedule_trains_converts_with_the_held_mask():
     _Mlp(cfg, Mode.SERVE).apply(serving, x),
     model.apply(v, x, mutable=[ql.STATE])[0],
   )
+
+
+def test_nnx_schedule_trains_converts_and_serves_bit_exact():
+  nm = sparsity.NM(n=2, m=4, start_step=1, update_step=2)
+  cfg = aqtr.freezers.configure(
+    sparsity.configure(aqtr.presets.int8(), rhs=nm), rhs='sparse_weights'
+  )
+  x, _ = digits(16)
+  m = NnxMLP(cfg, nnx.Rngs(0), hidden=32)
+  m(x)  # Creates the ops' CalibState (the call is step 0: dense).
+  diff = nnx.DiffState(0, nnx.Any(nnx.Param, qn.CalibState))
+  opt = nnx.Optimizer(m, optax.sgd(0.1), wrt=nnx.Param)
+
+  @nnx.jit
+  def step(m, opt):
+    grads = nnx.grad(lambda m: jnp.mean(m(x) ** 2), argnums=diff)(m)
+    qn.update_state(m, grads)
+    opt.update(m, nnx.filter_state(grads, nnx.Param))
+
+  for _ in range(2):  # steps 1 (mask made), 2 (held)
+    step(m, opt)
+  st = m.l1.dot_general.aqtr_state.get_value()['fwd.rhs.sparsity']
+  assert float(st['step']) == 3
+  saved = jax.tree.map(jnp.copy, nnx.state(m, qn.CalibState))
+  want = m(x)  # TRAIN at the saved state (step 3: an update step).
+  nnx.update(m, saved)
+  qn.convert(m, x)
+  bitwise(m(x), want)
