@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from flax import nnx
 from flax_cases import LinenMLP, NnxMLP, bitwise, digits
 
@@ -17,6 +18,7 @@ from aqtr import sparsity
 from aqtr.freezers import Mode
 
 
+@pytest.mark.slow  # Fast version: test_linen_schedule_...
 def test_flax_linen_train_equals_serve():
   cfg = aqtr.freezers.configure(
     sparsity.configure(aqtr.presets.int8(), rhs=sparsity.NM()),
@@ -94,6 +96,7 @@ def test_linen_schedule_trains_converts_with_the_held_mask():
   )
 
 
+@pytest.mark.slow  # The linen twin runs by default.
 def test_nnx_schedule_trains_converts_and_serves_bit_exact():
   nm = sparsity.NM(n=2, m=4, start_step=1, update_step=2)
   cfg = aqtr.freezers.configure(

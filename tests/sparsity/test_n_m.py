@@ -23,12 +23,12 @@ def _groups(a, nm: sparsity.NM, axis: int):
   [
     sparsity.NM(n=1, m=4),
     sparsity.NM(n=2, m=4),
-    sparsity.NM(n=3, m=4),
+    pytest.param(sparsity.NM(n=3, m=4), marks=pytest.mark.slow),
     sparsity.NM(n=2, m=8),
     sparsity.NM(n=2, m=4, block=2),
     sparsity.NM(n=1, m=4, offset=4),
   ],
-  ids=lambda nm: f'{nm.n}:{nm.m}/b{nm.block}/o{nm.offset}',
+  ids=['1:4', '2:4', '3:4', '2:8', '2:4/block2', '1:4/offset4'],
 )
 def test_exactly_n_nonzeros_in_every_group_along_the_contraction(nm):
   rng = np.random.default_rng(0)
@@ -54,8 +54,10 @@ def test_offset_groups_hold_elements_offset_apart():
   'preset, tiling',
   [
     (presets.int8, None),
-    (presets.fp8, None),
-    (presets.int8, tilings.SubChannel(tile_size=16)),
+    pytest.param(presets.fp8, None, marks=pytest.mark.slow),
+    pytest.param(
+      presets.int8, tilings.SubChannel(tile_size=16), marks=pytest.mark.slow
+    ),
   ],
   ids=['int8', 'fp8', 'int8_subchannel'],
 )
