@@ -50,6 +50,7 @@ __all__ = [
   'merge_tree',
   'penalty',
   'split',
+  'with_example_weights',
   'with_learned',
 ]
 
@@ -166,6 +167,37 @@ def merge_tree(updated, state_grads):
     return grad if keys & set(_BWD) else new
 
   return jax.tree_util.tree_map_with_path(pick, updated, state_grads)
+
+
+def with_example_weights(state: dict, path: str, weights) -> dict:
+  """`state` with the per-row weights of `path`'s `EmaStats` replaced.
+
+  Args:
+    state: a state tree (`init`) whose `path` (a forward lhs, e.g.
+      'fwd.lhs') has `EmaStats(example_weights=True)`.
+    path: the operand path.
+    weights: one weight >= 0 per row of the lhs (its batch and free axes,
+      e.g. [batch, seq] for [batch, seq, features] activations); 0 leaves
+      a row (padding) out of the statistics.
+
+  Returns:
+    The new state tree (the input is not modified).
+  """
+  site = state.get(path)
+  if site is None or 'weights' not in site['stats']:
+    raise ValueError(
+      f'{path}: no per-example weights in the state; use '
+      "EmaStats(example_weights=True) on a forward lhs ('fwd.lhs')."
+    )
+  want = site['stats']['weights'].shape
+  w = jnp.asarray(weights, jnp.float32)
+  if w.size != want[0] * want[2]:
+    raise ValueError(
+      f"{path}: weights of shape {w.shape} do not match the operand's "
+      f'{want[0] * want[2]} rows (its batch and free axes).'
+    )
+  stats = dict(site['stats'], weights=w.reshape(want))
+  return dict(state, **{path: dict(site, stats=stats)})
 
 
 def learned(state: dict) -> dict:

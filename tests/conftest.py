@@ -1,11 +1,24 @@
-"""Test setup: 8 host CPU devices, strict rank promotion."""
+"""Test setup: 8 host CPU devices, fast compiles, strict rank promotion."""
 
 import os
 
-os.environ.setdefault('XLA_FLAGS', '--xla_force_host_platform_device_count=8')
+# Tests compile many tiny programs: XLA's backend optimizations (LLVM passes)
+# cost more than they save there, and they do not change what a program
+# computes (no fast-math). Subprocesses that want one device use
+# AQTR_TEST_XLA_FLAGS. Set either variable yourself to override it.
+os.environ.setdefault(
+  'AQTR_TEST_XLA_FLAGS',
+  '--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true',
+)
+os.environ.setdefault(
+  'XLA_FLAGS',
+  '--xla_force_host_platform_device_count=8 '
+  + os.environ['AQTR_TEST_XLA_FLAGS'],
+)
 
 import hypothesis
 import jax
+import pytest
 
 jax.config.update('jax_numpy_rank_promotion', 'raise')
 
@@ -14,3 +27,48 @@ jax.config.update('jax_numpy_rank_promotion', 'raise')
 hypothesis.settings.register_profile('ci', derandomize=True, database=None)
 if os.environ.get('CI'):
   hypothesis.settings.load_profile('ci')
+
+
+# With `-n N`, the modules of a group here run on one worker, and groups
+# start first (most tests first): a module-scoped fixture (a training run)
+# or a functools.cache shared by the modules (tests/qt/digits_mlp.py,
+# tests/pax/helpers.py) is built once instead of once per worker, and a
+# long test does not end the run on one worker while the other idles.
+# Each tests/papers/ module is a group of its own. Every other test goes to
+# whichever worker is free, one at a time.
+GROUPS = {
+  'tests/train/test_main.py': 'train_main',
+  'tests/train/test_mesh.py': 'train_mesh',
+  'tests/train/test_cli.py': 'train_cli',
+  'tests/data/test_stdlib.py': 'stdlib',
+  'tests/qt/test_training.py': 'digits_mlp',
+  'tests/qt/test_adam.py': 'digits_mlp',
+  'tests/pax/test_inject.py': 'pax_float_lm',
+  'tests/pax/test_transformer.py': 'pax_float_lm',
+}
+_GROUPED = pytest.StashKey[bool]()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+  """`-n N` without `--dist` schedules as GROUPS says."""
+  if getattr(config.option, 'numprocesses', None) and (
+    config.option.dist == 'no'
+  ):
+    config.stash[_GROUPED] = True
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+  if not config.stash.get(_GROUPED, False):
+    return None
+  from xdist.scheduler import LoadScopeScheduling
+
+  class Scheduling(LoadScopeScheduling):
+    def _split_scope(self, nodeid):
+      module = nodeid.split('::', 1)[0]
+      if module.startswith('tests/papers/'):  # A claim's run per module.
+        return GROUPS.get(module, module)
+      return GROUPS.get(module, nodeid)
+
+  return Scheduling(config, log)

@@ -45,6 +45,12 @@ class EmaStats(StatefulCalibration):
   bound = c1 * S_l1 + c2 * (S_lp)^(1/p) + c3 * S_max + c0, from the
   statistics including the current step.
 
+  Per-example weights (`example_weights=True`, activations: the lhs of a
+  dot): the state holds a weight per row (token) of the operand, set
+  before each call with `aqtr.state.with_example_weights`; the means
+  become weighted means sum(w |x|) / sum(w), rows of weight 0 (padding)
+  are left out of every statistic, and the kept count is sum(w).
+
   State: {'stats': {'count', 'l1', 'lp', 'max': [*group], 'step': []}}.
 
   Attributes:
@@ -56,6 +62,7 @@ class EmaStats(StatefulCalibration):
       max |x| (>= 0).
     exclude_zeros: leave exact zeros out of the statistics.
     freeze_step: stop updating after this many calls (None: never).
+    example_weights: keep a weight per row in the state (default 1).
 
   Example:
     >>> import jax.numpy as jnp
@@ -79,6 +86,7 @@ class EmaStats(StatefulCalibration):
   prior_max: float = 0.0
   exclude_zeros: bool = False
   freeze_step: int | None = None
+  example_weights: bool = False
 
   def __post_init__(self):
     super().__post_init__()
@@ -103,10 +111,9 @@ class EmaStats(StatefulCalibration):
       raise ValueError(
         f'{name}.ema_update_count must be an int >= 1, got {n!r}.'
       )
-    if not isinstance(self.exclude_zeros, bool):
-      raise TypeError(
-        f'{name}.exclude_zeros must be a bool, got {self.exclude_zeros!r}.'
-      )
+    for f in ('exclude_zeros', 'example_weights'):
+      if not isinstance(getattr(self, f), bool):
+        raise TypeError(f'{name}.{f} must be a bool, got {getattr(self, f)!r}.')
     f = self.freeze_step
     if f is not None and (
       isinstance(f, bool) or not isinstance(f, int) or f < 0
@@ -129,20 +136,29 @@ class EmaStats(StatefulCalibration):
       'max': full(self.prior_max),
       'step': jnp.zeros((), jnp.float32),
     }
+    if self.example_weights:  # Rows of the [B, T, F, t] view: (B, F).
+      stats['weights'] = jnp.ones((x.shape[0], 1, x.shape[2], 1), jnp.float32)
     return {'stats': stats, 'learned': {}}
 
-  def batch_stats(self, x, axes):
-    """(kept count, mean |x|, mean |x|^p, max |x|) per group."""
+  def batch_stats(self, x, axes, weights=None):
+    """(kept count, mean |x|, mean |x|^p, max |x|) per group.
+
+    `weights`: per-row weights broadcastable to x (None: all 1).
+    """
     ax = tuple(axes)
     a = jnp.abs(x)
     w = (a != 0) if self.exclude_zeros else jnp.ones_like(a, bool)
     w = w | ~jnp.isfinite(a)  # A NaN/inf always enters (and surfaces).
-    n = jnp.sum(w, axis=ax, keepdims=True).astype(jnp.float32)
-    safe = jnp.maximum(n, 1)
-    l1 = jnp.sum(jnp.where(w, a, 0), axis=ax, keepdims=True) / safe
-    lp = jnp.sum(jnp.where(w, a**self.p, 0), axis=ax, keepdims=True) / safe
-    mx = jnp.max(a, axis=ax, keepdims=True)
-    return n, {'l1': l1, 'lp': lp, 'max': mx}
+    wf = w.astype(jnp.float32)
+    if weights is not None:
+      w = w & (weights > 0)
+      wf = jnp.where(w, weights, 0)
+    n = jnp.sum(wf, axis=ax, keepdims=True)
+    safe = jnp.where(n > 0, n, 1)
+    l1 = jnp.sum(jnp.where(w, wf * a, 0), axis=ax, keepdims=True) / safe
+    lp = jnp.sum(jnp.where(w, wf * a**self.p, 0), axis=ax, keepdims=True)
+    mx = jnp.max(jnp.where(w, a, 0), axis=ax, keepdims=True)
+    return n, {'l1': l1, 'lp': lp / safe, 'max': mx}
 
   def bound_from(self, st) -> jnp.ndarray:
     lp = jnp.maximum(st['lp'], 0) ** (1 / self.p)
@@ -151,7 +167,7 @@ class EmaStats(StatefulCalibration):
   def bound_with_state(self, x, axes, numerics, state):
     del numerics
     st = state['stats']
-    n_b, batch = self.batch_stats(x, axes)
+    n_b, batch = self.batch_stats(x, axes, st.get('weights'))
     live = n_b > 0
     if self.freeze_step is not None:
       live = live & (st['step'] < self.freeze_step)
@@ -164,6 +180,8 @@ class EmaStats(StatefulCalibration):
     if self.freeze_step is not None:
       stepped = jnp.minimum(stepped, self.freeze_step)
     new['step'] = stepped
+    if 'weights' in st:
+      new['weights'] = st['weights']
     bound = jnp.maximum(self.bound_from(new), 0) + nonfinite_guard(x, axes)
     return bound, {'stats': new, 'learned': {}}
 

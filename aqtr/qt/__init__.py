@@ -7,7 +7,8 @@ does not import this package.
   params: QTParam leaves chosen by path Rules; quantize / dequantize.
   training: quantized_training(inner optax transformation), apply_updates.
   lowbit / adam: adamw_8bit (Dettmers et al. 2022, arXiv 2110.02861) and
-    adamw_4bit (Li et al. 2023, arXiv 2309.01507).
+    adamw_4bit (Li et al. 2023, arXiv 2309.01507), both lowbit_adamw with
+    a pair of StateCodecs.
 
 Example:
   >>> import jax.numpy as jnp, optax
@@ -17,8 +18,14 @@ Example:
   >>> state = tx.init(params)
 """
 
-from aqtr.qt.adam import adamw_4bit, adamw_8bit, scale_by_lowbit_adam
+from aqtr.qt.adam import (
+  adamw_4bit,
+  adamw_8bit,
+  lowbit_adamw,
+  scale_by_lowbit_adam,
+)
 from aqtr.qt.formats import WeightFormat, fp8, int4, int8
+from aqtr.qt.lowbit import StateCodec
 from aqtr.qt.params import (
   QTParam,
   QuantizationReport,
@@ -42,6 +49,7 @@ __all__ = [
   'QTState',
   'QuantizationReport',
   'Rule',
+  'StateCodec',
   'WeightFormat',
   'adamw_4bit',
   'adamw_8bit',
@@ -50,6 +58,7 @@ __all__ = [
   'fp8',
   'int4',
   'int8',
+  'lowbit_adamw',
   'quantize_params',
   'quantized_training',
   'requantize',

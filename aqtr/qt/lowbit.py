@@ -17,7 +17,9 @@ giving a relative error that stays small over many orders of magnitude;
 its zero-free variant (DE-0 of Li et al.) stores second moments.
 `linear_table` is Li et al.'s zero-point-free linear map (i + 1) / 2^b,
 which never rounds a second moment to 0 (that would blow up m / sqrt(v)).
-4-bit codes are packed two per byte.
+Codes round to the nearest table value, or stochastically (given a key:
+up to the next value with probability proportional to the distance, so
+E[T[code]] = x / N); 4-bit codes are packed two per byte.
 
 Example:
   >>> import jax.numpy as jnp
@@ -36,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ['LowBitTensor', 'dynamic_table', 'linear_table']
+__all__ = ['LowBitTensor', 'StateCodec', 'dynamic_table', 'linear_table']
 
 
 @functools.cache
@@ -68,11 +70,23 @@ def linear_table(bits: int) -> tuple[float, ...]:
   return tuple((i + 1) / 2**bits for i in range(2**bits))
 
 
-def _encode(xn: jax.Array, table: tuple[float, ...]) -> jax.Array:
+def _encode(
+  xn: jax.Array, table: tuple[float, ...], key: jax.Array | None
+) -> jax.Array:
   t = np.asarray(table, np.float32)
-  mids = jnp.asarray((t[1:] + t[:-1]) / 2)
-  codes = jnp.searchsorted(mids, xn, side='left', method='scan_unrolled')
-  return codes.astype(jnp.uint8)
+  if key is None:  # Nearest: compare with the midpoints.
+    mids = jnp.asarray((t[1:] + t[:-1]) / 2)
+    codes = jnp.searchsorted(mids, xn, side='left', method='scan_unrolled')
+    return codes.astype(jnp.uint8)
+  # Stochastic: the lower neighbour T[i] <= xn, then up with probability
+  # (xn - T[i]) / (T[i+1] - T[i]), so that E[T[code]] = xn inside [T0, T-1].
+  inner = jnp.asarray(t[1:-1])
+  lo = jnp.searchsorted(inner, xn, side='right', method='scan_unrolled')
+  lo = lo.astype(jnp.int32)
+  tt = jnp.asarray(t)
+  p = (xn - tt[lo]) / jnp.asarray(np.diff(t))[lo]
+  up = jax.random.uniform(key, xn.shape) < p
+  return (lo + up).astype(jnp.uint8)
 
 
 def _pack(codes: jax.Array) -> jax.Array:
@@ -129,8 +143,13 @@ class LowBitTensor:
     bits: int = 8,
     table: tuple[float, ...] | None = None,
     block: int = 2048,
+    key: jax.Array | None = None,
   ) -> LowBitTensor:
-    """Quantizes `x`; `block=0` asks for rank-1 normalisation."""
+    """Quantizes `x`; `block=0` asks for rank-1 normalisation.
+
+    With a `key`, codes are rounded stochastically (unbiased between the
+    table's neighbours); without, to the nearest table value.
+    """
     if bits not in (4, 8):
       raise ValueError(f'LowBitTensor bits must be 4 or 8, got {bits!r}.')
     table = table or dynamic_table(bits, True)
@@ -153,7 +172,7 @@ class LowBitTensor:
       m = jnp.max(jnp.abs(flat), axis=1)
       norms = (m,)
       flat = (flat / _safe(m)[:, None]).reshape(-1)
-    codes = _encode(flat, table)
+    codes = _encode(flat, table, key)
     if bits == 4:
       if codes.shape[0] % 2:
         codes = jnp.pad(codes, (0, 1))
@@ -205,4 +224,82 @@ jax.tree_util.register_dataclass(
   LowBitTensor,
   data_fields=['codes', 'norms'],
   meta_fields=['shape', 'bits', 'table', 'block'],
+)
+
+
+_TABLES = ('signed_dynamic', 'dynamic_no_zero', 'linear')
+_ROUNDINGS = ('nearest', 'stochastic')
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StateCodec:
+  """How one optimizer state tensor is stored: bits, table, normaliser.
+
+  Attributes:
+    bits: 8 or 4.
+    table: 'signed_dynamic' (`dynamic_table(bits, True)`, for first
+      moments), 'dynamic_no_zero' (unsigned, no 0; Li et al.'s DE-0) or
+      'linear' (`linear_table(bits)`, unsigned, zero-point free).
+    block: elements per normalisation block; 0 asks for rank-1
+      normalisation (1-D tensors: blocks of 128).
+    rounding: 'nearest' or 'stochastic' (`encode` then needs a key).
+
+  Example:
+    >>> StateCodec(bits=4, table='linear', block=0).encode(
+    ...     jnp.ones((8, 8))).decode().sum().item()
+    64.0
+  """
+
+  bits: int = 8
+  table: str = 'signed_dynamic'
+  block: int = 256
+  rounding: str = 'nearest'
+
+  def __post_init__(self):
+    if self.bits not in (4, 8):
+      raise ValueError(f'StateCodec.bits must be 4 or 8, got {self.bits!r}.')
+    if self.table not in _TABLES:
+      raise ValueError(
+        f'StateCodec.table must be one of {_TABLES}, got {self.table!r}.'
+      )
+    if not isinstance(self.block, int) or self.block < 0:
+      raise ValueError(
+        f'StateCodec.block must be an int >= 0 (0: rank-1), got {self.block!r}.'
+      )
+    if self.rounding not in _ROUNDINGS:
+      raise ValueError(
+        f'StateCodec.rounding must be one of {_ROUNDINGS}, got '
+        f'{self.rounding!r}.'
+      )
+
+  @property
+  def values(self) -> tuple[float, ...]:
+    """The sorted code values."""
+    if self.table == 'linear':
+      return linear_table(self.bits)
+    signed = self.table == 'signed_dynamic'
+    return dynamic_table(self.bits, signed, zero=signed)
+
+  def encode(self, x: jax.Array, key: jax.Array | None = None) -> LowBitTensor:
+    """`LowBitTensor.encode` with this codec (`key`: stochastic only)."""
+    stochastic = self.rounding == 'stochastic'
+    if stochastic and key is None:
+      raise ValueError("StateCodec(rounding='stochastic').encode needs a key.")
+    return _encode_jit(
+      x,
+      bits=self.bits,
+      table=self.values,
+      block=self.block,
+      key=key if stochastic else None,
+    )
+
+  def zeros(self, shape: tuple[int, ...]) -> LowBitTensor:
+    """The encoding of zeros of `shape`."""
+    return LowBitTensor.zeros(
+      shape, bits=self.bits, table=self.values, block=self.block
+    )
+
+
+_encode_jit = jax.jit(
+  LowBitTensor.encode, static_argnames=('bits', 'table', 'block')
 )

@@ -16,16 +16,8 @@ from __future__ import annotations
 import fiddle as fdl
 
 from aqtr import fiddle as aqtr_fiddle
-from aqtr.fiddlers import (  # noqa: F401 (fiddlers for --config)
-  set_fields,
-  set_tag,
-  use_calibration,
-  use_numerics,
-  use_rounding,
-  use_tiling,
-)
 from papers.four_bit_pareto.sweep import Pareto
-from papers.lib.tasks import Task
+from papers.lib import claim
 
 __all__ = ['full', 'small']
 
@@ -41,9 +33,7 @@ def full() -> fdl.Config:
     },
     bits={'bf16': 16, 'int8': 8, 'int4': 4},
     widths=(2, 4, 8, 16, 32, 64),
-    task=fdl.Config(
-      Task, name='digits', steps=400, learning_rate=1e-2, seeds=(0, 1, 2)
-    ),
+    task=claim.digits(steps=400, learning_rate=1e-2),
   )
 
 

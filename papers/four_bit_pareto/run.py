@@ -17,7 +17,7 @@ import fiddle as fdl
 from aqtr import fiddle as aqtr_fiddle
 from aqtr.train import report
 from papers.four_bit_pareto import config, sweep
-from papers.lib import cli, plots
+from papers.lib import claim, cli, plots
 
 __all__ = ['main', 'plot', 'run']
 
@@ -57,11 +57,8 @@ def run(cfg: fdl.Config, out: pathlib.Path, echo: bool = True) -> list[Any]:
   """Runs the sweep `cfg`; writes the outputs to `out`; returns rows."""
   exp = aqtr_fiddle.build(cfg)
   rows = sweep.run(exp, progress=print if echo else None)
-  text = report.table(rows, COLUMNS, FORMATS)
-  cli.write(pathlib.Path(out), cfg, text)
+  claim.finish(out, cfg, report.table(rows, COLUMNS, FORMATS), echo=echo)
   plot(rows, pathlib.Path(out) / 'results.png')
-  if echo:
-    print(text)
   return rows
 
 

@@ -6,10 +6,14 @@ Runs (all with an e4m3 forward, per-channel absmax scaling):
   e4m3_grads       e4m3 gradients, scaled
   e5m2_unscaled    e5m2 gradients, unscaled (scale 1: a plain cast)
   e4m3_unscaled    e4m3 gradients, unscaled (small gradients flush to 0)
+  fp8_per_tensor   the fp8 recipe, one dynamic scale per tensor
+  fp8_delayed      per tensor, delayed scaling: each scale from the max of
+                   the last 16 amax values (Transformer Engine / FP8-LM);
+                   the gradients' histories update in the backward pass
 
 "Unscaled" is the `constant` calibration with bound = the format's max
-(scale 1). The delayed-vs-dynamic scaling part of the claim is added when
-delayed scaling lands (see README).
+(scale 1). `fp8_per_tensor` is the dynamic twin of `fp8_delayed` (same
+tiling), so the two differ only in where the scale comes from.
 
 Example:
   >>> cfg = small()
@@ -23,18 +27,10 @@ import fiddle as fdl
 
 from aqtr import fiddle as aqtr_fiddle
 from aqtr import fiddlers
-from aqtr.fiddlers import (  # noqa: F401 (fiddlers for --config)
-  set_fields,
-  set_tag,
-  use_calibration,
-  use_numerics,
-  use_rounding,
-  use_tiling,
-)
-from papers.lib.compare import Comparison, add_run  # noqa: F401
-from papers.lib.tasks import Task
+from papers.lib import claim
+from papers.lib.compare import Comparison
 
-__all__ = ['full', 'gradients', 'runs', 'small']
+__all__ = ['full', 'gradients', 'per_tensor', 'runs', 'small']
 
 GRADIENTS = r'(dlhs|drhs)\.lhs'
 MAX = {'float8_e4m3fn': 448.0, 'float8_e5m2': 57344.0}
@@ -64,7 +60,16 @@ def runs() -> dict[str, fdl.Config]:
     'e4m3_grads': gradients('float8_e4m3fn', scaled=True),
     'e5m2_unscaled': gradients('float8_e5m2', scaled=False),
     'e4m3_unscaled': gradients('float8_e4m3fn', scaled=False),
+    'fp8_per_tensor': per_tensor(),
+    'fp8_delayed': aqtr_fiddle.config('fp8_delayed'),
   }
+
+
+def per_tensor() -> fdl.Config:
+  """The fp8 recipe with one dynamic (current absmax) scale per tensor."""
+  cfg = aqtr_fiddle.config('fp8')
+  fiddlers.use_tiling(cfg, r'.*', 'per_tensor')
+  return cfg
 
 
 def full() -> fdl.Config:
@@ -72,21 +77,7 @@ def full() -> fdl.Config:
   return fdl.Config(
     Comparison,
     runs=runs(),
-    tasks={
-      'teacher': fdl.Config(
-        Task,
-        name='teacher',
-        hidden=(128, 128),
-        steps=2000,
-        batch_size=128,
-        teacher_dims=(8, 32, 4),
-        train_size=8192,
-        seeds=(0, 1, 2),
-      ),
-      'digits': fdl.Config(
-        Task, name='digits', hidden=(256, 256), steps=300, seeds=(0, 1, 2)
-      ),
-    },
+    tasks={'teacher': claim.teacher(), 'digits': claim.digits()},
   )
 
 
@@ -96,5 +87,6 @@ def small() -> fdl.Config:
   t = cfg.tasks['teacher']
   t.hidden, t.steps, t.seeds, t.train_size = (64,), 600, (0,), 4096
   cfg.tasks, cfg.serve = {'teacher': t}, False
-  cfg.runs = {k: cfg.runs[k] for k in ('float', 'fp8', 'e4m3_unscaled')}
+  keep = ('float', 'fp8', 'e4m3_unscaled', 'fp8_per_tensor', 'fp8_delayed')
+  cfg.runs = {k: cfg.runs[k] for k in keep}
   return cfg

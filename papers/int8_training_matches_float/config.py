@@ -15,16 +15,8 @@ from __future__ import annotations
 import fiddle as fdl
 
 from aqtr import fiddle as aqtr_fiddle
-from aqtr.fiddlers import (  # noqa: F401 (fiddlers for --config)
-  set_fields,
-  set_tag,
-  use_calibration,
-  use_numerics,
-  use_rounding,
-  use_tiling,
-)
-from papers.lib.compare import Comparison, add_run  # noqa: F401
-from papers.lib.tasks import Task
+from papers.lib import claim
+from papers.lib.compare import Comparison
 
 __all__ = ['full', 'runs', 'small']
 
@@ -44,21 +36,7 @@ def full() -> fdl.Config:
   return fdl.Config(
     Comparison,
     runs=runs(),
-    tasks={
-      'digits': fdl.Config(
-        Task, name='digits', hidden=(256, 256), steps=300, seeds=(0, 1, 2)
-      ),
-      'teacher': fdl.Config(
-        Task,
-        name='teacher',
-        hidden=(128, 128),
-        steps=2000,
-        batch_size=128,
-        teacher_dims=(8, 32, 4),
-        train_size=8192,
-        seeds=(0, 1, 2),
-      ),
-    },
+    tasks={'digits': claim.digits(), 'teacher': claim.teacher()},
   )
 
 

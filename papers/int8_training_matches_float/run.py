@@ -15,38 +15,17 @@ from typing import Any
 
 import fiddle as fdl
 
-from aqtr import fiddle as aqtr_fiddle
-from aqtr.train import report
 from papers.int8_training_matches_float import config
-from papers.lib import cli, compare, plots
+from papers.lib import claim, cli
 
 __all__ = ['main', 'run']
 
-FORMATS = {
-  'digits': '.2f',
-  'digits sd': '.2f',
-  'digits / ref': '.4f',
-  'teacher': '.3e',
-  'teacher sd': '.1e',
-  'teacher / ref': '.2f',
-  'serve KB': '.1f',
-}
+TITLE = 'int8 fwd+bwd trains like float; int4 is worse; fwd int2 fails'
 
 
 def run(cfg: fdl.Config, out: pathlib.Path, echo: bool = True) -> list[Any]:
   """Runs the comparison `cfg`; writes the outputs to `out`; returns rows."""
-  exp = aqtr_fiddle.build(cfg)
-  rows, curves = compare.run(exp, progress=print if echo else None)
-  text = report.table(rows, compare.columns(exp), FORMATS)
-  cli.write(pathlib.Path(out), cfg, text)
-  plots.curves(
-    curves,
-    pathlib.Path(out) / 'results.png',
-    'int8 fwd+bwd trains like float; int4 is worse; fwd int2 fails',
-  )
-  if echo:
-    print(text)
-  return rows
+  return claim.comparison(cfg, out, TITLE, echo)
 
 
 def main(argv=None) -> None:

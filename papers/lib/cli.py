@@ -3,7 +3,8 @@
 `python -m papers.<claim>.run` takes the same `--config` directives as
 `aqtr-train`, resolved against the claim's `config.py`: `config:NAME` (a
 function of it: `full`, `small`), `set:PATH=VALUE`, `fiddler:NAME(ARGS)`
-(its fiddlers, e.g. `add_run`, and `aqtr.fiddlers`'), `config_file:PATH`;
+(the claim's own functions, `aqtr.fiddlers`' and `papers.lib.compare.
+add_run`, without importing them in `config.py`), `config_file:PATH`;
 then `--out_dir` (default: the claim's folder, where README's table and
 plot live), `--import` (user code, e.g. a registered calibration) and
 `--save_config=PATH` (the config as JSON, for `config_file:PATH`).
@@ -29,16 +30,41 @@ from absl import flags
 from fiddle import absl_flags as fdl_flags
 
 from aqtr import fiddle as aqtr_fiddle
+from aqtr import fiddlers as aqtr_fiddlers
 from aqtr import flags as aqtr_flags
+from papers.lib import compare
 
-__all__ = ['main', 'parse', 'write']
+__all__ = ['main', 'namespace', 'parse', 'write']
+
+
+def namespace(config_module: types.ModuleType) -> types.ModuleType:
+  """`config_module` with the shared fiddlers added: what `--config` sees.
+
+  Names: `aqtr.fiddlers`' (`use_numerics`, `set_fields`, ...),
+  `papers.lib.compare.add_run`, then the module's own (which win).
+
+  Example:
+    >>> from papers.int8_training_matches_float import config
+    >>> ns = namespace(config)
+    >>> ns.small is config.small, callable(ns.use_rounding)
+    (True, True)
+  """
+  ns = types.ModuleType(config_module.__name__, config_module.__doc__)
+  ns.__dict__.update(
+    {n: getattr(aqtr_fiddlers, n) for n in aqtr_fiddlers.__all__}
+  )
+  ns.add_run = compare.add_run
+  ns.__dict__.update(
+    {k: v for k, v in vars(config_module).items() if not k.startswith('__')}
+  )
+  return ns
 
 
 def _define(config_module: types.ModuleType, fv: flags.FlagValues) -> dict:
   return {
     'config': fdl_flags.DEFINE_fiddle_config(
       'config',
-      default_module=config_module,
+      default_module=namespace(config_module),
       allow_imports=True,
       help_string='config:NAME (full, small), set:PATH=VALUE, '
       'fiddler:NAME(ARGS), config_file:PATH; applied in order.',

@@ -14,7 +14,7 @@ import pathlib
 
 import numpy as np
 
-__all__ = ['curves', 'pyplot']
+__all__ = ['curves', 'pyplot', 'smooth']
 
 
 def pyplot():
@@ -27,7 +27,8 @@ def pyplot():
   return plt
 
 
-def _smooth(y: np.ndarray, n: int = 20) -> np.ndarray:
+def smooth(y: np.ndarray, n: int = 20) -> np.ndarray:
+  """Moving average of `y` over `n` points (at most a tenth of its length)."""
   n = max(1, min(n, len(y) // 10))
   return np.convolve(y, np.ones(n) / n, mode='valid')
 
@@ -54,7 +55,7 @@ def curves(
   for ax, t in zip(axes[0], task_names, strict=True):
     for (r, tt), y in data.items():
       if tt == t:
-        ax.plot(_smooth(np.asarray(y)), label=r)
+        ax.plot(smooth(np.asarray(y)), label=r)
     ax.set(title=t, xlabel='step', ylabel='train loss (smoothed)')
     if log:
       ax.set_yscale('log')

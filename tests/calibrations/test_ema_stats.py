@@ -2,7 +2,9 @@
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
+import aqtr
 from aqtr.calibrations import EmaStats, MeanAbsMax
 
 STEPS = [
@@ -68,3 +70,40 @@ def test_mean_absmax_is_the_mean_of_step_maxima():
   want = np.cumsum(maxima) / np.arange(1, len(STEPS) + 1)
   np.testing.assert_allclose(got, want, rtol=1e-6)
   assert float(st['stats']['count'].squeeze()) == len(STEPS)
+
+
+def test_ema_stats_per_example_weights_leave_padding_out():
+  c = EmaStats(c1=1.0, c3=1.0, example_weights=True, ema_update_count=4)
+  x = jnp.array([[[[1.0, -2.0], [100.0, 100.0], [3.0, 0.0]]]])  # 3 rows
+  axes = (0, 1, 2, 3)  # per tensor
+  st = c.init_state(x, axes, None)
+  assert st['stats']['weights'].shape == (1, 1, 3, 1)
+  st['stats']['weights'] = jnp.array([1.0, 0.0, 2.0]).reshape(1, 1, 3, 1)
+  b, new = c.bound_with_state(x, axes, None, st)
+  # Row 1 (weight 0) is out; row 2 counts twice.
+  l1 = (1.0 + 2.0 + 2 * (3.0 + 0.0)) / (1 + 1 + 2 + 2)
+  np.testing.assert_allclose(float(b.squeeze()), l1 + 3.0, rtol=1e-6)
+  np.testing.assert_array_equal(new['stats']['weights'], st['stats']['weights'])
+
+
+def test_with_example_weights_reshapes_and_checks():
+  cfg = aqtr.presets.int8()
+  lhs = aqtr.TensorConfig(
+    calibration=EmaStats(example_weights=True),
+    tiling=aqtr.tilings.PerTensor(),
+  )
+  cfg = aqtr.DotGeneralConfig(
+    fwd=aqtr.DotGeneralRaw(lhs=lhs, rhs=cfg.fwd.rhs),
+    dlhs=cfg.dlhs,
+    drhs=cfg.drhs,
+  )
+  dn = (((2,), (0,)), ((), ()))
+  x, w = jnp.ones((2, 3, 8)), jnp.ones((8, 4))
+  s = aqtr.state.init(x, w, dn, cfg)
+  mask = jnp.array([[1, 1, 0], [1, 0, 0]])
+  s = aqtr.state.with_example_weights(s, 'fwd.lhs', mask)
+  x = x.at[0, 2].set(50.0).at[1, 1:].set(50.0)  # padding rows
+  _, new = aqtr.dot_general(x, w, dn, cfg, state=s)
+  np.testing.assert_allclose(new['fwd.lhs']['stats']['l1'].squeeze(), 1.0)
+  with pytest.raises(ValueError, match=r'fwd\.lhs: .* 6 rows'):
+    aqtr.state.with_example_weights(s, 'fwd.lhs', jnp.ones(5))

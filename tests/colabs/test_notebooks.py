@@ -24,7 +24,7 @@ def _execute(path: pathlib.Path, small: bool, timeout: int) -> None:
   book = nbformat.read(path, as_version=4)
   env = {
     'AQTR_COLAB_SMALL': '1' if small else '0',
-    'XLA_FLAGS': '',
+    'XLA_FLAGS': os.environ.get('AQTR_TEST_XLA_FLAGS', ''),
     'PYTHONPATH': os.pathsep.join(
       [str(ROOT), *filter(None, [os.environ.get('PYTHONPATH')])]
     ),

@@ -19,6 +19,11 @@ def test_unscaled_e4m3_gradients_are_several_times_worse(rows):
   assert rows['e4m3_unscaled']['teacher'] / rows['fp8']['teacher'] > 3.0
 
 
+def test_delayed_scaling_trains_like_dynamic_per_tensor(rows):
+  ratio = rows['fp8_delayed']['teacher'] / rows['fp8_per_tensor']['teacher']
+  assert ratio < 1.1, ratio
+
+
 def test_unscaled_config_is_a_plain_cast():
   cfg = config.gradients('float8_e4m3fn', scaled=False)
   assert cfg.dlhs.lhs.calibration.bound == 448.0
@@ -35,3 +40,6 @@ def test_full_size_matches_readme(tmp_path):
   unscaled = rows['e4m3_unscaled']['teacher'], rows['e5m2_unscaled']['teacher']
   assert unscaled[0] > unscaled[1] > 3.0 * rows['fp8']['teacher']
   assert rows['fp8']['digits'] - rows['e4m3_unscaled']['digits'] >= 50.0
+  delayed, dynamic = rows['fp8_delayed'], rows['fp8_per_tensor']
+  assert delayed['teacher'] / dynamic['teacher'] < 1.1
+  assert abs(delayed['digits'] - dynamic['digits']) <= 0.5

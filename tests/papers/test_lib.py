@@ -94,15 +94,22 @@ def test_readme_lists_every_claim_and_done_claims_are_complete():
 
 
 _MODULES = [
+  'papers.lib.claim',
   'papers.lib.cli',
   'papers.lib.compare',
   'papers.lib.mlp',
   'papers.lib.plots',
   'papers.lib.tasks',
+  'papers.calibration_shootout.config',
+  'papers.calibration_shootout.shootout',
   'papers.four_bit_pareto.config',
   'papers.four_bit_pareto.sweep',
   'papers.fp8_formats_and_scaling.config',
   'papers.int8_training_matches_float.config',
+  'papers.microscaling_formats.config',
+  'papers.microscaling_formats.formats',
+  'papers.qt_needs_stochastic_rounding.config',
+  'papers.qt_needs_stochastic_rounding.sweep',
 ]
 
 
@@ -128,3 +135,57 @@ def test_configs_build(claim, size):
   assert exp.runs and all(
     isinstance(c, aqtr.DotGeneralConfig) for c in exp.runs.values()
   )
+
+
+@pytest.mark.parametrize(
+  'claim',
+  [
+    'qt_needs_stochastic_rounding',
+    'calibration_shootout',
+    'microscaling_formats',
+  ],
+)
+@pytest.mark.parametrize('size', ['full', 'small'])
+def test_other_configs_build(claim, size):
+  module = importlib.import_module(f'papers.{claim}.config')
+  exp = aqtr.fiddle.build(getattr(module, size)())
+  assert type(exp).__module__.startswith(f'papers.{claim}.')
+
+
+def test_cli_finds_shared_fiddlers_without_imports():
+  from papers.qt_needs_stochastic_rounding import config as qt_config
+
+  assert not hasattr(qt_config, 'use_rounding')
+  cfg, _ = cli.parse(
+    qt_config,
+    ['run', '--config=config:small', '--config=set:learning_rates=(3e-4,)'],
+  )
+  assert cfg.learning_rates == (3e-4,)
+  ns = cli.namespace(qt_config)
+  assert ns.small is qt_config.small and callable(ns.use_numerics)
+
+
+def test_traced_learning_rate_trains_like_the_static_one():
+  task = tasks.Task(
+    name='teacher', hidden=(8,), steps=30, train_size=128, val_size=64
+  )
+  a = mlp.run(task, aqtr.presets.float(), 0, check_serving=False)
+  b = mlp.run(task, aqtr.presets.float(), 0, check_serving=False, trace_lr=True)
+  assert b['metric'] == pytest.approx(a['metric'], rel=1e-4)
+
+
+def test_qt_weights_stay_quantized():
+  from aqtr import qt
+
+  task = tasks.Task(name='digits', hidden=(32,), steps=5)
+  r = mlp.run(
+    task,
+    aqtr.presets.float(),
+    0,
+    check_serving=False,
+    weights=qt.int8(),
+    rounding='nearest',
+  )
+  assert all(isinstance(p['w'], qt.QTParam) for p in r['params'])
+  with pytest.raises(ValueError, match='check_serving must be False'):
+    mlp.run(task, aqtr.presets.float(), 0, weights=qt.int8())

@@ -3,6 +3,7 @@ transformation, float or quantized (QT)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 
@@ -13,6 +14,7 @@ import optax
 
 from aqtr import qt
 from aqtr.data import digits
+from aqtr.qt import adam
 
 
 def init(seed: int = 0, hidden=(256, 256)) -> dict:
@@ -64,12 +66,20 @@ def train(tx, params, steps: int, batch: int = 64, seed: int = 0):
   return params, state, acc, float(losses[-50:].mean())
 
 
+def _adamw_4bit_nearest_m(lr, **kw):
+  mu, nu = adam.ADAM_4BIT
+  mu = dataclasses.replace(mu, rounding='nearest')
+  return qt.lowbit_adamw(lr, mu_codec=mu, nu_codec=nu, **kw)
+
+
 def optimizer(name: str, lr: float):
-  """'adamw' (optax), 'adamw_8bit' or 'adamw_4bit', weight decay 1e-4."""
+  """'adamw' (optax), 'adamw_8bit', 'adamw_4bit' or 'adamw_4bit_nearest_m'
+  (the paper's nearest rounding of m), weight decay 1e-4."""
   make = {
     'adamw': optax.adamw,
     'adamw_8bit': qt.adamw_8bit,
     'adamw_4bit': qt.adamw_4bit,
+    'adamw_4bit_nearest_m': _adamw_4bit_nearest_m,
   }[name]
   return make(lr, weight_decay=1e-4)
 
@@ -81,12 +91,14 @@ def run(
   steps: int,
   rounding: str = 'stochastic',
   opt: str = 'adamw',
+  seed: int = 0,
 ) -> tuple[float, float]:
   """(test accuracy, final loss) of one cached training run.
 
   weights: 'float', 'int8' or 'int4' (group 32, quantized training).
+  seed: of the initial weights and of the batch order.
   """
-  p0 = init(0)
+  p0 = init(seed)
   tx = optimizer(opt, lr)
   if weights != 'float':
     fmt = qt.int8() if weights == 'int8' else qt.int4(32)
@@ -94,4 +106,4 @@ def run(
     with warnings.catch_warnings():
       warnings.simplefilter('ignore', qt.NearestRoundingWarning)
       tx = qt.quantized_training(tx, rounding=rounding, seed=0)
-  return train(tx, p0, steps)[2:]
+  return train(tx, p0, steps, seed=seed)[2:]

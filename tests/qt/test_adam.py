@@ -51,13 +51,63 @@ def test_encode_decode(bits, block, tol):
     np.testing.assert_array_equal(a, b)
 
 
+def test_stochastic_rounding_is_unbiased_and_seeded():
+  # One block: its max 1, then values across the table's range (its
+  # lowest value is -0.8875: the dynamic map has 1 but not -1).
+  x = jnp.concatenate([jnp.ones(1), jnp.linspace(-0.88, 0.95, 127)])
+  codec = qt.StateCodec(bits=4, block=128, rounding='stochastic')
+  keys = jax.random.split(jax.random.key(0), 2000)
+  d = np.asarray(jax.vmap(lambda k: codec.encode(x, k).decode())(keys))
+  x, t = np.asarray(x), np.asarray(codec.values)
+  lo = t[np.clip(np.searchsorted(t, x, 'right') - 1, 0, 14)]
+  hi = t[np.clip(np.searchsorted(t, x, 'right'), 0, 15)]
+  assert np.all((d == lo) | (d == hi))  # Always a neighbour.
+  sigma = (hi - lo) / 2 / np.sqrt(len(keys))
+  assert np.all(np.abs(d.mean(0) - x) <= 5 * sigma + 1e-6)
+  # Nearest rounding is biased here (x = 0.015 always decodes to 0.0055).
+  near = qt.StateCodec(bits=4, block=128).encode(
+    jnp.asarray(x).at[5].set(0.015)
+  )
+  assert float(near.decode()[5]) == t[8] != 0.015
+  np.testing.assert_array_equal(d[0], codec.encode(x, keys[0]).decode())
+  assert (np.asarray(d[0]) != d[1]).any()
+
+
+def test_adamw_4bit_rounding_is_deterministic_given_the_seed():
+  p = {'w': jax.random.normal(jax.random.key(0), (64, 64))}
+  update = jax.jit(qt.adamw_4bit(1e-3).update)  # The seed lives in the state.
+
+  def run(seed):
+    s = qt.adamw_4bit(1e-3, seed=seed).init(p)
+    for i in (1.0, 2.0):
+      _, s = update({'w': jnp.sin(p['w'] * i)}, s, p)
+    return np.asarray(s[0].mu['w'].codes)
+
+  np.testing.assert_array_equal(run(0), run(0))
+  assert (run(0) != run(1)).any()
+
+
 def test_lowbit_validation():
   with pytest.raises(ValueError, match='bits must be 4 or 8'):
     lowbit.LowBitTensor.encode(jnp.ones(8), bits=3)
   with pytest.raises(ValueError, match='2\\^bits = 16'):
     lowbit.LowBitTensor.encode(jnp.ones(8), bits=4, table=(0.0, 1.0))
-  with pytest.raises(ValueError, match='bits must be 4 or 8'):
-    qt.scale_by_lowbit_adam(bits=2)
+  with pytest.raises(ValueError, match='StateCodec.bits must be 4 or 8'):
+    qt.StateCodec(bits=2)
+  with pytest.raises(ValueError, match='StateCodec.table must be one of'):
+    qt.StateCodec(table='nf4')
+  with pytest.raises(ValueError, match='StateCodec.block must be an int'):
+    qt.StateCodec(block=-1)
+  with pytest.raises(ValueError, match='StateCodec.rounding must be one of'):
+    qt.StateCodec(rounding='up')
+  with pytest.raises(ValueError, match='needs a key'):
+    qt.StateCodec(rounding='stochastic').encode(jnp.ones(8))
+  with pytest.raises(TypeError, match='nu_codec must be an aqtr.qt.State'):
+    qt.scale_by_lowbit_adam(nu_codec='linear')
+  with pytest.raises(ValueError, match='nu_codec.table must be one of'):
+    qt.scale_by_lowbit_adam(nu_codec=qt.StateCodec(table='signed_dynamic'))
+  with pytest.raises(ValueError, match='mu_codec.table must be one of'):
+    qt.lowbit_adamw(1e-3, mu_codec=qt.StateCodec(table='linear'))
   with pytest.raises(ValueError, match='b1 and b2'):
     qt.adamw_8bit(1e-3, b1=1.0)
   with pytest.raises(ValueError, match='min_size'):
@@ -87,12 +137,26 @@ def test_adamw_8bit_tracks_optax_adamw_on_digits():
 
 
 def test_adamw_4bit_tracks_optax_adamw_on_digits():
-  # 4-bit second moments over-estimate small entries (no zero code), so
-  # early training is a little slower: loss within 10%, accuracy 1 pp.
+  # Mean training loss of the last 50 of 250 steps within 2% (lr 1e-3).
   run = digits_mlp.run
   ref, low = run('float', 1e-3, 250), run('float', 1e-3, 250, opt='adamw_4bit')
-  assert abs(low[1] - ref[1]) <= 0.10 * ref[1], (low, ref)
+  assert abs(low[1] - ref[1]) <= 0.02 * ref[1], (low, ref)
   assert low[0] >= ref[0] - 0.01, (low, ref)
+
+
+@pytest.mark.slow
+def test_lowbit_adam_tracks_optax_adamw_on_digits_over_seeds():
+  # Mean final loss over 4 seeds (weights and batch order) within 2%;
+  # the paper's nearest rounding of m is >= 5% worse (~10% measured).
+  def loss(opt):
+    return np.mean(
+      [digits_mlp.run('float', 1e-3, 250, opt=opt, seed=s)[1] for s in range(4)]
+    )
+
+  ref = loss('adamw')
+  for opt in ('adamw_8bit', 'adamw_4bit'):
+    assert abs(loss(opt) - ref) <= 0.02 * ref, (opt, loss(opt), ref)
+  assert loss('adamw_4bit_nearest_m') >= 1.05 * ref
 
 
 def _lm_loss(name: str, steps: int) -> float:

@@ -1,6 +1,8 @@
 """quantized_training: the torchao claim on digits, keys, NaN steps, optax
 composition, sharding."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,6 +10,7 @@ import optax
 import pytest
 
 from aqtr import qt
+from aqtr.qt.lowbit import LowBitTensor
 from tests.qt import digits_mlp
 
 
@@ -78,12 +81,21 @@ def test_key_sequence_is_deterministic_given_the_seed():
   assert (np.asarray(a['kernel'].qvalue) != c['kernel'].qvalue).any()
 
 
-def test_non_finite_step_is_skipped_and_reported():
-  tx = qt.quantized_training(optax.adam(1e-2))
+_INNER = {
+  'adam': lambda: optax.adam(1e-2),
+  'adamw_4bit': lambda: qt.adamw_4bit(1e-2, min_size=0),
+}
+
+
+@pytest.mark.parametrize(
+  'inner,bad_value', [('adam', jnp.nan), ('adamw_4bit', jnp.inf)]
+)
+def test_non_finite_step_is_skipped_and_reported(inner, bad_value):
+  tx = qt.quantized_training(_INNER[inner]())
   p0 = _tiny()
   state = tx.init(p0)
   bad = _grads()
-  bad['kernel'] = bad['kernel'].at[3, 2].set(jnp.nan)
+  bad['kernel'] = bad['kernel'].at[3, 2].set(bad_value)
   u, s1 = _jit_update(tx)(p0, state, bad)
   p1 = qt.apply_updates(p0, u)
   np.testing.assert_array_equal(p1['kernel'].qvalue, p0['kernel'].qvalue)
@@ -98,9 +110,13 @@ def test_non_finite_step_is_skipped_and_reported():
   assert (np.asarray(qt.apply_updates(p1, u)['bias']) != 0).all()
 
 
-def test_nearest_warns_and_bad_arguments():
-  with pytest.warns(qt.NearestRoundingWarning, match='stalls'):
-    qt.quantized_training(optax.sgd(1.0), rounding='nearest')
+def test_nearest_warns_once_and_bad_arguments():
+  with pytest.warns(qt.NearestRoundingWarning, match='stalls') as rec:
+    near = qt.quantized_training(optax.sgd(1e-3), rounding='nearest')
+  assert len(rec) == 1
+  with warnings.catch_warnings():  # Once, at construction: steps are quiet.
+    warnings.simplefilter('error')
+    _steps(near, _tiny(), 2)
   with pytest.raises(ValueError, match='rounding must be one of'):
     qt.quantized_training(optax.sgd(1.0), rounding='up')
   tx = qt.quantized_training(optax.sgd(1.0))
@@ -110,10 +126,14 @@ def test_nearest_warns_and_bad_arguments():
     qt.apply_updates(_tiny(), _grads())
 
 
-@pytest.mark.parametrize('inner', ['adamw', 'adamw_8bit'])
+@pytest.mark.parametrize('inner', ['adamw', 'adamw_8bit', 'adamw_4bit'])
 def test_composes_with_clipping_schedules_and_lowbit_adam(inner):
   sched = optax.warmup_cosine_decay_schedule(0.0, 0.1, 2, 10)
-  make = {'adamw': optax.adamw, 'adamw_8bit': qt.adamw_8bit}[inner]
+  make = {
+    'adamw': optax.adamw,
+    'adamw_8bit': qt.adamw_8bit,
+    'adamw_4bit': qt.adamw_4bit,
+  }[inner]
   kw = {'min_size': 0} if inner != 'adamw' else {}
   txs = {
     inner: optax.chain(
@@ -163,3 +183,42 @@ def test_sharded_params_on_a_two_device_mesh():
   np.testing.assert_allclose(
     qt.dequantize(p)['kernel'], qt.dequantize(p_ref)['kernel'], atol=0.05
   )
+
+
+def test_lowbit_adam_on_sharded_params():
+  # QT kernel sharded by column, a float bias sharded too: the weights and
+  # low-bit moments (adamw_4bit: block-wise m with stochastic rounding,
+  # rank-1 v) match the unsharded run's.
+  if jax.device_count() < 2:
+    pytest.skip('needs 2 devices (tests/conftest.py sets 8 host devices)')
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ('model',))
+  spec = jax.sharding.PartitionSpec
+  w = jax.random.normal(jax.random.key(0), (128, 64))
+  params = {'kernel': w, 'bias': jnp.zeros(64)}
+  grads = {'kernel': jnp.sin(3 * w), 'bias': jnp.ones(64)}
+  tx = qt.quantized_training(qt.adamw_4bit(1e-2, min_size=64))
+
+  def run(params, grads):
+    p = qt.quantize_params(params)[0]
+    return _steps(tx, p, 2, grads)
+
+  p_ref, s_ref = run(params, grads)
+  shard = {
+    'kernel': jax.sharding.NamedSharding(mesh, spec(None, 'model')),
+    'bias': jax.sharding.NamedSharding(mesh, spec('model')),
+  }
+  p, s = run(jax.device_put(params, shard), jax.device_put(grads, shard))
+  assert len(p['kernel'].qvalue.sharding.device_set) == 2
+
+  def floats(p, s):  # Weights and decoded moments (sharding may change ulps).
+    def dec(x):
+      return x.decode() if isinstance(x, LowBitTensor) else x
+
+    is_lb = lambda x: isinstance(x, LowBitTensor)  # noqa: E731
+    return jax.tree.leaves(
+      (qt.dequantize(p), jax.tree.map(dec, s.inner, is_leaf=is_lb))
+    )
+
+  got, want = floats(p, s), floats(p_ref, s_ref)
+  for a, b in zip(got, want, strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)

@@ -34,7 +34,8 @@ def job(tmp_path_factory):
     f'--out_dir={out}',
     '--noprogress',
   ]
-  env = dict(os.environ, XLA_FLAGS='')  # One device, as users run it.
+  # One device, as users run it (fast compiles, see tests/conftest.py).
+  env = dict(os.environ, XLA_FLAGS=os.environ.get('AQTR_TEST_XLA_FLAGS', ''))
   proc = subprocess.run(
     cmd, capture_output=True, text=True, timeout=300, env=env
   )

@@ -92,7 +92,8 @@ def test_distributed_code_path_with_one_process():
     port = s.getsockname()[1]
   env = dict(
     os.environ,
-    XLA_FLAGS='--xla_force_host_platform_device_count=8',
+    XLA_FLAGS='--xla_force_host_platform_device_count=8 '
+    + os.environ.get('AQTR_TEST_XLA_FLAGS', ''),
     JAX_COORDINATOR_ADDRESS=f'localhost:{port}',
     JAX_NUM_PROCESSES='1',
     JAX_PROCESS_ID='0',

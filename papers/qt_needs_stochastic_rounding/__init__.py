@@ -1,0 +1,1 @@
+"""Claim: int8 weights with no master copy need stochastic rounding."""
