@@ -29,7 +29,7 @@ from typing import Any
 
 import fiddle as fdl
 
-from aqtr import calibrations, freezers, numerics, tags, tilings
+from aqtr import calibrations, freezers, numerics, sparsity, tags, tilings
 from aqtr.core.config import TensorConfig
 from aqtr.core.registry import Registry
 from aqtr.core.rounding import NearestEven, Rounding, Stochastic
@@ -44,6 +44,7 @@ __all__ = [
   'use_freezer',
   'use_numerics',
   'use_rounding',
+  'use_sparsity',
   'use_tiling',
 ]
 
@@ -56,6 +57,7 @@ _FAMILIES: dict[str, Registry] = {
   'numerics': numerics.registry,
   'calibration': calibrations.registry,
   'tiling': tilings.registry,
+  'sparsity': sparsity.registry,
   'rounding': roundings,
   'freezer': freezers.registry,
 }
@@ -67,7 +69,8 @@ def use(cfg: Any, path: str, field: str, name: str, /, **fields: Any) -> None:
   Args:
     cfg: a Fiddle config tree holding TensorConfigs (edited in place).
     path: regex fully matched against the operands' dotted paths.
-    field: 'numerics', 'calibration', 'tiling', 'rounding' or 'freezer'.
+    field: 'numerics', 'calibration', 'tiling', 'sparsity', 'rounding' or
+      'freezer'.
     name: a name of that family's registry (e.g. 'constant').
     **fields: fields of the new class; the others take their defaults.
 
@@ -125,6 +128,22 @@ def use_calibration(cfg: Any, path: str, name: str, /, **fields: Any) -> None:
 def use_tiling(cfg: Any, path: str, name: str, /, **fields: Any) -> None:
   """`use(cfg, path, 'tiling', name, **fields)`; names: tilings.names()."""
   use(cfg, path, 'tiling', name, **fields)
+
+
+def use_sparsity(cfg: Any, path: str, name: str, /, **fields: Any) -> None:
+  """`use(cfg, path, 'sparsity', name, **fields)`; names: sparsity.names().
+
+  Prune forward operands (fwd.lhs, fwd.rhs); their residual slots
+  (drhs.rhs, dlhs.rhs) may repeat the same sparsity.
+
+  Example:
+    >>> import aqtr
+    >>> cfg = aqtr.fiddle.config('int8')
+    >>> use_sparsity(cfg, r'fwd\\.rhs|dlhs\\.rhs', 'n_m', n=2, m=4)
+    >>> aqtr.fiddle.build(cfg).fwd.rhs.sparsity.n
+    2
+  """
+  use(cfg, path, 'sparsity', name, **fields)
 
 
 def use_rounding(cfg: Any, path: str, name: str, /, **fields: Any) -> None:

@@ -6,7 +6,7 @@ gin):
   aqtr.DotGeneralConfig, aqtr.DotGeneralRaw, aqtr.TensorConfig,
   aqtr.NearestEven, aqtr.Stochastic
   aqtr.<family>.<name> for every registered name, family in numerics,
-    calibrations, tilings, freezers: `aqtr.calibrations.absmax`,
+    calibrations, tilings, sparsity, freezers: `aqtr.calibrations.absmax`,
     `aqtr.numerics.int_symmetric`, ... (gin also accepts a unique suffix
     such as `calibrations.absmax`).
 
@@ -44,7 +44,7 @@ try:
 except ImportError as e:
   raise extras.missing('gin', 'aqtr.gin', e) from e
 
-from aqtr import calibrations, freezers, numerics, tilings
+from aqtr import calibrations, freezers, numerics, sparsity, tilings
 from aqtr.core.config import DotGeneralConfig, DotGeneralRaw, TensorConfig
 from aqtr.core.rounding import NearestEven, Stochastic
 
@@ -54,6 +54,7 @@ _FAMILIES = {
   'aqtr.numerics': numerics.registry,
   'aqtr.calibrations': calibrations.registry,
   'aqtr.tilings': tilings.registry,
+  'aqtr.sparsity': sparsity.registry,
   'aqtr.freezers': freezers.registry,
 }
 _CLASSES = (

@@ -26,6 +26,9 @@ from aqtr.numerics.int_symmetric import IntSymmetric
 from aqtr.numerics.mx import Mx
 from aqtr.numerics.none import NoNumerics
 from aqtr.numerics.nvfp4 import NvFp4
+from aqtr.sparsity.base import Sparsity
+from aqtr.sparsity.n_m import NM
+from aqtr.sparsity.none import NoSparsity
 from aqtr.tilings.base import Tiling
 from aqtr.tilings.per_channel import PerChannel
 from aqtr.tilings.per_tensor import PerTensor
@@ -43,6 +46,7 @@ __all__ = [
   'int4_weight_only',
   'int8',
   'int8_fwd',
+  'int8_sparse_2_4',
   'int8_weight_only',
   'mxfp4_weight_only',
   'mxfp8',
@@ -57,6 +61,7 @@ def _t(
   *,
   tiling: Tiling | None = None,
   calibration: Calibration | None = None,
+  sparsity: Sparsity | None = None,
 ) -> TensorConfig:
   if tiling is None:
     block = numerics.block_size
@@ -65,6 +70,7 @@ def _t(
     numerics=numerics,
     calibration=calibration or AbsMax(clip_scale=1.0, po2_scale=False),
     tiling=tiling,
+    sparsity=sparsity or NoSparsity(),
     rounding=rounding or NearestEven(),
     freezer=NoFreezer(),
   )
@@ -144,6 +150,41 @@ def int8() -> DotGeneralConfig:
 def int8_fwd() -> DotGeneralConfig:
   """int8 forward; float gradients of the quantized forward (STE)."""
   return fully_quantized(8, None, False)
+
+
+def int8_sparse_2_4(
+  start_step: int = 0, update_step: int = 1, decay: float = 0.0
+) -> DotGeneralConfig:
+  """`int8` with 2:4 sparse weights: 2 of every 4 along the contraction.
+
+  The weights (fwd.rhs, and their dlhs residual) are pruned to 2:4 by
+  magnitude before they are quantized (Mishra et al. 2021, arXiv
+  2104.08378); the dense weights get the straight-through gradient, with
+  SR-STE's `decay * (1 - M) * w` when `decay > 0` (Zhou et al. 2021, arXiv
+  2102.04010). Serve with `aqtr.freezers.SparseWeightsFreezer` to store
+  them compressed.
+
+  Args:
+    start_step: the first step the mask applies (dense before).
+    update_step: steps between mask refreshes (held in between).
+    decay: the SR-STE decay (0: plain straight-through).
+  """
+  cfg = int8()
+  nm = NM(
+    n=2,
+    m=4,
+    block=1,
+    offset=0,
+    start_step=start_step,
+    update_step=update_step,
+    decay=decay,
+  )
+  w = _t(_int(8), sparsity=nm)
+  return DotGeneralConfig(
+    fwd=_raw(cfg.fwd.lhs, w, False),
+    dlhs=_raw(cfg.dlhs.lhs, w, True),
+    drhs=cfg.drhs,
+  )
 
 
 def _weight_only(numerics: Numerics, **kw) -> DotGeneralConfig:

@@ -34,9 +34,14 @@ from aqtr.core import stateful
 from aqtr.core.config import DotGeneralConfig
 from aqtr.core.dimension_numbers import DotLayout
 from aqtr.core.dot_general import raw_qdot
-from aqtr.core.engine_state import stateful_paths, tensor_config
+from aqtr.core.engine_state import (
+  sparsity_paths,
+  stateful_paths,
+  tensor_config,
+)
 from aqtr.core.passes import common_tile
 from aqtr.core.qtensor import ROLE_AXES, to_view
+from aqtr.core.sparsify import SITE, schedule_init
 
 __all__ = [
   'init',
@@ -76,6 +81,9 @@ def init(lhs, rhs, dimension_numbers, config: DotGeneralConfig) -> dict:
   lay = DotLayout.create(lhs.shape, rhs.shape, dimension_numbers)
   tile = common_tile([config.fwd.lhs, config.fwd.rhs], lay.lhs.k)
   state = {}
+  for path in sparsity_paths(config):  # Schedules: a dense mask, step 0.
+    x = lhs if path == SITE.format(side='lhs') else rhs
+    state[path] = {'stats': schedule_init(x), 'learned': {}}
   for path, x, layout, form in (
     ('fwd.lhs', lhs, lay.lhs, 'fk'),
     ('fwd.rhs', rhs, lay.rhs, lay.rhs.natural_form()),
@@ -210,6 +218,8 @@ def penalty(config: DotGeneralConfig, state: dict) -> jax.Array:
   clip), to add to the loss."""
   total = jnp.float32(0)
   for p, v in state.items():
+    if p not in stateful_paths(config):
+      continue  # A sparsity schedule.
     cal = tensor_config(config, p).calibration
     if hasattr(cal, 'penalty'):
       total = total + cal.penalty(v)

@@ -6,7 +6,8 @@ Two kinds of tags:
   fiddle-free marker of `aqtr.core.markers` (`Annotated[int, markers.Bits]`)
   and every `fdl.Config` of that class carries the tag of the same name
   here: `Bits` (IntSymmetric.bits), `ClipGradient`, `Po2Scale`, the
-  TensorConfig slots `Numerics`, `Calibration`, `Tiling`, `Rounding` and
+  TensorConfig slots `Numerics`, `Calibration`, `Tiling`, `Sparsity`,
+  `Rounding` and
   the DotGeneralRaw fields `UseFwdQuant`, `Accumulator`. (Fiddle reads
   only its own tags from annotations; importing this module extends that
   lookup to the markers, see `field_tags`.)
@@ -23,6 +24,8 @@ Two kinds of tags:
     GradientNumerics    dlhs.lhs.numerics, drhs.lhs.numerics (gradient g)
     GradientRounding    dlhs.lhs.rounding, drhs.lhs.rounding: where the
                         stochastic rounding of the gradient goes
+    ActivationSparsity  fwd.lhs.sparsity, drhs.rhs.sparsity (residual x)
+    WeightSparsity      fwd.rhs.sparsity, dlhs.rhs.sparsity (residual w)
 
 After replacing a whole sub-config with plain Fiddle (e.g. `fdl.set_tagged`
 with a new `fdl.Config(IntSymmetric)`), call `tag_roles(cfg)` again so its
@@ -76,6 +79,10 @@ class Tiling(fdl.Tag):
   """The tiling slot of every operand (TensorConfig.tiling)."""
 
 
+class Sparsity(fdl.Tag):
+  """The sparsity slot of every operand (TensorConfig.sparsity)."""
+
+
 class Rounding(fdl.Tag):
   """The rounding slot of every operand (TensorConfig.rounding)."""
 
@@ -96,6 +103,7 @@ FIELD_TAGS = {
   markers.Numerics: Numerics,
   markers.Calibration: Calibration,
   markers.Tiling: Tiling,
+  markers.Sparsity: Sparsity,
   markers.Rounding: Rounding,
   markers.UseFwdQuant: UseFwdQuant,
   markers.Accumulator: Accumulator,
@@ -173,6 +181,17 @@ class GradientRounding(fdl.Tag):
   """
 
 
+class ActivationSparsity(fdl.Tag):
+  """Sparsity of the activation operand: fwd.lhs, drhs.rhs (residual).
+
+  Set it to e.g. `fdl.Config(aqtr.sparsity.NM, n=2, m=4)`.
+  """
+
+
+class WeightSparsity(fdl.Tag):
+  """Sparsity of the weight operand: fwd.rhs, dlhs.rhs (residual)."""
+
+
 ROLE_TAGS = (
   FwdBits,
   BwdBits,
@@ -180,6 +199,8 @@ ROLE_TAGS = (
   WeightNumerics,
   GradientNumerics,
   GradientRounding,
+  ActivationSparsity,
+  WeightSparsity,
 )
 
 # (pass, operand) -> the role tag of that operand's numerics slot.
@@ -190,6 +211,15 @@ _NUMERICS_ROLE = {
   ('dlhs', 'rhs'): WeightNumerics,
   ('drhs', 'lhs'): GradientNumerics,
   ('drhs', 'rhs'): ActivationNumerics,
+}
+
+# (pass, operand) -> the role tag of that operand's sparsity slot (the
+# gradient operands g have none: they are never pruned).
+_SPARSITY_ROLE = {
+  ('fwd', 'lhs'): ActivationSparsity,
+  ('fwd', 'rhs'): WeightSparsity,
+  ('dlhs', 'rhs'): WeightSparsity,
+  ('drhs', 'rhs'): ActivationSparsity,
 }
 
 
@@ -253,6 +283,9 @@ def _tag_dot(dot: fdl.Buildable) -> None:
         fdl.add_tag(operand, 'numerics', _NUMERICS_ROLE[pass_, side])
       if 'rounding' in params and pass_ != 'fwd' and side == 'lhs':
         fdl.add_tag(operand, 'rounding', GradientRounding)
+      sparsity_role = _SPARSITY_ROLE.get((pass_, side))
+      if 'sparsity' in params and sparsity_role is not None:
+        fdl.add_tag(operand, 'sparsity', sparsity_role)
       numerics = getattr(operand, 'numerics', None)
       if isinstance(numerics, fdl.Buildable) and 'bits' in _params(numerics):
         fdl.add_tag(numerics, 'bits', FwdBits if pass_ == 'fwd' else BwdBits)

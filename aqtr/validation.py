@@ -4,7 +4,8 @@ The config classes validate every field and every combination that does
 not depend on shapes when they are built (`aqtr.fiddle.build` names the
 failing path). Whether a sub-channel tile divides the contraction depends
 on the operands, so `check_shapes` checks it for given shapes, with the
-path of the offending tiling. Each pass contracts a different axis group:
+path of the offending tiling (or N:M sparsity). Each pass contracts a
+different axis group:
 
   fwd   lhs . rhs   contracts the contracting axes (K)
   dlhs  g . rhs     contracts the rhs free axes (N)
@@ -44,7 +45,7 @@ def check_shapes(
   rhs_shape: Sequence[int],
   dimension_numbers: DimensionNumbers,
 ) -> None:
-  """Raises if a tiling of `config` does not fit these operand shapes.
+  """Raises if a tiling or sparsity of `config` does not fit these shapes.
 
   Args:
     config: a DotGeneralConfig or its Fiddle config (built first).
@@ -54,8 +55,9 @@ def check_shapes(
 
   Raises:
     ValueError: naming the tiling's path (`dlhs.lhs.tiling`), the size it
-      must divide and the fix; or two operands of one pass asking for
-      different tiles.
+      must divide and the fix; two operands of one pass asking for
+      different tiles; or an N:M sparsity (`fwd.rhs.sparsity`) whose
+      groups do not divide the contraction.
   """
   from aqtr import fiddle as aqtr_fiddle
 
@@ -82,3 +84,10 @@ def check_shapes(
         f'{name}.lhs.tiling and {name}.rhs.tiling ask for different tiles '
         f'{tiles} of the same contraction ({k} elements); use one tile size.'
       )
+  for side in ('lhs', 'rhs'):  # Sparsity prunes along the fwd contraction.
+    try:
+      getattr(config.fwd, side).sparsity.check_size(lay.lhs.k)
+    except ValueError as e:
+      raise ValueError(
+        f'fwd.{side}.sparsity: {e} (fwd contracts {lay.lhs.k} elements.)'
+      ) from None

@@ -16,6 +16,7 @@ REGISTRIES = {
   'numerics': aqtr.numerics,
   'calibrations': aqtr.calibrations,
   'tilings': aqtr.tilings,
+  'sparsity': aqtr.sparsity,
   'freezers': aqtr.freezers,
 }
 

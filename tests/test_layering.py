@@ -23,6 +23,7 @@ LAYERS = {
   'calibrations': 2,
   'numerics': 2,
   'tilings': 2,
+  'sparsity': 2,
   'freezers': 2,
   'presets': 3,
   'validation': 3,
@@ -52,7 +53,7 @@ CORE_BASE = {
   'aqtr.core.registry',
   'aqtr.core.rounding',
 }
-QUANTIZER_FAMILIES = ('calibrations', 'numerics', 'tilings')
+QUANTIZER_FAMILIES = ('calibrations', 'numerics', 'tilings', 'sparsity')
 
 
 def _module_name(path: pathlib.Path) -> str:

@@ -33,6 +33,7 @@ PUBLIC = {
   'quantize_operand',
   'ragged_dot',
   'selectors',
+  'sparsity',
   'state',
   'tags',
   'tilings',
@@ -51,6 +52,7 @@ PRESETS = {
   'int4_weight_only',
   'int8',
   'int8_fwd',
+  'int8_sparse_2_4',
   'int8_weight_only',
   'mxfp4_weight_only',
   'mxfp8',
@@ -78,7 +80,14 @@ def test_presets_are_pinned():
 
 
 def test_registry_modules_share_one_interface():
-  for family in (aqtr.calibrations, aqtr.numerics, aqtr.tilings, aqtr.freezers):
+  families = (
+    aqtr.calibrations,
+    aqtr.numerics,
+    aqtr.tilings,
+    aqtr.sparsity,
+    aqtr.freezers,
+  )
+  for family in families:
     for name in ('register', 'get', 'names', 'registry'):
       assert name in family.__all__, (family.__name__, name)
     assert isinstance(family.registry, aqtr.Registry)

@@ -28,6 +28,7 @@ def test_field_tags_come_from_annotations():
   assert fdl.get_tags(t, 'numerics') == {tags.Numerics}
   assert fdl.get_tags(t, 'calibration') == {tags.Calibration}
   assert fdl.get_tags(t, 'tiling') == {tags.Tiling}
+  assert fdl.get_tags(t, 'sparsity') == {tags.Sparsity}
   assert fdl.get_tags(t, 'rounding') == {tags.Rounding}
   n = fdl.Config(numerics.IntSymmetric)
   assert fdl.get_tags(n, 'bits') == {tags.Bits}

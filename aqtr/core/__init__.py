@@ -7,9 +7,10 @@ or the ones below (tests/test_layering.py enforces it):
                   no Fiddle, Flax, Pax or training code. Inside it, from the
                   bottom: registry, markers, rounding, algorithms (the base
                   types of the families), config, dimension_numbers,
-                  qtensor, quantizer, passes, dot_general (the one custom
-                  VJP), then operand, einsum, conv.
-  2. families     calibrations, numerics, tilings, freezers: registered
+                  qtensor, sparsify, quantizer, passes, dot_general (the
+                  one custom VJP), then operand, einsum, conv.
+  2. families     calibrations, numerics, tilings, sparsity, freezers:
+                  registered
                   algorithms, importing only the core's base types (core
                   names its defaults by registry name, never by import).
   3. tooling      presets, validation, tags, fiddle, fiddlers, selectors,

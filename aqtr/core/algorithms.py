@@ -1,4 +1,4 @@
-"""The interfaces the quantizer calls: Calibration, Numerics, Tiling.
+"""The interfaces the engine calls: Calibration, Numerics, Tiling, Sparsity.
 
 Quantizing one operand (`quantizer.quantize_view`) asks three algorithms,
 each from its own registry family (`aqtr.calibrations`, `aqtr.numerics`,
@@ -13,6 +13,10 @@ each from its own registry family (`aqtr.calibrations`, `aqtr.numerics`,
                q = quantize(x / s (+ noise)); asymmetric numerics:
                s = scale_from_range(lo, hi), z = zero_point(lo, s),
                q = quantize(x / s + z (+ noise)).
+
+Before quantizing, the engine keeps a subset of the operand's elements:
+
+  Sparsity     x_s = mask(x, contraction axis) * x (`aqtr.sparsity`).
 
 The families import these from here (through their `base` modules); the
 core never imports a concrete algorithm.
@@ -332,3 +336,73 @@ class Tiling(abc.ABC):
     """
     del f
     return None
+
+
+# ----------------------------------------------------------------- sparsity
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Sparsity(abc.ABC):
+  """Base class of the `sparsity` registry: which operand elements are kept.
+
+  Before an operand is quantized, the engine keeps a magnitude-chosen
+  subset of its elements and zeroes the rest:
+
+    x_s = M * x,   M = sparsity.mask(x, axis) in {0, 1}
+
+  where `axis` is the contraction (the operand in its canonical layout
+  [B, F, K] or [B, K, F], K the contraction axes flattened in dot order).
+  The mask is made once, in the forward pass, and `x_s` is the operand in
+  every pass it appears in (the forward dot, and the residual of the
+  backward dots, whether re-quantized or reused), so `Q(x_s)` is what the
+  forward computes, stores and serves.
+
+  Gradient (straight-through, Mishra et al. 2021, arXiv 2104.08378): the
+  dense operand gets the gradient of the sparse one,
+  `dL/dx = dL/dx_s`; with `decay > 0` (SR-STE, Zhou et al. 2021, arXiv
+  2102.04010) the pruned elements are also pulled towards zero:
+  `dL/dx = dL/dx_s + decay * (1 - M) * x`.
+
+  Schedule: masks start at `start_step` (before it the operand stays
+  dense) and are refreshed every `update_step` steps, held in between.
+
+  Subclasses that prune declare `start_step`, `update_step` and `decay` as
+  fields (the class attributes below are the defaults of those that do
+  not) and call `check_schedule()` in `__post_init__`.
+  """
+
+  # False only for the passthrough sparsity ('none').
+  prunes: ClassVar[bool] = True
+  # Defaults for subclasses without these fields (no schedule, plain STE);
+  # plain class attributes, so a subclass's fields keep their own order.
+  start_step = 0
+  update_step = 1
+  decay = 0.0
+
+  @abc.abstractmethod
+  def mask(self, x: jax.Array, axis: int) -> jax.Array:
+    """The keep-mask (bool, shaped like `x`) of `x` along `axis`.
+
+    Args:
+      x: the operand in a canonical 3-D layout (float32).
+      axis: the contraction axis of `x` (1 or 2).
+    """
+
+  def check_size(self, k: int) -> None:
+    """Raises ValueError when the contraction size `k` does not fit."""
+    del k
+
+  def check_schedule(self) -> None:
+    """Validates `start_step`, `update_step` and `decay` (one-line errors)."""
+    name = type(self).__name__
+    for field, low in (('start_step', 0), ('update_step', 1)):
+      v = getattr(self, field)
+      if isinstance(v, bool) or not isinstance(v, int) or v < low:
+        raise ValueError(f'{name}.{field} must be an int >= {low}, got {v!r}.')
+    d = self.decay
+    if (
+      isinstance(d, bool)
+      or not isinstance(d, (int, float))
+      or not (0 <= d < float('inf'))
+    ):
+      raise ValueError(f'{name}.decay must be a finite float >= 0, got {d!r}.')

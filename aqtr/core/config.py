@@ -5,13 +5,14 @@
     dlhs: DotGeneralRaw   d lhs  = g . rhs_residual   (its lhs operand is g)
     drhs: DotGeneralRaw   d rhs  = g . lhs_residual   (its lhs operand is g)
   DotGeneralRaw:  lhs, rhs: TensorConfig; use_fwd_quant; accumulator
-  TensorConfig:   numerics, calibration, tiling, rounding
+  TensorConfig:   numerics, calibration, tiling, sparsity, rounding
 
 Every node is a frozen kw-only dataclass with defaults, hence hashable: a
 config is a static argument of `jit` and of the engine's VJP. The
-defaults are int8 symmetric, per-channel absmax, round-to-nearest-even and
-no freezer, built by registry name ('int_symmetric', 'absmax',
-'per_channel', 'none'): the core imports no concrete algorithm.
+defaults are int8 symmetric, per-channel absmax, no sparsity,
+round-to-nearest-even and no freezer, built by registry name
+('int_symmetric', 'absmax', 'per_channel', 'none'): the core imports no
+concrete algorithm.
 Validation happens at construction and names the field and the fix.
 
 Example:
@@ -27,7 +28,7 @@ import dataclasses
 from typing import Annotated
 
 from aqtr.core import markers
-from aqtr.core.algorithms import Calibration, Numerics, Tiling
+from aqtr.core.algorithms import Calibration, Numerics, Sparsity, Tiling
 from aqtr.core.registry import factory, family
 from aqtr.core.rounding import NearestEven, Rounding
 
@@ -50,6 +51,8 @@ class TensorConfig:
     numerics: the number format ('none' leaves the operand in float).
     calibration: how the bound of each scale group is found.
     tiling: which elements share a scale.
+    sparsity: which elements are kept (zeroed before quantization; 'none'
+      keeps all). Forward operands only, see `DotGeneralConfig`.
     rounding: NearestEven() or Stochastic(...) (needs a key at call time).
     freezer: an `aqtr.freezers.Freezer`: what a model stores of this
       operand for serving (only config.fwd operands are frozen).
@@ -69,6 +72,9 @@ class TensorConfig:
   tiling: Annotated[Tiling, markers.Tiling] = dataclasses.field(
     default_factory=factory('tilings', 'per_channel')
   )
+  sparsity: Annotated[Sparsity, markers.Sparsity] = dataclasses.field(
+    default_factory=factory('sparsity', 'none')
+  )
   rounding: Annotated[Rounding, markers.Rounding] = dataclasses.field(
     default_factory=NearestEven
   )
@@ -86,6 +92,7 @@ class TensorConfig:
     _check_type('TensorConfig', 'numerics', self.numerics, Numerics)
     _check_type('TensorConfig', 'calibration', self.calibration, Calibration)
     _check_type('TensorConfig', 'tiling', self.tiling, Tiling)
+    _check_type('TensorConfig', 'sparsity', self.sparsity, Sparsity)
     _check_type('TensorConfig', 'rounding', self.rounding, Rounding)
     freezer_base = family('freezers').base
     _check_type('TensorConfig', 'freezer', self.freezer, freezer_base)
@@ -96,6 +103,11 @@ class TensorConfig:
   @property
   def quantized(self) -> bool:
     return self.numerics.quantizes
+
+  @property
+  def sparse(self) -> bool:
+    """Whether the sparsity prunes (anything but 'none')."""
+    return self.sparsity.prunes
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -192,6 +204,7 @@ class DotGeneralConfig:
           f'meant for gradients (the lhs operand of {name}); use int, fp8 or '
           "'none' numerics there."
         )
+    _check_sparsity(self)
 
   @property
   def needs_key(self) -> bool:
@@ -204,9 +217,43 @@ class DotGeneralConfig:
 
   @property
   def is_float(self) -> bool:
-    """True when no pass quantizes anything (the config equals lax)."""
+    """True when no pass quantizes or prunes (the config equals lax)."""
     fwd_q = self.fwd.lhs.quantized or self.fwd.rhs.quantized
-    return not (fwd_q or self.dlhs.quantized or self.drhs.quantized)
+    sparse = self.fwd.lhs.sparse or self.fwd.rhs.sparse
+    return not (fwd_q or sparse or self.dlhs.quantized or self.drhs.quantized)
+
+
+# The residual operand of each backward pass -> the forward operand it is.
+RESIDUAL_OF = {'dlhs.rhs': 'fwd.rhs', 'drhs.rhs': 'fwd.lhs'}
+
+
+def _check_sparsity(cfg: DotGeneralConfig) -> None:
+  """Sparsity: forward operands; their residual slots none or the same.
+
+  The mask is made in the forward pass, along the forward contraction, and
+  the pruned operand is also the residual of the backward passes: a
+  residual slot (dlhs.rhs, drhs.rhs) may repeat the forward sparsity (role
+  tags set both) or leave it 'none'. The gradient operand g (dlhs.lhs,
+  drhs.lhs) is never pruned.
+  """
+  for name in ('dlhs', 'drhs'):
+    s = getattr(cfg, name).lhs.sparsity
+    if s.prunes:
+      raise ValueError(
+        f'DotGeneralConfig.{name}.lhs.sparsity: {s!r} is on the gradient '
+        f'operand g (the lhs of {name}), which cannot be pruned; allowed: '
+        "NoSparsity() ('none'). Prune the forward operands (fwd.lhs, fwd.rhs)."
+      )
+  for path, fwd_path in RESIDUAL_OF.items():
+    name, side = path.split('.')
+    s = getattr(getattr(cfg, name), side).sparsity
+    f = getattr(cfg.fwd, fwd_path.split('.')[1]).sparsity
+    if s.prunes and s != f:
+      raise ValueError(
+        f'DotGeneralConfig.{path}.sparsity: {s!r} differs from '
+        f'{fwd_path}.sparsity {f!r}; the residual is the pruned forward '
+        f"operand: allowed: NoSparsity() ('none') or the same as {fwd_path}."
+      )
 
 
 def float_config() -> DotGeneralConfig:

@@ -86,17 +86,26 @@ from aqtr.core.sharding import (
   run_on_mesh,
   zeros_varying,
 )
+from aqtr.core.sparsify import prune_operands, site_entries, sites_of
 from aqtr.core.zero_point import reuse_term
 
 # ------------------------------------------------------------------- forward
 
 
 def _fwd(lhs, rhs, key, state, dn, cfg, precision, preferred, specs=None):
-  """((out, new_state), residuals) (specs: `gather_specs`)."""
+  """((out, new_state), residuals) (specs: `gather_specs`).
+
+  A sparsity prunes the forward operands first (`core.sparsify`): every
+  pass then sees the pruned operands; SR-STE terms go to the residuals.
+  """
+  lay = DotLayout.create(struct_of(lhs).shape, struct_of(rhs).shape, dn)
+  lhs, rhs, terms, sites = prune_operands(lhs, rhs, lay, cfg, sites_of(state))
   out, q_lhs, q_rhs, res = _fwd_out(
     lhs, rhs, key, state, dn, cfg, precision, preferred, specs
   )
-  return forward_state(out, state, q_lhs, q_rhs, res)
+  res = dataclasses.replace(res, sr_lhs=terms[0], sr_rhs=terms[1])
+  (out, new_state), res = forward_state(out, state, q_lhs, q_rhs, res)
+  return (out, {**new_state, **site_entries(sites)}), res
 
 
 def _fwd_out(lhs, rhs, key, state, dn, cfg: DotGeneralConfig, *static):
@@ -155,11 +164,11 @@ def _bwd(dn, cfg: DotGeneralConfig, precision, preferred, specs, res, gs):
   st_l = st_r = None
   if not res.lhs_stored:
     dl_raw, st_l = _dlhs(ctx, cfg.dlhs, res, g)
-    dl = _masked(dl_raw, res.mask_lhs)
+    dl = _plus(_masked(dl_raw, res.mask_lhs), res.sr_lhs)
     dl = match_vma(dl.astype(res.lhs_struct.dtype), res.lhs_vma)
   if not res.rhs_stored:
     dr_raw, st_r = _drhs(ctx, cfg.drhs, res, g)
-    dr = _masked(dr_raw, res.mask_rhs)
+    dr = _plus(_masked(dr_raw, res.mask_rhs), res.sr_rhs)
     dr = match_vma(dr.astype(res.rhs_struct.dtype), res.rhs_vma)
   st = state_cotangent(res, st_l, st_r, dl_raw, dr_raw, cfg, lay)
   # Differentiating again raises.
@@ -168,6 +177,11 @@ def _bwd(dn, cfg: DotGeneralConfig, precision, preferred, specs, res, gs):
 
 def _masked(grad: jax.Array, mask: jax.Array | None) -> jax.Array:
   return grad if mask is None else jnp.where(mask, grad, jnp.zeros_like(grad))
+
+
+def _plus(grad: jax.Array, term: jax.Array | None) -> jax.Array:
+  """The gradient plus a sparsity's SR-STE term (`sparsify.decay_term`)."""
+  return grad if term is None else grad + term.astype(grad.dtype)
 
 
 def _float_grad(ctx: _Backward, lhs, rhs, g, wrt: int) -> jax.Array:

@@ -1,8 +1,9 @@
 """The engine's side of calibration state: checks and learned gradients.
 
 Internal API of `dot_general.py`: `check_state_tree` (before the call) and
-`learned_cotangent` (in the backward pass). The mechanism is described in
-`aqtr.core.stateful`.
+`learned_cotangent` (in the backward pass). The state tree also holds the
+sparsity schedules' masks (`sparsity_paths`, `core.sparsify`). The
+mechanism is described in `aqtr.core.stateful`.
 """
 
 from __future__ import annotations
@@ -17,13 +18,37 @@ from aqtr.core.config import DotGeneralConfig, TensorConfig
 from aqtr.core.dimension_numbers import DotLayout
 from aqtr.core.passes import common_tile
 from aqtr.core.qtensor import ROLE_AXES, to_view
+from aqtr.core.sparsify import SITE, has_schedule
 from aqtr.core.stateful import ALL_PATHS, LEARNED_PATHS, is_stateful
 
 
 def tensor_config(config: DotGeneralConfig, path: str) -> TensorConfig:
-  """The TensorConfig at an operand path such as 'dlhs.lhs'."""
-  pass_, side = path.split('.')
+  """The TensorConfig at an operand path such as 'dlhs.lhs' (or at a
+  sparsity schedule's path such as 'fwd.rhs.sparsity')."""
+  pass_, side = path.split('.')[:2]
   return getattr(getattr(config, pass_), side)
+
+
+def sparsity_paths(
+  config: DotGeneralConfig | None, stored: tuple[bool, bool] = (False, False)
+) -> list[str]:
+  """'fwd.<side>.sparsity' of the forward operands whose sparsity has a
+  schedule (`core.sparsify.has_schedule`); stored QTensors need none."""
+  if config is None:
+    return []
+  return [
+    SITE.format(side=side)
+    for side, is_stored in zip(('lhs', 'rhs'), stored, strict=True)
+    if not is_stored and has_schedule(getattr(config.fwd, side))
+  ]
+
+
+def state_paths(
+  config: DotGeneralConfig | None, stored: tuple[bool, bool] = (False, False)
+) -> list[str]:
+  """Every path of a call's state tree: the stateful calibrations'
+  (`stateful_paths`) and the sparsity schedules' (`sparsity_paths`)."""
+  return stateful_paths(config, stored) + sparsity_paths(config, stored)
 
 
 def stateful_paths(
@@ -73,8 +98,16 @@ def check_state_tree(
   config: DotGeneralConfig | None, state, stored=(False, False)
 ) -> None:
   """Raises a clear error when `state` does not match `config`'s paths."""
-  paths = stateful_paths(config, stored)
+  paths = state_paths(config, stored)
   if state is None:
+    if paths and paths[0].endswith('.sparsity'):
+      t = tensor_config(config, paths[0])
+      raise ValueError(
+        f'config.{paths[0]}: {t.sparsity!r} has a schedule (start_step > '
+        '0 or update_step > 1) and needs its mask state: pass '
+        'state=aqtr.state.init(lhs, rhs, dimension_numbers, config) and use '
+        'the returned (out, new_state).'
+      )
     if paths:
       raise ValueError(
         f'{paths[0]}: calibration '
@@ -161,6 +194,10 @@ def state_cotangent(res, st_l, st_r, dl_raw, dr_raw, cfg, lay) -> dict:
   for path, new in (('dlhs.lhs', st_l), ('drhs.lhs', st_r)):
     if path in st and new is not None:
       st[path] = new
+  for side in ('lhs', 'rhs'):  # Sparsity schedules: forward-only state.
+    path = SITE.format(side=side)
+    if path in st:
+      st[path] = jax.tree.map(jnp.zeros_like, st[path])
   if 'fwd.lhs' in st:
     st['fwd.lhs'] = learned_cotangent(
       st['fwd.lhs'], res.learned_lhs, dl_raw, cfg, lay, 'lhs'

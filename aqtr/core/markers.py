@@ -42,6 +42,10 @@ class Tiling(FieldMarker):
   """The tiling slot of every operand (TensorConfig.tiling)."""
 
 
+class Sparsity(FieldMarker):
+  """The sparsity slot of every operand (TensorConfig.sparsity)."""
+
+
 class Rounding(FieldMarker):
   """The rounding slot of every operand (TensorConfig.rounding)."""
 
@@ -61,6 +65,7 @@ MARKERS = (
   Numerics,
   Calibration,
   Tiling,
+  Sparsity,
   Rounding,
   UseFwdQuant,
   Accumulator,

@@ -17,6 +17,7 @@ from aqtr.core.passes import PassKeys, common_tile, forward_operand
 from aqtr.core.qtensor import QTensor
 from aqtr.core.quantizer import check_float
 from aqtr.core.rounding import as_typed_key
+from aqtr.core.sparsify import has_schedule, prune, scheduled_prune
 
 
 def quantize_operand(
@@ -33,7 +34,8 @@ def quantize_operand(
 
   The result can be stored (e.g. frozen int8 weights) and passed to
   `dot_general` in place of the float operand: the output is bit-identical
-  to running the float operand through the same config.
+  to running the float operand through the same config (pruned by its
+  sparsity first, as the forward pass does).
 
   Args:
     x: the float operand.
@@ -89,6 +91,7 @@ def quantize_in_layout(
   operand: str,
   key: jax.Array | None = None,
   state: dict | None = None,
+  sparsity_state: dict | None = None,
 ) -> QTensor:
   """`quantize_operand` for an operand whose layout in the dot is known.
 
@@ -104,6 +107,9 @@ def quantize_in_layout(
     key: PRNG key if the forward rounding is stochastic.
     state: the operand's calibration state (its `aqtr.state.init` entry
       'fwd.<operand>') when its calibration is stateful.
+    sparsity_state: the operand's sparsity schedule state (the 'stats' of
+      its entry 'fwd.<operand>.sparsity'): pruned with the mask the
+      forward pass uses at that state; None: a mask made from `x`.
   """
   cfg = getattr(config.fwd, operand)
   if not cfg.quantized:
@@ -111,18 +117,29 @@ def quantize_in_layout(
       f'config.fwd.{operand} is not quantized; nothing to freeze.'
     )
   return _quantize_jit(
-    x, as_typed_key(key), state, layout=layout, config=config, operand=operand
+    x,
+    as_typed_key(key),
+    state,
+    sparsity_state if has_schedule(cfg) else None,
+    layout=layout,
+    config=config,
+    operand=operand,
   )
 
 
 @functools.partial(jax.jit, static_argnames=('layout', 'config', 'operand'))
-def _quantize_jit(x, key, state, *, layout, config, operand) -> QTensor:
+def _quantize_jit(x, key, state, site, *, layout, config, operand) -> QTensor:
   """Jitted like the engine's forward pass, so that XLA simplifies the
   scale arithmetic identically (an eager op-by-op run can differ by an ulp
   from the compiled one, and frozen weights must equal TRAIN's bit for
   bit)."""
   cfg = getattr(config.fwd, operand)
   form = 'fk' if operand == 'lhs' else layout.natural_form()
+  path = f'config.fwd.{operand}'
+  if site is not None:  # The mask the schedule holds at this state.
+    x = scheduled_prune(x, cfg, layout, form, path, site)[0]
+  else:
+    x, _ = prune(x, cfg, layout, form, path)
   tile = common_tile([config.fwd.lhs, config.fwd.rhs], layout.k)
   keys = PassKeys.split(key)
   key = keys.fwd_lhs if operand == 'lhs' else keys.fwd_rhs

@@ -45,6 +45,7 @@ from aqtr.core.scale import (
   scale_from_range,
   scale_shape,
 )
+from aqtr.core.sparsify import prune
 
 
 def _blocked(calibrate, x: jax.Array, axes, free_axis: int, rows: int):
@@ -227,6 +228,7 @@ def _quantize(x, config, contracting_axes, batch_axes, key):
     raise TypeError(f'config must be an aqtr.TensorConfig, got {config!r}.')
   check_float(x, 'x')
   lay = _layout(x, contracting_axes, batch_axes)
+  x, keep = prune(jnp.asarray(x), config, lay, 'fk', 'config')
   tile = config.tiling.tile(lay.k)
   noise = None
   if config.rounding.stochastic:
@@ -234,9 +236,9 @@ def _quantize(x, config, contracting_axes, batch_axes, key):
     noise = to_view(lay.to_canonical(n, 'fk'), 'fk', tile)
   x4 = to_view(lay.to_canonical(jnp.asarray(x), 'fk'), 'fk', tile)
   if not config.quantized:
-    return QTensor(x4, None, lay, 'fk'), None
+    return QTensor(x4, None, lay, 'fk'), None, keep
   q, s, z, mask = quantize_view(x4, config, 'fk', noise)
-  return QTensor(q, s, lay, 'fk', z), mask
+  return QTensor(q, s, lay, 'fk', z), mask, keep
 
 
 def quantize(
@@ -250,7 +252,7 @@ def quantize(
   """Quantizes `x` as operand of a dot contracting `contracting_axes`.
 
   The tiling shares scales relative to those axes (per-channel: one scale
-  per index of the other axes).
+  per index of the other axes); the sparsity prunes along them first.
 
   Args:
     x: a float array.
@@ -284,6 +286,9 @@ def fake_quant(
 
   The value is `quantize(x).dequant()`; the gradient is straight-through,
   masked by the numerics' clip_gradient, and no gradient reaches the scale.
+  A pruning sparsity passes the gradient to the dense `x` (SR-STE's added
+  `decay * (1 - M) * x` does not depend on the loss, so only the engine's
+  custom VJP, `aqtr.dot_general`, adds it).
 
   Example:
     >>> import jax.numpy as jnp, aqtr
@@ -293,7 +298,7 @@ def fake_quant(
   """
   config = config or TensorConfig()
   xs = jax.lax.stop_gradient(x)
-  qt, mask4 = _quantize(xs, config, contracting_axes, batch_axes, key)
+  qt, mask4, _ = _quantize(xs, config, contracting_axes, batch_axes, key)
   xhat = qt.dequant(jnp.result_type(x))
   st = x - xs
   if mask4 is not None:

@@ -116,6 +116,13 @@ def ragged_dot(
     raise TypeError(
       f'config must be an aqtr.DotGeneralConfig or None, got {config!r}.'
     )
+  for side in ('lhs', 'rhs'):
+    t = None if config is None else getattr(config.fwd, side)
+    if t is not None and t.sparse:
+      raise ValueError(
+        f'config.fwd.{side}.sparsity: ragged_dot does not prune operands '
+        f"yet, got {t.sparsity!r}; allowed: NoSparsity() ('none')."
+      )
   lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
   _check_shapes(lhs, rhs, group_sizes)
   _check_group_sizes(group_sizes, lhs.shape[0])

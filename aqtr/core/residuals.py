@@ -41,6 +41,8 @@ class Residuals:
     mask_lhs, mask_rhs: the forward numerics' straight-through gradient
       masks in the operands' layouts, or None.
     key_dlhs, key_drhs: PRNG keys of the backward passes, or None.
+    sr_lhs, sr_rhs: SR-STE terms `decay * (1 - M) * x` added to the
+      operands' gradients (`aqtr.core.sparsify`), or None.
     lhs_struct, rhs_struct: the operands' shapes and dtypes (static).
     lhs_stored, rhs_stored: whether the operand is a stored QTensor, which
       gets no gradient (static).
@@ -59,6 +61,8 @@ class Residuals:
   mask_rhs: jax.Array | None = None
   key_dlhs: jax.Array | None = None
   key_drhs: jax.Array | None = None
+  sr_lhs: jax.Array | None = None
+  sr_rhs: jax.Array | None = None
   lhs_struct: jax.ShapeDtypeStruct | None = None
   rhs_struct: jax.ShapeDtypeStruct | None = None
   lhs_stored: bool = False
@@ -81,6 +85,8 @@ jax.tree_util.register_dataclass(
     'mask_rhs',
     'key_dlhs',
     'key_drhs',
+    'sr_lhs',
+    'sr_rhs',
     'state',
     'learned_lhs',
     'learned_rhs',

@@ -25,7 +25,7 @@ from jax import lax
 from aqtr.core import conv as conv_lib
 from aqtr.core import einsum as einsum_lib
 from aqtr.core.config import DotGeneralConfig
-from aqtr.core.engine_state import stateful_paths, tensor_config
+from aqtr.core.engine_state import state_paths, stateful_paths, tensor_config
 from aqtr.freezers import Mode, lifecycle
 from aqtr.state import init as init_state
 
@@ -194,7 +194,7 @@ def quantized_dot(host: Host, lhs, rhs, dn, precision, preferred):
   lifecycle.validate(cfg)
   check_mode(mode)
   state = None
-  if stateful_paths(cfg):
+  if state_paths(cfg):
     state = host.calib_state(CalibStateInit(lhs, rhs, dn, cfg))
   frozen = stats = None
   if lifecycle.freezers(cfg) and not host.initializing:

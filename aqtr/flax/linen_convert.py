@@ -123,10 +123,42 @@ def convert(model: nn.Module, variables, *args, method=None, **kwargs):
     )
   serving = {k: v for k, v in variables.items() if k != STATS}
   serving[FROZEN] = frozen
+  if common.STATE in serving:
+    serving[common.STATE] = _drop_frozen_schedules(
+      serving[common.STATE], frozen
+    )
   serving['params'] = _remove_kernels(
     variables.get('params', {}), new.get(PLAN, {})
   )
   return serving
+
+
+def _drop_frozen_schedules(state, frozen):
+  """The 'aqtr_state' collection without the sparsity schedules (masks as
+  large as the kernels) of frozen operands: SERVE reads their stored
+  values, already pruned, never the mask."""
+  if not isinstance(state, dict) or not isinstance(frozen, dict):
+    return state
+  out = {}
+  for name, value in state.items():
+    sub = frozen.get(name)
+    if name == 'stats' and isinstance(value, dict):
+      sides = {
+        side
+        for entry in (frozen.values() if isinstance(frozen, dict) else ())
+        if isinstance(entry, dict)
+        for side in ('lhs', 'rhs')
+        if side in entry
+      }
+      value = {
+        p: v
+        for p, v in value.items()
+        if p not in {f'fwd.{side}.sparsity' for side in sides}
+      }
+    elif isinstance(value, dict):
+      value = _drop_frozen_schedules(value, sub if sub is not None else {})
+    out[name] = value
+  return out
 
 
 def _check_counts(stats, path=()):

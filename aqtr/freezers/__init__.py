@@ -17,6 +17,7 @@ from aqtr.freezers.base import (
   registry,
 )
 from aqtr.freezers.calibration import CalibrationFreezer
+from aqtr.freezers.sparse_weights import SparseWeightsFreezer
 from aqtr.freezers.weights import WeightsFreezer
 
 __all__ = [
@@ -25,6 +26,7 @@ __all__ = [
   'Mode',
   'NoFreezer',
   'Served',
+  'SparseWeightsFreezer',
   'WeightsFreezer',
   'configure',
   'get',

@@ -23,6 +23,7 @@ from aqtr.calibrations.constant import Constant
 from aqtr.core.config import DotGeneralConfig, TensorConfig
 from aqtr.core.dimension_numbers import DotLayout, OperandLayout
 from aqtr.core.operand import quantize_in_layout
+from aqtr.core.passes import common_tile
 from aqtr.core.qtensor import QTensor
 
 
@@ -42,6 +43,8 @@ class OperandCall:
     how_stats: how to produce CALIBRATE statistics, for error messages.
     state: the operand's calibration state ('fwd.<side>' of the call's
       state tree) when its calibration is stateful, else None.
+    sparsity_state: its sparsity schedule's state (the stats of
+      'fwd.<side>.sparsity'), else None.
 
   Example:
     >>> import jax.numpy as jnp, aqtr
@@ -63,6 +66,7 @@ class OperandCall:
   where: str = 'aqtr op'
   how_stats: str = ''
   state: dict | None = None
+  sparsity_state: dict | None = None
 
   @property
   def layout(self) -> OperandLayout:
@@ -89,6 +93,14 @@ class OperandCall:
     """The view the engine keeps this operand's QTensor in ('fk' / 'kf')."""
     return 'fk' if self.side == 'lhs' else self.layout.natural_form()
 
+  @property
+  def tile(self) -> int | None:
+    """The dot's tile size along the contraction (None: untiled), as in
+    the view of `quantize()`'s values."""
+    return common_tile(
+      [self.config.fwd.lhs, self.config.fwd.rhs], self.layout.k
+    )
+
   def canonical(self) -> jax.Array:
     """The operand as [batch, free, contraction] (each axis group merged)."""
     return self.layout.to_canonical(self.x, 'fk')
@@ -102,6 +114,7 @@ class OperandCall:
       operand=self.side,
       key=self.key,
       state=self.state,
+      sparsity_state=self.sparsity_state,
     )
 
   def qtensor(

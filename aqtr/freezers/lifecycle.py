@@ -41,8 +41,9 @@ import jax.numpy as jnp
 from aqtr.core.config import DotGeneralConfig
 from aqtr.core.dimension_numbers import DotLayout
 from aqtr.core.dot_general import dot_general
-from aqtr.core.engine_state import stateful_paths
+from aqtr.core.engine_state import state_paths
 from aqtr.core.qtensor import QTensor
+from aqtr.core.sparsify import sites_of
 from aqtr.freezers.base import Mode, NoFreezer
 from aqtr.freezers.call import OperandCall
 
@@ -186,6 +187,7 @@ def _calls(lhs, rhs, dn, config, key, where, how_stats, state) -> dict:
       where,
       how_stats,
       (state or {}).get(f'fwd.{side}'),
+      sites_of(state).get(side),
     )
     for side in freezers(config)
   }
@@ -205,7 +207,7 @@ def _served_state(state, config, ops) -> dict | None:
   if state is None:
     return None
   stored = tuple(isinstance(ops[s], QTensor) for s in SIDES)
-  return {p: v for p, v in state.items() if p in stateful_paths(config, stored)}
+  return {p: v for p, v in state.items() if p in state_paths(config, stored)}
 
 
 def _served_dot(calls, entry, lhs, rhs, dn, config, key, kw, state=None):

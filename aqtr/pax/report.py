@@ -4,7 +4,7 @@ Configs are shown in one short line: a preset name when the config equals
 a preset, else per pass `lhs x rhs` with `f` (float), `i<bits>`, `e4m3` /
 `e5m2`, and `fq` for a backward residual that reuses the forward
 quantization; `@0.9` is an absmax clip scale, `/t128` a sub-channel tile,
-`~sr` stochastic rounding.
+`~sr` stochastic rounding, `:2of4` N:M sparsity (`:magnitude` another).
 
 Example:
   >>> import aqtr
@@ -12,6 +12,8 @@ Example:
   ('int8', 'float')
   >>> describe(aqtr.presets.fully_quantized(4, 8))
   'fwd i4xi4 | dlhs i8xfq | drhs i8xfq'
+  >>> describe(aqtr.sparsity.configure(aqtr.presets.float(), rhs='n_m'))
+  'fwd fxf:2of4 | dlhs fxf:2of4 | drhs fxf'
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ __all__ = ['InjectionReport', 'OpEntry', 'describe']
 
 _PRESETS = (
   'int8',
+  'int8_sparse_2_4',
   'int8_fwd',
   'int8_weight_only',
   'int4_weight_only',
@@ -34,10 +37,19 @@ _PRESETS = (
 )
 
 
+def _sparsity(t: TensorConfig) -> str:
+  sp = t.sparsity
+  if not sp.prunes:
+    return ''
+  if hasattr(sp, 'n') and hasattr(sp, 'm'):
+    return f':{sp.n}of{sp.m}'
+  return f':{getattr(sp, "registered_name", type(sp).__name__)}'
+
+
 def _tensor(t: TensorConfig) -> str:
   n = t.numerics
   if not n.quantizes:
-    return 'f'
+    return 'f' + _sparsity(t)
   if n.kind == 'int' and hasattr(n, 'bits'):
     s = f'i{n.bits}'
   elif hasattr(n, 'dtype_name'):
@@ -52,7 +64,7 @@ def _tensor(t: TensorConfig) -> str:
     s += f'/t{tile}'
   if t.rounding.stochastic:
     s += '~sr'
-  return s
+  return s + _sparsity(t)
 
 
 def _raw(r: DotGeneralRaw) -> str:

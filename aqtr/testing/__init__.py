@@ -1,6 +1,7 @@
 """Contract checks for your own registered algorithms.
 
-Every registry (`calibrations`, `numerics`, `tilings`, `freezers`) has a
+Every registry (`calibrations`, `numerics`, `tilings`, `sparsity`,
+`freezers`) has a
 contract: what any class registered in it must do for the engine and the
 adapters to work with it. aqtr's own tests run these checks on every
 registered name; call them on yours:
@@ -24,6 +25,7 @@ from aqtr.testing.calibrations import check_calibration
 from aqtr.testing.checks import ContractError, check_registry
 from aqtr.testing.freezers import check_freezer
 from aqtr.testing.numerics import check_numerics
+from aqtr.testing.sparsity import check_sparsity
 from aqtr.testing.tilings import check_tiling
 
 __all__ = [
@@ -32,5 +34,6 @@ __all__ = [
   'check_freezer',
   'check_numerics',
   'check_registry',
+  'check_sparsity',
   'check_tiling',
 ]

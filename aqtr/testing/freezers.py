@@ -8,7 +8,8 @@ TensorConfig it leaves `aqtr.dot_general` (which quantizes on the fly, as
 in TRAIN) unchanged, values and gradients, under jit; it goes through the
 whole life cycle on a dot's weights (CALIBRATE, CONVERT, SERVE, under jit):
 CONVERT stores exactly `frozen_parts`, SERVE from them equals CONVERT's
-output and is close to the float dot, and does not read the float weights
+output and is close to the float dot (of the operands as pruned by the
+config's sparsity), and does not read the float weights
 when `reads_float` is False; bad field values raise an error naming the
 field.
 """
@@ -19,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from aqtr import calibrations, freezers, presets
+from aqtr import calibrations, freezers, presets, sparsity
 from aqtr.core.config import DotGeneralConfig, DotGeneralRaw, TensorConfig
 from aqtr.core.dot_general import dot_general
 from aqtr.core.quantizer import fake_quant
@@ -28,7 +29,7 @@ from aqtr.testing import checks as cc
 
 # The configs the life cycle is tried with, in order: a freezer must work
 # with one of them and reject the others with a ValueError.
-PRESETS = ('int8', 'int4_weight_only', 'fp8')
+PRESETS = ('int8', 'int4_weight_only', 'fp8', 'int8_sparse_2_4')
 _DN = (((1,), (0,)), ((), ()))
 
 
@@ -120,7 +121,11 @@ def _life_cycle(cfg, f, x, w):
 
   np.testing.assert_array_equal(serve(x, w, frozen), out)
   assert jnp.isfinite(out).all()
-  ref = x @ w
+  # The float dot of the operands as the config prunes them.
+  float_cfg = sparsity.configure(
+    presets.float(), lhs=cfg.fwd.lhs.sparsity, rhs=cfg.fwd.rhs.sparsity
+  )
+  ref = dot_general(x, w, _DN, float_cfg)
   err = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
   assert err < 0.25, f'SERVE is far from the float dot: relative error {err}'
   if not f.reads_float:

@@ -51,6 +51,7 @@ from aqtr.fiddlers import (  # noqa: F401
   use_calibration,
   use_numerics,
   use_rounding,
+  use_sparsity,
   use_tiling,
 )
 from aqtr.train import mesh as mesh_lib
@@ -76,12 +77,20 @@ TASKS = ('lm', 'digits')
 
 # The runs an experiment may name in `runs`: name -> DotGeneralConfig maker.
 # Every preset; add an entry here to offer another run by name.
-RUNS: dict[str, Callable[[], aqtr.DotGeneralConfig]] = {
-  name: getattr(aqtr.presets, name) for name in aqtr.presets.__all__
-} | {
-  name: functools.partial(qt_runs.config, spec)
-  for name, spec in qt_runs.SPECS.items()
-}
+RUNS: dict[str, Callable[[], aqtr.DotGeneralConfig]] = (
+  {name: getattr(aqtr.presets, name) for name in aqtr.presets.__all__}
+  | {
+    name: functools.partial(qt_runs.config, spec)
+    for name, spec in qt_runs.SPECS.items()
+  }
+  | {
+    # 2:4 weights + int8 after a dense int8 warm-up of 50 steps, masks
+    # refreshed every 10 steps (held in the ops' 'aqtr_state').
+    'int8_sparse_2_4_warm': functools.partial(
+      aqtr.presets.int8_sparse_2_4, start_step=50, update_step=10
+    ),
+  }
+)
 
 # Numeric fields: (type, allowed range as text, range test).
 _RANGES: dict[str, tuple[type, str, Callable[[Any], bool]]] = {
@@ -138,7 +147,8 @@ class Experiment:
       `aqtr.train.models`); None: the task's default model.
     runs: names of `RUNS` to run, in order ('float' first gives the speed
       baseline): the presets of `aqtr.presets` and the quantized-training
-      runs of `qt_runs` ('qt_int8', 'qt_int8_w8a8', 'float_adam8bit').
+      runs of `qt_runs` ('qt_int8', 'qt_int8_w8a8', 'float_adam8bit'),
+      and 'int8_sparse_2_4_warm' (2:4 weights after 50 dense int8 steps).
     custom: a user-chosen DotGeneralConfig (Fiddle tree), run last under
       the name 'custom'; None: no custom run.
     steps: optimizer steps per run.

@@ -37,7 +37,7 @@ import aqtr
 import aqtr.flax.linen as aqtr_linen
 import aqtr.pax
 from aqtr import fiddle as aqtr_fiddle
-from aqtr import freezers
+from aqtr import freezers, sparsity
 from aqtr.freezers import Mode
 
 __all__ = [
@@ -133,7 +133,8 @@ def _frozen_config(config: Any) -> Config:
     config = aqtr_fiddle.build(config)
   if _is_float(config) or not config.fwd.rhs.quantized:
     return None
-  return freezers.configure(config, rhs='weights')
+  nm = isinstance(config.fwd.rhs.sparsity, sparsity.NM)
+  return freezers.configure(config, rhs='sparse_weights' if nm else 'weights')
 
 
 def serving_template(injected: fdl.Config, mode: Mode) -> fdl.Config:
@@ -141,7 +142,8 @@ def serving_template(injected: fdl.Config, mode: Mode) -> fdl.Config:
 
   Every `EinsumOp` whose config quantizes the forward rhs (the weight)
   becomes `aqtr.flax.linen.Einsum(config=<with the 'weights' freezer on
-  rhs>, mode=mode)`; other ops are unchanged. Same parameter tree.
+  rhs>, mode=mode)` ('sparse_weights' for N:M sparse weights: stored
+  compressed); other ops are unchanged. Same parameter tree.
 
   Args:
     injected: a template returned by `inject`.

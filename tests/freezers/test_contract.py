@@ -25,6 +25,7 @@ BAD_FIELDS = {
     {'per_channel': None},
   ],
   'none': [],
+  'sparse_weights': [],
   'weights': [],
 }
 

@@ -1,0 +1,141 @@
+"""Frozen N:M sparse weights: kept values and packed indices per group."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from aqtr.core.qtensor import from_view, to_view
+from aqtr.freezers.base import Freezer, Mode, Served, register
+from aqtr.sparsity.n_m import NM
+
+
+def index_bits(m: int) -> int:
+  """Bits per stored index of a group of m: ceil(log2 m), rounded up to 1,
+  2, 4 or 8 so that whole indices pack into each byte.
+
+  Example:
+    >>> index_bits(4), index_bits(8), index_bits(2)
+    (2, 4, 1)
+  """
+  need = max(1, (m - 1).bit_length())
+  return next(b for b in (1, 2, 4, 8) if b >= need)
+
+
+def _pack(idx: jax.Array, bits: int) -> jax.Array:
+  """[..., L] integers < 2^bits -> [..., ceil(L * bits / 8)] uint8."""
+  per = 8 // bits
+  pad = -idx.shape[-1] % per
+  idx = jnp.pad(idx.astype(jnp.uint8), [(0, 0)] * (idx.ndim - 1) + [(0, pad)])
+  idx = idx.reshape(*idx.shape[:-1], -1, per)
+  shifts = (jnp.arange(per, dtype=jnp.uint8) * bits).reshape(
+    (1,) * (idx.ndim - 1) + (per,)
+  )
+  return jnp.bitwise_or.reduce(idx << shifts, axis=-1).astype(jnp.uint8)
+
+
+def _unpack(packed: jax.Array, bits: int, length: int) -> jax.Array:
+  """The inverse of `_pack`: [..., P] uint8 -> [..., length] int32."""
+  per = 8 // bits
+  shifts = (jnp.arange(per, dtype=jnp.uint8) * bits).reshape(
+    (1,) * packed.ndim + (per,)
+  )
+  idx = (packed[..., None] >> shifts) & jnp.uint8(2**bits - 1)
+  idx = idx.reshape(*packed.shape[:-1], -1)
+  return idx[..., :length].astype(jnp.int32)
+
+
+def compress(q: jax.Array, nm: NM) -> tuple[jax.Array, jax.Array]:
+  """N:M values [..., K] -> (kept values [..., G, n, block], packed indices).
+
+  Each group keeps its n units with a non-zero value (padded with zero
+  units where fewer are non-zero; `decompress` restores the group exactly
+  as long as at most n of its units are non-zero, which pruning with `nm`
+  guarantees). Indices (the unit's slot in its group, < m) are packed
+  `index_bits(m)` bits each into uint8 [..., ceil(G * n * bits / 8)].
+  """
+  g = nm.groups(q)  # [..., G, m, block]
+  nonzero = (g != 0).any(-1).astype(jnp.float32)
+  _, idx = lax.top_k(nonzero, nm.n)  # [..., G, n]: the non-zero slots
+  values = jnp.take_along_axis(g, idx[..., None], axis=-2)
+  flat = idx.reshape(*idx.shape[:-2], -1)
+  return values, _pack(flat, index_bits(nm.m))
+
+
+def decompress(values: jax.Array, packed: jax.Array, nm: NM) -> jax.Array:
+  """The inverse of `compress`: [..., K] in the values' dtype."""
+  *lead, ng, n, _ = values.shape
+  idx = _unpack(packed, index_bits(nm.m), ng * n).reshape(*lead, ng, n)
+  slots = jnp.arange(nm.m).reshape((1,) * idx.ndim + (nm.m,))
+  hit = idx[..., None] == slots  # [..., G, n, m]
+  which = jnp.argmax(hit, axis=-2)  # [..., G, m]: the kept unit in a slot
+  dense = jnp.take_along_axis(values, which[..., None], axis=-2)
+  zero = jnp.zeros((), values.dtype)
+  return nm.ungroup(jnp.where(hit.any(-2)[..., None], dense, zero))
+
+
+@register('sparse_weights')
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SparseWeightsFreezer(Freezer):
+  """Stores N:M sparse quantized weights compressed; serves them exactly.
+
+  Math. CONVERT runs TRAIN's forward quantization of the pruned operand,
+  `q = Q(M * x)`, and stores, per group of m units along the contraction
+  (`aqtr.sparsity.NM`), the n kept units' values (`values`, the numerics'
+  dtype: n/m of the dense bytes) and their slots in the group (`indices`,
+  `index_bits(m)` bits each packed into uint8: 2 bits for m = 4), and the
+  scale. SERVE scatters the values back to the dense `q` and passes the
+  QTensor to the dot: bit-identical to TRAIN. For 2:4 int8 weights that
+  is 0.5 + 0.125 bytes per weight instead of 1 (Mishra et al. 2021, arXiv
+  2104.08378, store the same 2-bit metadata for sparse tensor cores).
+  The operand's `sparsity` must be `n_m`.
+
+  Example:
+    >>> SparseWeightsFreezer().stores(Mode.CONVERT)
+    ('values', 'indices', 'scale')
+  """
+
+  frozen_parts = ('values', 'indices', 'scale')
+  optional_parts = ('zero_point',)
+  reads_float = False
+
+  def stores(self, mode: Mode) -> tuple[str, ...]:
+    if not isinstance(mode, Mode):
+      raise TypeError(f'mode must be an aqtr.freezers.Mode, got {mode!r}.')
+    return self.frozen_parts if mode is Mode.CONVERT else ()
+
+  def _nm(self, call) -> NM:
+    nm = call.tensor.sparsity
+    if not isinstance(nm, NM):
+      raise call.error(
+        f'config.fwd.{call.side}.freezer is SparseWeightsFreezer but '
+        f'config.fwd.{call.side}.sparsity is {nm!r}; allowed: an '
+        "aqtr.sparsity.NM ('n_m')."
+      )
+    return nm
+
+  def _along_k(self, x3: jax.Array, form: str) -> jax.Array:
+    """[B, F, K] from the canonical form (and back: its own inverse)."""
+    return x3 if form == 'fk' else jnp.swapaxes(x3, 1, 2)
+
+  def freeze(self, call, stats) -> dict:
+    del stats
+    nm = self._nm(call)
+    q = call.quantize()
+    q3 = self._along_k(from_view(q.qvalue, q.form), q.form)
+    values, indices = compress(q3, nm)
+    parts = {'values': values, 'indices': indices, 'scale': q.scale}
+    if q.zero_point is not None:  # Affine numerics (int_asymmetric).
+      parts['zero_point'] = q.zero_point
+    return parts
+
+  def serve(self, call, frozen: dict) -> Served:
+    nm = self._nm(call)
+    q3 = decompress(frozen['values'], frozen['indices'], nm)
+    qvalue = to_view(self._along_k(q3, call.form), call.form, call.tile)
+    return Served(
+      call.qtensor(qvalue, frozen['scale'], frozen.get('zero_point'))
+    )
