@@ -150,6 +150,11 @@ FOUR_BITS = (
 )
 
 
+# Both operands in 4 bits, at the calibration's initial state (LSQ's
+# 2 mean|x| / sqrt(7) step: measured 0.246).
+BOTH_FOUR_BITS = ('int4_lsq',)
+
+
 def test_every_preset_runs_forward_and_backward():
   # Every contraction (128, and 32 for the backward passes) is a multiple of
   # the block formats' blocks (16, 32) and int4_asym_weight_only's group.
@@ -182,7 +187,10 @@ def test_every_preset_runs_forward_and_backward():
       assert np.isfinite(np.asarray(a)).all(), name
     ref = np.asarray(x) @ (w24 if name == 'int8_sparse_2_4' else np.asarray(w))
     err = np.linalg.norm(np.asarray(y) - ref) / np.linalg.norm(ref)
-    assert err < (0.2 if name in FOUR_BITS else 0.07), (name, err)
+    bound = (
+      0.3 if name in BOTH_FOUR_BITS else 0.2 if name in FOUR_BITS else 0.07
+    )
+    assert err < bound, (name, err)
 
 
 # The dots (lhs dtype, rhs dtype) -> count in the jaxpr of fwd + grad.
