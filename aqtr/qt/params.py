@@ -133,6 +133,13 @@ def _quantize(w: jax.Array, lay: OperandLayout, fmt: WeightFormat, key):
   s = stable_scale(bound, fmt.qmax)
   v = jnp.clip(x4 / s, -fmt.qmax, fmt.qmax)
   q = quantize_values(v, fmt, key)
+  if key is not None:
+    # Each group's largest |w| keeps the top code (nearest: its v lies
+    # within 2^-16 of qmax, as `stable_scale` rounds s up). Stochastic
+    # rounding could take it one code down, and then the engine's
+    # re-calibration of the dequantized weight (max|q s| / qmax) would no
+    # longer give back s: serving `qtensor()` would differ from training.
+    q = jnp.where(jnp.abs(x4) == bound, quantize_values(v, fmt, None), q)
   if fmt.kind == 'int4':
     q = pack_int4(q)
   return QTParam(q, s, lay, form, fmt)
