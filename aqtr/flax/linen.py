@@ -110,25 +110,32 @@ class LinenHost(common.Host):
 
   def calib_state(self, make):
     m = self.module
-    fresh = stats = None
-    if not m.has_variable(common.STATE, 'stats'):
-      fresh = make() if self.initializing else jax.eval_shape(make)
-      if jax.tree.leaves(fresh[0]):  # Stats to keep (not only learned).
-        if not self.initializing and not m.is_mutable_collection(common.STATE):
-          raise ValueError(
-            f'{self.where}: the config has stateful calibrations; their '
-            f'state lives in the collection {common.STATE!r}: create it '
-            f'with init and pass it to apply (mutable=[{common.STATE!r}] '
-            'in TRAIN and CALIBRATE).'
-          )
-        fresh = make() if not self.initializing else fresh
+    fresh = make() if self.initializing else None  # Traced once, at init.
+
+    def made():
+      nonlocal fresh
+      if fresh is None:
+        fresh = make()
+      return fresh
+
+    if m.has_variable(common.STATE, 'stats'):
+      stats = m.get_variable(common.STATE, 'stats')
+    else:
+      shapes = fresh or jax.eval_shape(make)
+      if not jax.tree.leaves(shapes[0]):
+        stats = shapes[0]  # Only learned parameters: no stats to keep.
+      elif self.initializing or m.is_mutable_collection(common.STATE):
+        stats = m.variable(common.STATE, 'stats', lambda: made()[0]).value
       else:
-        stats = fresh[0]  # Only empty dicts: nothing to store.
-    if stats is None:
-      stats = m.variable(common.STATE, 'stats', lambda: fresh[0]).value
-    learned = {}
-    if make.learns:
-      learned = m.param(common.LEARNED, lambda _: make()[1])
+        raise ValueError(
+          f'{self.where}: the config has stateful calibrations; their '
+          f'state lives in the collection {common.STATE!r}: create it '
+          f'with init and pass it to apply (mutable=[{common.STATE!r}] '
+          'in TRAIN and CALIBRATE).'
+        )
+    learned = (
+      m.param(common.LEARNED, lambda _: made()[1]) if make.learns else {}
+    )
     return common.assemble(stats, learned)
 
   def store(self, result):
