@@ -39,6 +39,7 @@ import optax
 import aqtr
 import aqtr.pax
 from aqtr import qt
+from aqtr.core.engine_state import state_paths
 from aqtr.train import mesh as mesh_lib
 from aqtr.train import models, progress, qt_runs
 from aqtr.train.experiment import Experiment
@@ -151,16 +152,15 @@ def _bind_collections(fn, calib):
   return lambda params, x: fn(params, calib, x)
 
 
-def stateful_init(module, params, x, seed: int) -> tuple[Any, dict]:
+def stateful_init(module, config, params, x, seed: int) -> tuple[Any, dict]:
   """(params, collections) of a model whose calibrations keep state.
 
-  Stateless configs: (params, {}). Otherwise the model is initialised once
-  for its learned calibration parameters (added to `params`, which keep
-  their float values) and its 'aqtr_state' collection.
+  Stateless configs: (params, {}), without tracing anything. Otherwise the
+  model is initialised once for its learned calibration parameters (added
+  to `params`, which keep their float values) and its 'aqtr_state'
+  collection.
   """
-  shapes = jax.eval_shape(module.init, jax.random.key(seed), x)
-  same = jax.tree.structure(shapes['params']) == jax.tree.structure(params)
-  if set(shapes) == {'params'} and same:
+  if not state_paths(config):
     return params, {}
   v = jax.jit(module.init)(jax.random.key(seed), x)
   collections = {k: c for k, c in v.items() if k != 'params'}
@@ -202,7 +202,7 @@ def train(
   x0, y0 = next(task.batches())
   if params is None:
     params = init_params(template, task, exp.seed)
-  params, calib = stateful_init(module, params, x0, exp.seed)
+  params, calib = stateful_init(module, config, params, x0, exp.seed)
   params = jax.tree.map(jnp.copy, params)  # The step donates its buffers.
   spec = spec or qt_runs.RunSpec()
   tx = optimizer(exp, spec.adam_bits)
