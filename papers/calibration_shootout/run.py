@@ -65,10 +65,7 @@ def plot(exp, oracle, ptq, path: pathlib.Path) -> pathlib.Path:
   b.legend()
   for ax in (a, b):
     ax.grid(alpha=0.3)
-  fig.tight_layout()
-  fig.savefig(path, dpi=90)
-  plt.close(fig)
-  return path
+  return plots.save(fig, path)
 
 
 def run(cfg: fdl.Config, out: pathlib.Path, echo: bool = True):

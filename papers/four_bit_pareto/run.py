@@ -47,10 +47,7 @@ def plot(rows: list[dict[str, Any]], path: pathlib.Path) -> pathlib.Path:
   )
   ax.grid(alpha=0.3)
   ax.legend()
-  fig.tight_layout()
-  fig.savefig(path, dpi=90)
-  plt.close(fig)
-  return path
+  return plots.save(fig, path)
 
 
 def run(cfg: fdl.Config, out: pathlib.Path, echo: bool = True) -> list[Any]:

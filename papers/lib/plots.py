@@ -14,7 +14,7 @@ import pathlib
 
 import numpy as np
 
-__all__ = ['curves', 'pyplot', 'smooth']
+__all__ = ['curves', 'pyplot', 'save', 'smooth']
 
 
 def pyplot():
@@ -25,6 +25,15 @@ def pyplot():
   from matplotlib import pyplot as plt
 
   return plt
+
+
+def save(fig, path: str | pathlib.Path) -> pathlib.Path:
+  """Lays out `fig`, writes it to the PNG `path`, closes it; returns path."""
+  fig.tight_layout()
+  path = pathlib.Path(path)
+  fig.savefig(path, dpi=90)
+  pyplot().close(fig)
+  return path
 
 
 def smooth(y: np.ndarray, n: int = 20) -> np.ndarray:
@@ -62,8 +71,4 @@ def curves(
     ax.grid(alpha=0.3)
     ax.legend()
   fig.suptitle(title)
-  fig.tight_layout()
-  path = pathlib.Path(path)
-  fig.savefig(path, dpi=90)
-  plt.close(fig)
-  return path
+  return save(fig, path)

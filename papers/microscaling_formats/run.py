@@ -51,10 +51,7 @@ def plot(rows: list[dict[str, Any]], path: pathlib.Path) -> pathlib.Path:
   for ax in (a, b):
     ax.grid(alpha=0.3)
   a.legend()
-  fig.tight_layout()
-  fig.savefig(path, dpi=90)
-  plt.close(fig)
-  return path
+  return plots.save(fig, path)
 
 
 def run(cfg: fdl.Config, out: pathlib.Path, echo: bool = True) -> list[Any]:

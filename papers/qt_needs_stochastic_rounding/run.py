@@ -57,10 +57,7 @@ def plot(
     ax.grid(alpha=0.3)
     ax.legend()
   fig.suptitle('No master copy: nearest rounding stalls, stochastic tracks')
-  fig.tight_layout()
-  fig.savefig(path, dpi=90)
-  plt.close(fig)
-  return path
+  return plots.save(fig, path)
 
 
 def run(cfg: fdl.Config, out: pathlib.Path, echo: bool = True) -> list[Any]:
