@@ -30,18 +30,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from aqtr.core import stateful
+from aqtr.core import slot_state
 from aqtr.core.config import DotGeneralConfig
-from aqtr.core.dimension_numbers import DotLayout
-from aqtr.core.dot_general import raw_qdot
-from aqtr.core.engine_state import (
-  sparsity_paths,
-  stateful_paths,
-  tensor_config,
-)
-from aqtr.core.passes import common_tile
-from aqtr.core.qtensor import ROLE_AXES, to_view
-from aqtr.core.sparsify import SITE, schedule_init
+from aqtr.core.plan import Plan
+from aqtr.core.qtensor import to_view
+from aqtr.core.slots import GRADIENT_SLOTS
 
 __all__ = [
   'init',
@@ -54,19 +47,15 @@ __all__ = [
   'with_learned',
 ]
 
-_BWD = ('dlhs.lhs', 'drhs.lhs')
-
-
-def _axes(t, form: str) -> tuple[int, ...]:
-  return tuple(sorted(ROLE_AXES[form][r] for r in t.tiling.shared))
+_BWD = tuple(s.path for s in GRADIENT_SLOTS)
 
 
 def init(lhs, rhs, dimension_numbers, config: DotGeneralConfig) -> dict:
   """The initial state tree of one `aqtr.dot_general` call.
 
   Forward operands are initialised from their values (LSQ's step and
-  PACT's clip read them); gradient operands from their shapes, found by
-  tracing the backward pass abstractly.
+  PACT's clip read them); gradient operands from their shapes, which the
+  call's plan gives (`core.plan.Plan.view`).
 
   Args:
     lhs, rhs: example operands (shapes and, for learned inits, values).
@@ -76,46 +65,26 @@ def init(lhs, rhs, dimension_numbers, config: DotGeneralConfig) -> dict:
   Returns:
     {path: {'stats': {...}, 'learned': {...}}}; {} when nothing is stateful.
   """
-  paths = stateful_paths(config)
   lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
-  lay = DotLayout.create(lhs.shape, rhs.shape, dimension_numbers)
-  tile = common_tile([config.fwd.lhs, config.fwd.rhs], lay.lhs.k)
+  slots = slot_state.calibrated_slots(config)
+  scheduled = slot_state.scheduled_slots(config)
+  if not (slots or scheduled):
+    return {}
+  plan = Plan.create(lhs, rhs, dimension_numbers, config)
   state = {}
-  for path in sparsity_paths(config):  # Schedules: a dense mask, step 0.
-    x = lhs if path == SITE.format(side='lhs') else rhs
-    state[path] = {'stats': schedule_init(x), 'learned': {}}
-  for path, x, layout, form in (
-    ('fwd.lhs', lhs, lay.lhs, 'fk'),
-    ('fwd.rhs', rhs, lay.rhs, lay.rhs.natural_form()),
-  ):
-    if path in paths:
-      t = tensor_config(config, path)
-      x4 = to_view(layout.to_canonical(x, form), form, tile)
-      state[path] = t.calibration.init_state(
-        x4.astype(jnp.float32), _axes(t, form), t.numerics
-      )
-  if not any(p in paths for p in _BWD):
-    return state
-
-  def backward(a, b):
-    def f(a, b):
-      return raw_qdot(a, b, state, lay.dimension_numbers, config)[0]
-
-    out, vjp = jax.vjp(f, a, b)
-    return vjp(jnp.ones_like(out))
-
-  stateful.start_recording()
-  try:
-    jax.eval_shape(backward, lhs, rhs)
-  finally:
-    seen = stateful.stop_recording()
-  for path, struct, axes in seen:
-    if path in paths and path not in state:
-      t = tensor_config(config, path)
-      state[path] = jax.tree.map(
-        jnp.asarray, t.calibration.init_state(struct, axes, t.numerics)
-      )
-  return state
+  for slot in slots:
+    x = None
+    if slot.is_forward:
+      op = plan.operand(slot.side)
+      v = lhs if slot.side.value == 'lhs' else rhs
+      x3 = op.layout.to_canonical(v.astype(jnp.float32), op.form)
+      x = to_view(x3, op.form, plan.fwd_tile)
+    state[slot] = slot_state.expected(plan, slot, x)
+  for slot in scheduled:
+    x = lhs if slot.side.value == 'lhs' else rhs
+    st = state.get(slot, slot_state.SlotState())
+    state[slot] = st._replace(schedule=slot_state.schedule_init(x))
+  return slot_state.to_tree(state)
 
 
 def split(state_grads: dict) -> tuple[dict, dict]:
@@ -217,10 +186,11 @@ def penalty(config: DotGeneralConfig, state: dict) -> jax.Array:
   """The sum of the learned calibrations' regularisers (PACT's L2 on the
   clip), to add to the loss."""
   total = jnp.float32(0)
+  calibrated = {s.path: s for s in slot_state.calibrated_slots(config)}
   for p, v in state.items():
-    if p not in stateful_paths(config):
+    if p not in calibrated:
       continue  # A sparsity schedule.
-    cal = tensor_config(config, p).calibration
+    cal = calibrated[p].tensor(config).calibration
     if hasattr(cal, 'penalty'):
       total = total + cal.penalty(v)
   return total
