@@ -34,7 +34,7 @@ from aqtr.core import slot_state
 from aqtr.core.config import DotGeneralConfig
 from aqtr.core.plan import Plan
 from aqtr.core.qtensor import to_view
-from aqtr.core.slots import GRADIENT_SLOTS
+from aqtr.core.slots import GRADIENT_SLOTS, Slot
 
 __all__ = [
   'init',
@@ -97,19 +97,64 @@ def split(state_grads: dict) -> tuple[dict, dict]:
     ({path: {name: gradient}} of the forward operands' learned parameters,
     {path: new stats} of the gradient operands).
   """
+  _check_tree(state_grads, 'state_grads')
   grads = {p: v['learned'] for p, v in state_grads.items() if p not in _BWD}
   stats = {p: v['stats'] for p, v in state_grads.items() if p in _BWD}
   return grads, stats
 
 
+def _check_tree(tree, name: str) -> None:
+  """Raises unless `tree` is a state tree ({path: {'stats', 'learned'}})."""
+  if not isinstance(tree, dict):
+    raise TypeError(
+      f'{name} must be a state tree {{path: {{"stats": ..., "learned": '
+      f'...}}}} (aqtr.state.init, or its gradient), got {type(tree).__name__}.'
+      ' Pass the gradient w.r.t. the state, not w.r.t. the weights.'
+    )
+  known = {s.path for s in Slot}
+  known |= {s.schedule_path for s in Slot if s.is_forward}
+  for p, v in tree.items():
+    if p not in known:
+      raise ValueError(
+        f'{name}: {p!r} is not an operand path of a state tree; allowed: '
+        f'{sorted(known)}. Is this a parameter tree?'
+      )
+    if not (isinstance(v, dict) and {'stats', 'learned'} <= set(v)):
+      raise ValueError(
+        f"{name}[{p!r}] must be {{'stats': ..., 'learned': ...}}, got "
+        f'{type(v).__name__}.'
+      )
+
+
 def merge(new_state: dict, state_grads: dict) -> dict:
   """The next state: forward stats and learned parameters from `new_state`
   (the call's output), backward stats from `state_grads`."""
+  _check_tree(new_state, 'new_state')
   _, bwd = split(state_grads)
+  if set(state_grads) != set(new_state):
+    raise ValueError(
+      f'state_grads has the paths {sorted(state_grads)} but new_state has '
+      f'{sorted(new_state)}: they come from different configs or calls; '
+      'merge the output state of one call with the gradient w.r.t. the '
+      'state given to that same call.'
+    )
   out = dict(new_state)
   for p, st in bwd.items():
+    want = jax.tree.structure(new_state[p]['stats'])
+    if jax.tree.structure(st) != want or _shapes(st) != _shapes(
+      new_state[p]['stats']
+    ):
+      raise ValueError(
+        f'{p}: the stats in state_grads do not match new_state (got '
+        f'{_shapes(st)}, expected {_shapes(new_state[p]["stats"])}); they '
+        'come from different configs or dots.'
+      )
     out[p] = {'stats': st, 'learned': new_state[p]['learned']}
   return out
+
+
+def _shapes(tree):
+  return jax.tree.map(lambda a: tuple(jnp.shape(a)), tree)
 
 
 def merge_tree(updated, state_grads):
@@ -160,6 +205,16 @@ def with_example_weights(state: dict, path: str, weights) -> dict:
     )
   want = site['stats']['weights'].shape
   w = jnp.asarray(weights, jnp.float32)
+  try:
+    bad = bool(jnp.any(~(w >= 0)))  # Negative or NaN.
+  except jax.errors.ConcretizationTypeError:
+    bad = False  # Traced: unchecked (documented).
+  if bad:
+    raise ValueError(
+      f'{path}: example weights must be finite and >= 0 (0 leaves a row out '
+      f'of the statistics), got min {float(jnp.nanmin(w))} and '
+      f'{int(jnp.isnan(w).sum())} NaN.'
+    )
   if w.size != want[0] * want[2]:
     raise ValueError(
       f"{path}: weights of shape {w.shape} do not match the operand's "
@@ -186,11 +241,25 @@ def penalty(config: DotGeneralConfig, state: dict) -> jax.Array:
   """The sum of the learned calibrations' regularisers (PACT's L2 on the
   clip), to add to the loss."""
   total = jnp.float32(0)
+  _check_tree(state, 'state')
   calibrated = {s.path: s for s in slot_state.calibrated_slots(config)}
+  for p in calibrated:
+    if p not in state:
+      raise ValueError(
+        f'state has no entry {p!r}, which the config needs; pass the state '
+        'of this config (aqtr.state.init(lhs, rhs, dn, config)).'
+      )
   for p, v in state.items():
     if p not in calibrated:
       continue  # A sparsity schedule.
     cal = calibrated[p].tensor(config).calibration
     if hasattr(cal, 'penalty'):
-      total = total + cal.penalty(v)
+      try:
+        total = total + cal.penalty(v)
+      except KeyError as e:
+        raise ValueError(
+          f'{p}: {type(cal).__name__}.penalty needs the learned parameter '
+          f'{e}, but the state holds {sorted(v["learned"])}; pass the state '
+          'of this config.'
+        ) from None
   return total

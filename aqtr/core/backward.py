@@ -28,9 +28,9 @@ Internal API (used by `dot_general.py`): `backward`.
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 from jax import lax
 
+from aqtr.core import prims
 from aqtr.core.first_order import first_order_only
 from aqtr.core.passes import (
   Operand,
@@ -134,7 +134,7 @@ def backward(plan: Plan, res: Residuals, g):
     raw_grads[side] = d
     r = res.side(side)
     if r.mask is not None:
-      d = jnp.where(r.mask, d, jnp.zeros_like(d))
+      d = prims.where(r.mask, d, 0.0)
     if r.decay is not None:
       d = d + r.decay.astype(d.dtype)
     grads[side] = match_vma(d.astype(op.dtype), op.vma)

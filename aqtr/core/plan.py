@@ -245,13 +245,24 @@ class Plan:
     cfgs = [raw.lhs, None if y.reused else raw.rhs]
     names = [Slot.of(pass_, s).path for s in SIDES]
     axis = 'N' if pass_ is Pass.DLHS else 'M'
+    k = y.layout.f
+    where = (
+      f'the {pass_.value} gradient dot contracts {axis}={k}, the free size '
+      f'of the forward {side.other.value}'
+    )
+    for name, c in zip(names, cfgs, strict=True):
+      block = None if c is None else c.numerics.block_size
+      if c is not None and c.quantized and block and k % block:
+        raise ValueError(
+          f'{name}: {type(c.numerics).__name__} has fixed blocks of {block} '
+          f'along the contraction, but {where}, which {block} does not '
+          f'divide; use shapes whose {axis} is a multiple of {block}, or '
+          f'other numerics for config.{name}.'
+        )
     try:
-      return common_tile(cfgs, y.layout.f, names)
+      return common_tile(cfgs, k, names)
     except ValueError as e:
-      raise ValueError(
-        f'{e} (the {pass_.value} gradient dot contracts {axis}='
-        f'{y.layout.f}, the free size of the forward {side.other.value}).'
-      ) from None
+      raise ValueError(f'{e} ({where}).') from None
 
   def grad_copies(self, side: Side) -> int:
     """Copies of g the pass differentiating `side` runs on: one per tile

@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from aqtr.core import prims
 from aqtr.core.config import TensorConfig
 from aqtr.core.dimension_numbers import OperandLayout, normalize_axes
 from aqtr.core.qtensor import ROLE_AXES, QTensor, from_view, to_view
@@ -167,9 +168,7 @@ def quantize_view(
   )
   if spans_rows:  # Groups span rows: bound the finite values, mark bad rows.
     finite = jnp.isfinite(x)
-    bound, new_state = _calibrate(
-      cfg, form, jnp.where(finite, x, jnp.float32(0)), state
-    )
+    bound, new_state = _calibrate(cfg, form, prims.where(finite, x, 0.0), state)
     flags = row_flags(finite, sorted(roles[r] for r in FIBER_ROLES))
   else:
     # Groups lie within rows: a non-finite bound (the calibration contract)
@@ -301,5 +300,5 @@ def fake_quant(
   st = x - xs
   if mask4 is not None:
     mask = qt.layout.from_canonical(from_view(mask4, 'fk'), 'fk')
-    st = jnp.where(mask, st, jnp.zeros_like(st))
+    st = prims.where(mask, st, 0.0)
   return xhat + st

@@ -342,12 +342,13 @@ def _dlhs(plan: RaggedPlan, res: Residuals, gs, g):
     y_r = res.rhs.x if q is None else _dequantized(q, g.dtype)
     return _float_grad(plan, Side.LHS, y_r, gs, g)
   if res.rhs.q is None:  # Requantize R, contracting its N: 'fk' [G, K, N].
-    tile = common_tile([raw.lhs, raw.rhs], n_out, ('dlhs.lhs', 'dlhs.rhs'))
+    names = (Slot.DLHS_LHS.path, Slot.DLHS_RHS.path)
+    tile = common_tile([raw.lhs, raw.rhs], n_out, names)
     q_g = _operand(g[None], 'fk', raw.lhs, key, tile)
     q_r = _operand(res.rhs.x, 'fk', raw.rhs, residual_key(key), tile)
     return ragged_contract(q_g, q_r, gs, raw, plan.precision)
   q_r = res.rhs.q  # [G, T, t, N]: per fwd tile j, (g * s_R) . q_R[:, j]^T.
-  tile = common_tile([raw.lhs], n_out, ('dlhs.lhs',))
+  tile = common_tile([raw.lhs], n_out, (Slot.DLHS_LHS.path,))
   noise = rounding_noise(raw.lhs, key, (1,) + g.shape)
   ids = group_ids(gs, g.shape[0])
   valid = (jnp.arange(g.shape[0]) < jnp.sum(gs))[:, None]

@@ -23,6 +23,7 @@ from aqtr.core.quantizer import check_float
 from aqtr.core.ragged import RaggedPlan
 from aqtr.core.rounding import as_typed_key
 from aqtr.core.sharding import check_meshes, run_typed
+from aqtr.core.slots import Slot
 
 
 def _check_shapes(lhs, rhs, group_sizes) -> None:
@@ -118,11 +119,11 @@ def ragged_dot(
     raise TypeError(
       f'config must be an aqtr.DotGeneralConfig or None, got {config!r}.'
     )
-  for side in ('lhs', 'rhs'):
-    t = None if config is None else getattr(config.fwd, side)
+  for slot in (Slot.FWD_LHS, Slot.FWD_RHS):
+    t = None if config is None else slot.tensor(config)
     if t is not None and t.sparse:
       raise ValueError(
-        f'config.fwd.{side}.sparsity: ragged_dot does not prune operands '
+        f'config.{slot.path}.sparsity: ragged_dot does not prune operands '
         f"yet, got {t.sparsity!r}; allowed: NoSparsity() ('none')."
       )
   for name, x in (('lhs', lhs), ('rhs', rhs)):
