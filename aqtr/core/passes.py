@@ -96,6 +96,10 @@ def with_transposed_copy(values: jax.Array) -> tuple[jax.Array, jax.Array]:
 
   def body(carry):
     i, v, _ = carry
+    # The barrier keeps `v` a loop output (JAX hoists an unchanged carry
+    # out of the loop, and XLA then recomputes the quantization for the
+    # consumers that read it outside).
+    v = lax.optimization_barrier(v)
     return i + 1, v, _swap_last(v)
 
   init = (0, values, _swap_last(jnp.zeros_like(values)))

@@ -34,6 +34,8 @@ def to_view(x3: jax.Array, form: str, tile: int | None) -> jax.Array:
   n = k // t
   if form == 'kf':
     return x3.reshape(b, n, t, d2)
+  if n == 1:
+    return x3.reshape(b, 1, d1, t)
   x4 = x3.reshape(b, d1, n, t)
   return x4.transpose(0, 2, 1, 3) if n > 1 else x4.reshape(b, 1, d1, t)
 

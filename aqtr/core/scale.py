@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from aqtr.core import prims
 from aqtr.core.algorithms import Numerics
@@ -101,8 +102,9 @@ def scale_from_range(
 def _robust(s, bound, unit: float, po2: bool) -> jax.Array:
   """`s * unit` kept normal, 1 for an all-zero group, NaN if not finite."""
   s = s if unit == 1.0 else s * unit
-  # `where`, not maximum: XLA:CPU's fast min/max may drop a NaN.
-  s = prims.where(s < TINY, TINY, s)
+  # A NaN that XLA:CPU's fast max may drop here comes from a non-finite
+  # bound, which the last select turns back into NaN.
+  s = lax.max(s, jnp.asarray(TINY, s.dtype))
   if po2:
     s = po2_ceil(s)
   s = prims.where(bound == 0, unit, s)

@@ -124,7 +124,9 @@ class IntSymmetric(Numerics):
     if noise is not None:
       v = v + noise
     if self.preserve_zero:
-      q = prims.clip(prims.round_even(v), -top, top)
+      q = prims.round_even(v)
+      if noise is not None or self.max_value > top:  # Else already within.
+        q = prims.clip(q, -top, top)
     else:  # Half grid, stored doubled: 2 * (floor(v) + 1/2).
       q = prims.clip(2.0 * jnp.floor(v) + 1.0, -2 * top, 2 * top)
     return q.astype(self.dtype)
