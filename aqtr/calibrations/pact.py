@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 from aqtr.calibrations.base import (
   StatefulCalibration,
+  learned_magnitude,
   nonfinite_guard,
   register,
 )
@@ -28,8 +29,12 @@ class Pact(StatefulCalibration):
     d y_q / d alpha = sign(x) * 1[|x| >= alpha],   d y_q / d x = 1[|x| < alpha]
 
   which for non-negative activations (after a ReLU) is the paper's
-  1[x >= alpha]. Its L2 regulariser `penalty = l2 * sum alpha^2` is
-  exposed (`Pact.penalty`, `aqtr.state.penalty`) for the loss.
+  1[x >= alpha]. The clip used is max(|alpha|, 2^-126) (alpha = 0 clips
+  everything to ~0) and its gradient is d/d alpha of that: the formula
+  above times sign(alpha) (sign(0) = +1), so an optimizer moves |alpha|
+  the right way from a negative alpha too. Its L2 regulariser
+  `penalty = l2 * sum alpha^2` is exposed (`Pact.penalty`,
+  `aqtr.state.penalty`) for the loss.
 
   State: {'learned': {'clip': [*group]}}.
 
@@ -85,14 +90,14 @@ class Pact(StatefulCalibration):
 
   def bound_with_state(self, x, axes, numerics, state):
     del numerics
-    clip = jnp.abs(state['learned']['clip'])
+    clip, _ = learned_magnitude(state['learned']['clip'])
     return clip + nonfinite_guard(x, axes), state
 
   def value_grad(self, x, s, numerics, state):
     del s, numerics
-    clip = jnp.abs(state['learned']['clip'])
+    clip, sign = learned_magnitude(state['learned']['clip'])
     out = jnp.abs(x) >= clip
-    return {'clip': jnp.where(out, jnp.sign(x), 0.0)}, ~out
+    return {'clip': jnp.where(out, jnp.sign(x), 0.0) * sign}, ~out
 
   def penalty(self, state: dict) -> jax.Array:
     """l2 * sum(alpha^2): add to the loss."""
