@@ -37,6 +37,7 @@ from aqtr.qt.formats import (
 )
 
 __all__ = [
+  'PARAM',
   'QTParam',
   'QuantizationReport',
   'Rule',
@@ -45,8 +46,17 @@ __all__ = [
   'path_str',
   'quantize_params',
   'requantize',
+  'UPDATE',
   'tree_bytes',
 ]
+
+PARAM = 'param'
+# The role of a QT update; JAX shows it when a tree op pairs the two roles.
+UPDATE = (
+  'update: a new QTParam from aqtr.qt.quantized_training; apply it with '
+  'aqtr.qt.apply_updates, not optax.apply_updates (which would add the '
+  'int codes and the scales)'
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +70,12 @@ class QTParam:
     layout: the weight's operand layout (static).
     form: 'fk' or 'kf', the view's form (static).
     fmt: the WeightFormat (static).
+    role: PARAM, or UPDATE for the new parameter `quantized_training`
+      returns as its update (static). The two roles are different pytree
+      metadata, so tree arithmetic that pairs a parameter with its update
+      (`optax.apply_updates`, which would add the integer codes and the
+      scales) fails with a structure error that shows UPDATE's text;
+      `aqtr.qt.apply_updates` takes the new parameter instead.
   """
 
   qvalue: jax.Array
@@ -67,6 +83,7 @@ class QTParam:
   layout: OperandLayout
   form: str
   fmt: WeightFormat
+  role: str = PARAM
 
   @property
   def shape(self) -> tuple[int, ...]:
@@ -97,7 +114,7 @@ class QTParam:
 jax.tree_util.register_dataclass(
   QTParam,
   data_fields=['qvalue', 'scale'],
-  meta_fields=['layout', 'form', 'fmt'],
+  meta_fields=['layout', 'form', 'fmt', 'role'],
 )
 
 
