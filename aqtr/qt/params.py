@@ -173,6 +173,17 @@ def requantize(p: QTParam, w: jax.Array, key=None) -> QTParam:
     w: the new float weight.
     key: PRNG key for stochastic rounding; None: round to nearest.
   """
+  if not is_qt(p):
+    raise TypeError(f'requantize: p must be an aqtr.qt.QTParam, got {p!r}.')
+  if tuple(jnp.shape(w)) != p.shape:
+    raise ValueError(
+      f'requantize: w has shape {tuple(jnp.shape(w))} but p stores a weight '
+      f"of shape {p.shape}; pass the new weight in p's shape."
+    )
+  if not jnp.issubdtype(jnp.result_type(w), jnp.floating):
+    raise TypeError(
+      f'requantize: w must be a float array, got {jnp.result_type(w)}.'
+    )
   return _quantize(w, p.layout, p.fmt, as_typed_key(key))
 
 
