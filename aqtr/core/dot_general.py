@@ -79,6 +79,7 @@ from aqtr.core.residuals import (
 )
 from aqtr.core.rounding import as_typed_key
 from aqtr.core.sharding import (
+  check_dot_out_sharding,
   check_operands,
   gather_specs,
   keep_on_shards,
@@ -422,6 +423,7 @@ def dot_general(
       f'config must be an aqtr.DotGeneralConfig or None, got {config!r}.'
     )
   key = as_typed_key(key)  # Checked even where unused.
+  check_dot_out_sharding(out_sharding, lhs, rhs, dimension_numbers)
   stored = [isinstance(x, QTensor) for x in (lhs, rhs)]
   check_state_tree(config, state, tuple(stored))
   if any(stored) and config is None:

@@ -20,7 +20,7 @@ from aqtr.core.config import DotGeneralConfig
 from aqtr.core.dot_general import quantized_ragged_dot
 from aqtr.core.quantizer import check_float
 from aqtr.core.rounding import as_typed_key
-from aqtr.core.sharding import check_meshes, run_typed
+from aqtr.core.sharding import check_meshes, check_out_sharding, run_typed
 
 
 def _as_sizes(group_sizes):
@@ -145,6 +145,7 @@ def ragged_dot(
   lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
   group_sizes = _as_sizes(group_sizes)
   _check_shapes(lhs, rhs, group_sizes)
+  check_out_sharding(out_sharding, 2, 'ragged_dot: [M, N]')
   _check_group_sizes(group_sizes, lhs.shape[0])
   if config is None or config.is_float or lhs.size == 0 or rhs.size == 0:
     return lax.ragged_dot(
