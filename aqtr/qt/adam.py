@@ -32,6 +32,7 @@ Example:
 
 from __future__ import annotations
 
+import numbers
 from typing import Any, NamedTuple
 
 import jax
@@ -126,13 +127,18 @@ def scale_by_lowbit_adam(
   # m is signed; v must never decode to 0 (m / eps would explode).
   _check_codec('mu_codec', mu_codec, ('signed_dynamic',))
   _check_codec('nu_codec', nu_codec, ('dynamic_no_zero', 'linear'))
+  for name, b in (('b1', b1), ('b2', b2)):
+    if isinstance(b, bool) or not isinstance(b, numbers.Real):
+      raise ValueError(f'{name} must be a float in [0, 1), got {b!r}.')
+  if isinstance(seed, bool) or not isinstance(seed, int):
+    raise TypeError(f'low-bit Adam: seed must be an int, got {seed!r}.')
   if not 0 <= b1 < 1 or not 0 <= b2 < 1:
     raise ValueError(f'b1 and b2 must be in [0, 1), got b1={b1}, b2={b2}.')
   if isinstance(min_size, bool) or not isinstance(min_size, int):
     raise ValueError(f'min_size must be an int >= 0, got {min_size!r}.')
   if min_size < 0:
     raise ValueError(f'min_size must be an int >= 0, got {min_size!r}.')
-  if not (isinstance(eps, int | float) and 0 <= eps < float('inf')):
+  if not (isinstance(eps, numbers.Real) and 0 <= eps < float('inf')):
     raise ValueError(f'eps must be a finite float >= 0, got {eps!r}.')
 
   def small(x) -> bool:

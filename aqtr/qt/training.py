@@ -116,6 +116,13 @@ def quantized_training(
   Returns:
     An optax GradientTransformationExtraArgs; `update` needs `params`.
   """
+  if not hasattr(inner, 'init') or not hasattr(inner, 'update'):
+    raise TypeError(
+      'quantized_training: inner must be an optax GradientTransformation '
+      f'(e.g. optax.adam(1e-3)), got {inner!r}.'
+    )
+  if isinstance(seed, bool) or not isinstance(seed, int):
+    raise TypeError(f'quantized_training: seed must be an int, got {seed!r}.')
   if rounding not in _ROUNDINGS:
     raise ValueError(
       f'quantized_training: rounding must be one of {_ROUNDINGS}, got '

@@ -124,6 +124,10 @@ def test_lowbit_validation():
     qt.adamw_8bit(1e-3, eps=-1e-8)
   with pytest.raises(ValueError, match='min_size'):
     qt.adamw_8bit(1e-3, min_size=True)
+  with pytest.raises(ValueError, match='b1 must be a float'):
+    qt.adamw_8bit(1e-3, b1='0.9')
+  with pytest.raises(TypeError, match='seed must be an int'):
+    qt.adamw_4bit(1e-3, seed=1.5)
 
 
 @pytest.mark.parametrize('name', ['adamw_8bit', 'adamw_4bit'])

@@ -158,6 +158,11 @@ def test_nearest_warns_once_and_bad_arguments():
     tx.update(_grads(), tx.init(_tiny()))
   with pytest.raises(TypeError, match='must be a QTParam'):
     qt.apply_updates(_tiny(), _grads())
+  with pytest.raises(TypeError, match='inner must be an optax Gradient'):
+    qt.quantized_training('adam')
+  for seed in (1.5, 'a', True):
+    with pytest.raises(TypeError, match='seed must be an int'):
+      qt.quantized_training(optax.sgd(1.0), seed=seed)
 
 
 @pytest.mark.parametrize('inner', ['adamw', 'adamw_8bit', 'adamw_4bit'])
