@@ -36,8 +36,9 @@ class Lsq(StatefulCalibration):
   i.e. the formula above times sign(s) (sign(0) = +1), so an optimizer
   moves |s| the right way from a negative step too. The input's gradient
   passes straight through inside the range and is zero outside. Init:
-  s = 2 mean|x| / sqrt(QP) over the group (from the operand
-  `aqtr.state.init` is given), so only forward operands can use it.
+  s = 2 mean|x| / sqrt(QP) over the group's finite values (from the
+  operand `aqtr.state.init` is given), so only forward operands can use
+  it.
 
   State: {'learned': {'step': [*group]}}.
 
@@ -60,8 +61,10 @@ class Lsq(StatefulCalibration):
         'forward operand (fwd.lhs or fwd.rhs), not on a gradient.'
       )
     qp = numerics.max_value
-    step = 2 * jnp.mean(jnp.abs(x), axis=tuple(axes), keepdims=True)
-    step = step / math.sqrt(qp)
+    ax, ok = tuple(axes), jnp.isfinite(x)  # NaN/inf do not enter the init.
+    total = jnp.sum(jnp.where(ok, jnp.abs(x), 0), axis=ax, keepdims=True)
+    count = jnp.sum(ok, axis=ax, keepdims=True)
+    step = 2 * total / jnp.maximum(count, 1) / math.sqrt(qp)
     step = jnp.where(step > 0, step, 1.0).astype(jnp.float32)
     return {'stats': {}, 'learned': {'step': step}}
 

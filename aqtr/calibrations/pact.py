@@ -39,8 +39,9 @@ class Pact(StatefulCalibration):
   State: {'learned': {'clip': [*group]}}.
 
   Attributes:
-    init_clip: initial alpha (> 0), or None for max |x| of the operand
-      given to `aqtr.state.init` (the paper starts from 10).
+    init_clip: initial alpha (> 0), or None for max |x| over the finite
+      values of the operand given to `aqtr.state.init` (the paper starts
+      from 10).
     l2: the weight of the L2 penalty on alpha (>= 0).
 
   Example:
@@ -79,7 +80,8 @@ class Pact(StatefulCalibration):
     if self.init_clip is not None:
       clip = jnp.full(shape, self.init_clip, jnp.float32)
     elif isinstance(x, jax.Array):
-      clip = jnp.max(jnp.abs(x), axis=tuple(axes), keepdims=True)
+      finite = jnp.where(jnp.isfinite(x), jnp.abs(x), 0)
+      clip = jnp.max(finite, axis=tuple(axes), keepdims=True)
       clip = jnp.where(clip > 0, clip, 1.0).astype(jnp.float32)
     else:
       raise ValueError(

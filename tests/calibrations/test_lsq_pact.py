@@ -214,3 +214,22 @@ def test_a_zero_step_or_clip_quantizes_to_zero(cal, name):
   np.testing.assert_array_equal(gx, 0)
   np.testing.assert_allclose(g0, g_tiny['fwd.lhs']['learned'][name], rtol=1e-6)
   assert bool(jnp.all(jnp.isfinite(g0))) and float(jnp.abs(g0).min()) > 0
+
+
+@pytest.mark.parametrize('bad', [jnp.nan, jnp.inf])
+def test_init_from_data_ignores_non_finite_values(bad):
+  # A NaN used to give step/clip 1.0 silently; an inf gave an inf clip
+  # (every later output NaN).
+  x, w, _ = _data(6)
+  dirty = x.at[1, 3].set(bad)
+  for cal, name in ((Lsq(), 'step'), (Pact(), 'clip')):
+    cfg = _cfg(cal)
+    got = aqtr.state.init(dirty, w, DN, cfg)['fwd.lhs']['learned'][name]
+    clean = aqtr.state.init(x, w, DN, cfg)['fwd.lhs']['learned'][name]
+    assert bool(jnp.all(jnp.isfinite(got)))
+    rows = np.arange(x.shape[0]) != 1  # other rows: the clean init
+    np.testing.assert_array_equal(got.ravel()[rows], clean.ravel()[rows])
+  row = jnp.abs(jnp.delete(x[1], 3))
+  want = 2 * float(row.mean()) / math.sqrt(INT4.max_value)
+  got = aqtr.state.init(dirty, w, DN, _cfg(Lsq()))['fwd.lhs']['learned']
+  assert float(got['step'].ravel()[1]) == pytest.approx(want, rel=1e-6)
