@@ -260,6 +260,14 @@ def _check_sparsity(cfg: DotGeneralConfig) -> None:
 def _check_gather(cfg: DotGeneralConfig) -> None:
   """quantized_gather: forward operands; their residual slots off or the
   same (the residual is the forward operand); never the gradient g."""
+  for side in ('lhs', 'rhs'):
+    t = getattr(cfg.fwd, side)
+    if t.quantized_gather and not t.quantized:
+      raise ValueError(
+        f'DotGeneralConfig.fwd.{side}.quantized_gather=True but its numerics '
+        f'{type(t.numerics).__name__} do not quantize: there is nothing to '
+        'gather quantized; quantize the operand or set it to False.'
+      )
   for name in ('dlhs', 'drhs'):
     if getattr(cfg, name).lhs.quantized_gather:
       raise ValueError(

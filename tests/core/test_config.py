@@ -161,6 +161,13 @@ def test_quantized_gather_off_the_forward_operands_raises(slot):
     dataclasses.replace(cfg, fwd=fwd, dlhs=raw)
 
 
+def test_quantized_gather_on_a_float_operand_raises():
+  cfg = aqtr.presets.int8_weight_only()  # float activations
+  lhs = dataclasses.replace(cfg.fwd.lhs, quantized_gather=True)
+  with pytest.raises(ValueError, match=r'fwd\.lhs\.quantized_gather=True but'):
+    dataclasses.replace(cfg, fwd=dataclasses.replace(cfg.fwd, lhs=lhs))
+
+
 def test_is_float():
   assert config_lib.float_config().is_float
   assert aqtr.presets.float().is_float
