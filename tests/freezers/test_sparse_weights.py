@@ -92,10 +92,11 @@ def _affine(bits: int, group: int | None) -> aqtr.DotGeneralConfig:
   return dataclasses.replace(cfg, fwd=fwd, dlhs=dlhs)
 
 
+@pytest.mark.parametrize('w_kn', [True, False], ids=['w[K,N]', 'w[N,K]'])
 @pytest.mark.parametrize(
   'bits, group', [(4, 32), (8, None)], ids=['int4_asym/32', 'asym8/channel']
 )
-def test_affine_weights_serve_exactly_what_they_train(bits, group):
+def test_affine_weights_serve_exactly_what_they_train(bits, group, w_kn):
   # A pruned 0 quantizes to the zero point, not to code 0: SERVE must
   # restore it as z (it used to keep the wrong units and fill with 0).
   cfg = aqtr.freezers.configure(
@@ -105,11 +106,13 @@ def test_affine_weights_serve_exactly_what_they_train(bits, group):
   rng = np.random.default_rng(2)
   x = jnp.asarray(rng.standard_normal((8, 64)), jnp.float32)
   w = jnp.asarray(rng.standard_normal((64, 16)) + 0.7, jnp.float32)
-  r = lifecycle.run(Mode.CONVERT, x, w, DN, cfg)
+  dn = DN if w_kn else (((1,), (1,)), ((), ()))
+  w = w if w_kn else w.T
+  r = lifecycle.run(Mode.CONVERT, x, w, dn, cfg)
   assert 'zero_point' in r.frozen['rhs']
   assert r.frozen['rhs']['values'].size == w.size // 2
-  serve = lifecycle.run(Mode.SERVE, x, 0 * w, DN, cfg, frozen=r.frozen).out
-  train = lifecycle.run(Mode.TRAIN, x, w, DN, cfg).out
+  serve = lifecycle.run(Mode.SERVE, x, 0 * w, dn, cfg, frozen=r.frozen).out
+  train = lifecycle.run(Mode.TRAIN, x, w, dn, cfg).out
   np.testing.assert_array_equal(serve, train)
 
 
