@@ -92,9 +92,10 @@ def _affine(bits: int, group: int | None) -> aqtr.DotGeneralConfig:
   return dataclasses.replace(cfg, fwd=fwd, dlhs=dlhs)
 
 
-@pytest.mark.parametrize('w_kn', [True, False], ids=['w[K,N]', 'w[N,K]'])
 @pytest.mark.parametrize(
-  'bits, group', [(4, 32), (8, None)], ids=['int4_asym/32', 'asym8/channel']
+  'bits, group, w_kn',
+  [(4, 32, True), (8, None, True), (4, 32, False)],
+  ids=['int4_asym/32', 'asym8/channel', 'int4_asym/32-w[N,K]'],
 )
 def test_affine_weights_serve_exactly_what_they_train(bits, group, w_kn):
   # A pruned 0 quantizes to the zero point, not to code 0: SERVE must
