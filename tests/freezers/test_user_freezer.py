@@ -244,4 +244,4 @@ def test_freeze_must_return_exactly_its_parts():
 
   cfg = freezers.configure(aqtr.presets.int8(), rhs=Misnamed())
   with pytest.raises(TypeError, match=r"exactly the keys.*\('bound',\)"):
-    lifecycle.run(Mode.CONVERT, X, W, DN, cfg)
+    lifecycle.run(lifecycle.DotCall(X, W, DN, cfg), Mode.CONVERT)
