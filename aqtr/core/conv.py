@@ -35,7 +35,7 @@ from jax import lax
 
 from aqtr.core.config import DotGeneralConfig
 from aqtr.core.dot_general import dot_general
-from aqtr.core.sharding import constrain
+from aqtr.core.sharding import check_out_sharding, constrain
 
 
 @dataclasses.dataclass(frozen=True)
@@ -315,6 +315,7 @@ def conv_general_dilated(
     >>> y.shape, float(y[0, 1, 1, 0])
     ((1, 4, 4, 5), 18.0)
   """
+  check_out_sharding(out_sharding, jnp.ndim(lhs), 'conv: the rank of lhs')
   args = ConvArgs(
     window_strides,
     padding,
