@@ -20,3 +20,15 @@ try:  # Name the extra to install when one is missing.
   import flax  # noqa: F401
 except ImportError as e:
   raise extras.missing('flax', 'aqtr.flax', e) from e
+
+# Interception of stock models (rules): `aqtr.flax.quantize(model, rules)`.
+from aqtr.flax.quantized import (  # noqa: E402
+  convert,
+  quantize,
+  report,
+  set_mode,
+  sizes,
+)
+from aqtr.rules import Rule  # noqa: E402
+
+__all__ = ['Rule', 'convert', 'quantize', 'report', 'set_mode', 'sizes']
