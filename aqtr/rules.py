@@ -132,7 +132,7 @@ class Rule:
     """Whether the path regex fully matches one of `paths` (or has none)."""
     if self.path is None:
       return True
-    rx = re.compile(self.path.replace('\\.', '[./]').replace('/', '[./]'))
+    rx = re.compile(re.sub(r'\\\.|/', '[./]', self.path))
     return any(rx.fullmatch(s) for p in paths for s in spellings(p))
 
   def matches(self, site: Any) -> bool:

@@ -201,8 +201,7 @@ class _Session:
     self.spec = spec
     self.entries: list[OpEntry] = []
     self.uses: list[_Use] = []
-    self.hits = [0] * len(spec.rules)
-    self.wins = [0] * len(spec.rules)
+    self.matched: list[tuple[int, ...]] = []
     self.count: dict[Any, collections.Counter] = {}
     self.alive: list[Any] = []
     for observer in getattr(_observers, 'stack', ()):
@@ -233,14 +232,12 @@ class _Session:
       op.kind,
       side is not None,
     )
-    chosen = None
-    for i, rule in enumerate(self.spec.rules):
-      if rule.matches(site):
-        self.hits[i] += 1
-        chosen = i if chosen is None else chosen
+    matched = tuple(
+      i for i, rule in enumerate(self.spec.rules) if rule.matches(site)
+    )
+    chosen = matched[0] if matched else None
     config = None if chosen is None else self.spec.configs[chosen]
-    if chosen is not None:
-      self.wins[chosen] += 1
+    self.matched.append(matched)
     quantize = not common.is_float(config) and op.why == ''
     name = op.name if op.why == '' else f'{op.name} ({op.why}: float)'
     self.entries.append(
@@ -516,12 +513,19 @@ def report(model, *args, variables=None, strict=False, **kwargs) -> Report:
 
 
 def _merge_report(spec, sessions, strict) -> Report:
-  entries, hits, wins = [], [0] * len(spec.rules), [0] * len(spec.rules)
+  # A transform may trace a module twice (linen's scan): one entry per op.
+  seen: dict[str, tuple[OpEntry, tuple[int, ...]]] = {}
   for s in sessions:
-    entries += s.entries
-    hits = [a + b for a, b in zip(hits, s.hits, strict=True)]
-    wins = [a + b for a, b in zip(wins, s.wins, strict=True)]
-  rep = Report(tuple(entries), spec.rules, tuple(wins), tuple(hits))
+    for e, matched in zip(s.entries, s.matched, strict=True):
+      seen.setdefault(e.path, (e, matched))
+  hits, wins = [0] * len(spec.rules), [0] * len(spec.rules)
+  for e, matched in seen.values():
+    for i in matched:
+      hits[i] += 1
+    if e.rule is not None:
+      wins[e.rule] += 1
+  entries = tuple(e for e, _ in seen.values())
+  rep = Report(entries, spec.rules, tuple(wins), tuple(hits))
   if rep.unused_rules:
     msg = f'aqtr.flax: rules that set no op:\n{rep.unused_text()}'
     if strict:
