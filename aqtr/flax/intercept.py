@@ -222,7 +222,11 @@ def _wrapper(name: str) -> Callable:
   @functools.wraps(original)
   def call(*args, **kwargs):
     handler = getattr(_local, 'handler', None)
-    if handler is None or getattr(_local, 'quiet', False):
+    if (
+      handler is None
+      or getattr(_local, 'quiet', False)
+      or _from_aqtr(inspect.currentframe())
+    ):
       return original(*args, **kwargs)
     op = _MAKERS[kind](name, kind, original, args, kwargs)
     with quiet():
@@ -233,6 +237,14 @@ def _wrapper(name: str) -> Callable:
 
 
 WRAPPERS = {name: _wrapper(name) for name in ORIGINALS}
+
+
+def _from_aqtr(frame) -> bool:
+  """Whether the wrapper's caller is aqtr's own code (e.g. the engine's
+  backward pass, traced after the op returned): never intercepted."""
+  caller = frame.f_back if frame is not None else None
+  name = caller.f_globals.get('__name__', '') if caller is not None else ''
+  return name == 'aqtr' or name.startswith('aqtr.')
 
 
 @contextlib.contextmanager
@@ -294,7 +306,7 @@ def is_active() -> bool:
 def modules() -> list[Any]:
   """The Flax modules running now, innermost first (from the stack)."""
   found, seen = [], set()
-  frame = sys._getframe(1)
+  frame = inspect.currentframe().f_back
   while frame is not None:
     m = frame.f_locals.get('self')
     if id(m) not in seen and (

@@ -84,7 +84,9 @@ class LinenBlock(nn.Module):
     a = jnp.einsum('bhqk,bkhd->bqhd', jax.nn.softmax(s), v)
     x = x + nn.DenseGeneral(D, axis=(-2, -1), name='o')(a)
     h = nn.RMSNorm()(x)
-    return x + nn.Dense(D, name='down')(nn.gelu(nn.Dense(FF, name='up')(h))), None
+    return x + nn.Dense(D, name='down')(
+      nn.gelu(nn.Dense(FF, name='up')(h))
+    ), None
 
 
 class Transformer(nn.Module):
