@@ -35,6 +35,7 @@ import dataclasses
 import functools
 import importlib
 import inspect
+import os
 import sys
 import threading
 from collections.abc import Callable
@@ -69,6 +70,8 @@ _TARGETS = (
   ('jax.lax', 'ragged_dot', 'lax.ragged_dot'),
 )
 
+# aqtr's source directory: calls from files under it are aqtr's own.
+_AQTR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _local = threading.local()
 _lock = threading.Lock()
 _installed = [0]  # how many `active` blocks are open, all threads
@@ -243,8 +246,7 @@ def _from_aqtr(frame) -> bool:
   """Whether the wrapper's caller is aqtr's own code (e.g. the engine's
   backward pass, traced after the op returned): never intercepted."""
   caller = frame.f_back if frame is not None else None
-  name = caller.f_globals.get('__name__', '') if caller is not None else ''
-  return name == 'aqtr' or name.startswith('aqtr.')
+  return caller is not None and caller.f_code.co_filename.startswith(_AQTR)
 
 
 @contextlib.contextmanager
