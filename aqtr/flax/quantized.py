@@ -21,23 +21,11 @@ passed), stateful calibrations and CALIBRATE (use the `aqtr.flax.linen` /
 `nnx` ops for those).
 
 Example:
-  >>> import jax, jax.numpy as jnp, aqtr.flax
+  >>> import jax.numpy as jnp
   >>> from flax import nnx
-  >>> class Mlp(nnx.Module):
-  ...   def __init__(self, rngs):
-  ...     self.up = nnx.Linear(4, 8, rngs=rngs)
-  ...   def __call__(self, x):
-  ...     return jnp.einsum('bf,bf->b', self.up(x), self.up(x))
-  >>> q = quantize(Mlp(nnx.Rngs(0)), [Rule('int8', weight=True)])
-  >>> x = jnp.ones((2, 4))
-  >>> print(report(q, x))  # doctest: +NORMALIZE_WHITESPACE
-  2/3 ops quantized
-    up/dot_general0  int8  [rule 0]  lax.dot_general [2, 4] x [4, 8] weight=rhs
-    up/dot_general1  int8  [rule 0]  lax.dot_general [2, 4] x [4, 8] weight=rhs
-    einsum0          float  [unchanged]  jnp.einsum [2, 8] x [2, 8]
-  >>> served = convert(q, x)
-  >>> bool((served(x) == q(x)).all()), type(served.up.kernel).__name__
-  (True, 'FrozenKernel')
+  >>> q = quantize(nnx.Linear(4, 8, rngs=nnx.Rngs(0)), [Rule('int8')])
+  >>> q(jnp.ones((2, 4))).shape
+  (2, 8)
 """
 
 from __future__ import annotations
@@ -46,9 +34,7 @@ import collections
 import dataclasses
 import functools
 import inspect
-import re
 import threading
-import warnings
 from typing import Any
 
 import flax.linen as nn
@@ -61,18 +47,16 @@ from aqtr.core.config import DotGeneralConfig
 from aqtr.core.ragged_dot import ragged_dot
 from aqtr.flax import common, intercept
 from aqtr.flax.frozen import (
-  FrozenBox,
   FrozenKernel,
   holder_entries,
-  kernel_bytes,
 )
 from aqtr.freezers import Mode, configure, lifecycle
-from aqtr.rules import OpEntry, Report, Rule
+from aqtr.rules import OpEntry, Rule
 
 _HOW = 'Run aqtr.flax.convert(model, ...) on the trained model first.'
 
 
-def _engine(mode, lhs, rhs, dn, config, frozen, precision, preferred, where):
+def engine_dot(mode, lhs, rhs, dn, config, frozen, precision, preferred, where):
   """THE call into aqtr's freezers: one dot in `mode`, (out, frozen)."""
   r = lifecycle.run(
     mode,
@@ -102,7 +86,7 @@ def _served(entries: dict, config, where: str) -> dict:
   )
 
 
-def _entry(config, frozen) -> dict:
+def frozen_entry(config, frozen) -> dict:
   """CONVERT: the holder's entry of one op."""
   return {lifecycle.entry_name(config): frozen}
 
@@ -121,7 +105,7 @@ class _Site:
 
 
 @dataclasses.dataclass
-class _Use:
+class WeightUse:
   """A weight operand met while recording: what convert must freeze."""
 
   module_path: tuple
@@ -176,7 +160,7 @@ def _find(params: dict, x) -> str | None:
   return None
 
 
-def _swapped(dot):
+def swapped(dot):
   """`dot` with its operands swapped (the weight moved to the rhs)."""
 
   def run(lhs, rhs, dn, precision, preferred):
@@ -194,17 +178,17 @@ def _swapped(dot):
   return run
 
 
-class _Session:
+class Session:
   """One call of a quantized model: decides and runs each intercepted op."""
 
   def __init__(self, spec: _Spec):
     self.spec = spec
     self.entries: list[OpEntry] = []
-    self.uses: list[_Use] = []
+    self.uses: list[WeightUse] = []
     self.matched: list[tuple[int, ...]] = []
     self.count: dict[Any, collections.Counter] = {}
     self.alive: list[Any] = []
-    for observer in getattr(_observers, 'stack', ()):
+    for observer in getattr(observers, 'stack', ()):
       observer.append(self)
 
   def _op_id(self, module, kind: str) -> str:
@@ -299,18 +283,18 @@ class _Session:
       mode, frozen = Mode.TRAIN, None
 
     def dot(lhs, rhs, dn, precision, preferred):
-      out, fr = _engine(
+      out, fr = engine_dot(
         mode, lhs, rhs, dn, config, frozen, precision, preferred, label
       )
       store.append(fr)
       return out
 
-    run = _swapped(dot) if side == 'lhs' else dot
+    run = swapped(dot) if side == 'lhs' else dot
     if side is not None and mode is Mode.TRAIN and config.fwd.rhs.quantized:
       w = getattr(op, side)
       other = op.rhs if side == 'lhs' else op.lhs
       self.uses.append(
-        _Use(
+        WeightUse(
           mpath,
           param,
           f'{op_id}_{side}',
@@ -338,7 +322,7 @@ def _ragged(op, config, where):
   )
 
 
-_observers = threading.local()
+observers = threading.local()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -369,7 +353,7 @@ def _intercepting(method):
   def call(self, *args, **kwargs):
     if intercept.is_active():
       return raw(self, *args, **kwargs)
-    with intercept.active(_Session(type(self).aqtr_spec)):
+    with intercept.active(Session(type(self).aqtr_spec)):
       return raw(self, *args, **kwargs)
 
   return call
@@ -439,7 +423,7 @@ def quantize(model, rules, *, methods=('__call__',)):
   return model
 
 
-def _base_spec(model):
+def spec_of(model):
   spec = getattr(type(model), 'aqtr_spec', None)
   if spec is None:
     raise ValueError(
@@ -448,7 +432,7 @@ def _base_spec(model):
   return spec
 
 
-def set_mode(model, mode: Mode, *, _converted=None):
+def set_mode(model, mode: Mode, *, converted_=None):
   """`model` (quantized) in `mode` (nnx: in place; returns the model)."""
   common.check_mode(mode)
   if mode not in (Mode.TRAIN, Mode.SERVE):
@@ -456,8 +440,8 @@ def set_mode(model, mode: Mode, *, _converted=None):
       f'mode: interception runs Mode.TRAIN and Mode.SERVE, got {mode}; '
       'CONVERT is aqtr.flax.convert(model, ...).'
     )
-  spec = _base_spec(model)
-  converted = spec.converted if _converted is None else _converted
+  spec = spec_of(model)
+  converted = spec.converted if converted_ is None else converted_
   spec = dataclasses.replace(spec, mode=mode, converted=converted)
   if isinstance(model, nn.Module):
     model = model.copy()
@@ -465,221 +449,4 @@ def set_mode(model, mode: Mode, *, _converted=None):
   return model
 
 
-def _trace(model, fn) -> list[_Session]:
-  """The sessions of the quantized calls `fn` makes (abstractly)."""
-  stack = getattr(_observers, 'stack', None)
-  if stack is None:
-    stack = _observers.stack = []
-  got: list[_Session] = []
-  stack.append(got)
-  try:
-    fn()
-  finally:
-    stack.remove(got)
-  return got
-
-
-def _abstract_call(model, variables, args, kwargs, method='__call__'):
-  if isinstance(model, nnx.Module):
-    graphdef, state = nnx.split(model)
-
-    def call(state):
-      return getattr(nnx.merge(graphdef, state), method)(*args, **kwargs)
-
-    return lambda: jax.eval_shape(call, state)
-  return lambda: jax.eval_shape(
-    lambda v: model.apply(v, *args, method=method, **kwargs), variables
-  )
-
-
-def report(model, *args, variables=None, strict=False, **kwargs) -> Report:
-  """Every intercepted op of one call of `model(*args, **kwargs)`.
-
-  Traced abstractly (no compute). Rules that set no op are warned about
-  (`UserWarning`); with `strict=True` they raise a ValueError.
-
-  Args:
-    model: a quantized model (`quantize`).
-    *args, **kwargs: sample inputs.
-    variables: linen: the variables to apply (nnx: unused).
-    strict: raise when a rule sets no op.
-
-  Returns:
-    An `aqtr.rules.Report` (the format of `aqtr.pax.inject`'s).
-  """
-  spec = _base_spec(model)
-  sessions = _trace(model, _abstract_call(model, variables, args, kwargs))
-  return _merge_report(spec, sessions, strict)
-
-
-def _merge_report(spec, sessions, strict) -> Report:
-  # A transform may trace a module twice (linen's scan): one entry per op.
-  seen: dict[str, tuple[OpEntry, tuple[int, ...]]] = {}
-  for s in sessions:
-    for e, matched in zip(s.entries, s.matched, strict=True):
-      seen.setdefault(e.path, (e, matched))
-  hits, wins = [0] * len(spec.rules), [0] * len(spec.rules)
-  for e, matched in seen.values():
-    for i in matched:
-      hits[i] += 1
-    if e.rule is not None:
-      wins[e.rule] += 1
-  entries = tuple(e for e, _ in seen.values())
-  rep = Report(entries, spec.rules, tuple(wins), tuple(hits))
-  if rep.unused_rules:
-    msg = f'aqtr.flax: rules that set no op:\n{rep.unused_text()}'
-    if strict:
-      raise ValueError(msg)
-    warnings.warn(msg, UserWarning, stacklevel=3)
-  return rep
-
-
-def _freeze_fn(use: _Use):
-  """w (one op's weight) -> the holder entry of `use`'s op."""
-
-  def freeze(w):
-    store = []
-
-    def dot(lhs, rhs, dn, precision, preferred):
-      out, fr = _engine(
-        Mode.CONVERT, lhs, rhs, dn, use.config, None, precision, preferred, ''
-      )
-      store.append(fr)
-      return out
-
-    other = jnp.zeros(use.other.shape, use.other.dtype)
-    if use.side == 'lhs':
-      use.call.run(_swapped(dot), w, other)
-    else:
-      use.call.run(dot, other, w)
-    return _entry(use.config, store[0])
-
-  return freeze
-
-
-def _freeze(use: _Use, w: jax.Array, where: str):
-  lead = jnp.ndim(w) - len(use.weight.shape)
-  if lead < 0 or tuple(jnp.shape(w)[lead:]) != tuple(use.weight.shape):
-    raise ValueError(
-      f'aqtr.flax.convert: parameter {where} has shape {jnp.shape(w)}, but '
-      f'its op read a weight of shape {use.weight.shape} (stacked axes must '
-      'lead).'
-    )
-  fn = _freeze_fn(use)
-  for _ in range(lead):
-    fn = jax.vmap(fn)
-  return jax.jit(fn)(w.astype(use.weight.dtype))
-
-
-def convert(model, *args, variables=None, keep: str | None = None, **kwargs):
-  """Freezes a quantized model's weights for serving (PTQ if untrained).
-
-  Records every weight op of one call (abstractly), quantizes each matched
-  parameter once with its op's config (the 'weights' freezer: what TRAIN
-  computes, so SERVE equals TRAIN bit for bit) and puts the frozen values
-  in the parameter's place (`aqtr.flax.frozen`): the float kernel is gone
-  from the serving tree. Stacked parameters (scan over layers) are frozen
-  layer by layer (`jax.vmap` over their leading axes).
-
-  Args:
-    model: a quantized model in Mode.TRAIN.
-    *args, **kwargs: sample inputs (shapes are what matters).
-    variables: linen: the trained variables (nnx: the model holds them).
-    keep: a regex over parameter paths ('/'-joined) to keep float (e.g.
-      an embedding table that is also looked up): their ops quantize on
-      the fly in SERVE.
-
-  Returns:
-    nnx: the serving model (a new one; Mode.SERVE). linen: (serving
-    module, serving variables).
-  """
-  spec = _base_spec(model)
-  if spec.mode is not Mode.TRAIN or spec.converted:
-    raise ValueError(
-      'aqtr.flax.convert: the model is already converted (Mode.SERVE); '
-      'convert the trained model (Mode.TRAIN).'
-    )
-  if isinstance(model, nn.Module) and variables is None:
-    raise TypeError('aqtr.flax.convert: a linen model needs variables=.')
-  sessions = _trace(model, _abstract_call(model, variables, args, kwargs))
-  _merge_report(spec, sessions, strict=False)
-  groups: dict[tuple, list[_Use]] = {}
-  for s in sessions:
-    for u in s.uses:
-      groups.setdefault((*u.module_path, u.param), []).append(u)
-  rx = None if keep is None else re.compile(keep)
-  if isinstance(model, nnx.Module):
-    served = nnx.clone(model)
-    modules = dict(nnx.iter_modules(served))
-  else:
-    params = jax.tree.map(lambda x: x, dict(variables['params']))
-  for path, uses in groups.items():
-    where = '/'.join(map(str, path))
-    if rx is not None and any(
-      rx.fullmatch(s) for s in rules_lib.spellings(where)
-    ):
-      continue
-    if isinstance(model, nnx.Module):
-      owner = modules[path[:-1]]
-      var = getattr(owner, path[-1])
-      w = var.get_value()
-    else:
-      node = params
-      for k in path[:-1]:
-        node = node[k]
-      w = nn.meta.unbox(node[path[-1]])
-    entries = {u.key: _freeze(u, w, where) for u in uses}
-    ref = jax.tree.leaves(_entry_shapes(uses[0]))[0]
-    if isinstance(model, nnx.Module):
-      setattr(
-        owner,
-        path[-1],
-        FrozenKernel(
-          entries,
-          kernel_shape=tuple(uses[0].weight.shape),
-          kernel_dtype=jnp.dtype(w.dtype),
-          ref_ndim=ref.ndim,
-        ),
-      )
-    else:
-      node[path[-1]] = FrozenBox(
-        entries,
-        shape=tuple(uses[0].weight.shape),
-        dtype=jnp.dtype(w.dtype),
-        ref_ndim=ref.ndim,
-      )
-  if isinstance(model, nnx.Module):
-    return set_mode(served, Mode.SERVE, _converted=True)
-  out = dict(variables, params=params)
-  return set_mode(model, Mode.SERVE, _converted=True), out
-
-
-def _entry_shapes(use: _Use):
-  return jax.eval_shape(_freeze_fn(use), use.weight)
-
-
-def sizes(served, variables=None) -> common.Report:
-  """Bytes of a served model: float kernels removed, frozen, whole tree."""
-  if isinstance(served, nnx.Module):
-    tree = nnx.state(served)
-    holders = [
-      v
-      for _, m in nnx.iter_modules(served)
-      for v in vars(m).values()
-      if isinstance(v, FrozenKernel)
-    ]
-  else:
-    tree = variables
-    holders = [
-      x
-      for x in jax.tree.leaves(
-        variables, is_leaf=lambda x: isinstance(x, FrozenBox)
-      )
-      if isinstance(x, FrozenBox)
-    ]
-  removed = sum(kernel_bytes(h) for h in holders)
-  frozen = sum(common.nbytes(h.entries()) for h in holders)
-  return common.Report(removed, frozen, common.nbytes(tree))
-
-
-__all__ = ['convert', 'quantize', 'report', 'set_mode', 'sizes']
+__all__ = ['quantize', 'set_mode', 'spec_of']
