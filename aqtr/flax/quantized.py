@@ -143,7 +143,11 @@ def _params(module) -> dict:
 
 
 def _find(params: dict, x) -> str | None:
-  """The name of the parameter `x` is (or a unary op's result of), or None."""
+  """The name of the parameter `x` is (or a unary op's result of), or None.
+
+  A derived operand (e.g. `embedding.T`) names its parameter too, but
+  `direct` below tells `convert` not to freeze it from the parameter.
+  """
   by_id = {
     id(nn.meta.unbox(v)): k
     for k, v in params.items()
@@ -244,7 +248,11 @@ class Session:
         'no PRNG key; use a round-to-nearest config for this rule.'
       )
     try:
-      return self._run(op, config, side, param, frozen, mpath, op_id, label)
+      direct = side is not None and any(
+        getattr(op, side) is nn.meta.unbox(v) for v in params.values()
+      )
+      where_ = (mpath, op_id, direct)
+      return self._run(op, config, side, param, frozen, where_, label)
     except (ValueError, TypeError) as e:
       if str(e).startswith(where):
         raise
@@ -262,7 +270,10 @@ class Session:
       return None, None, None
     return sides[0], _find(params, getattr(op, sides[0])), None
 
-  def _run(self, op, config, side, param, frozen, mpath, op_id, label):
+  def _run(self, op, config, side, param, frozen, where, label):
+    """The op in the session's mode; `where`: (module path, op id, whether
+    the weight operand is the parameter itself)."""
+    mpath, op_id, direct = where
     mode = self.spec.mode
     if op.kind == 'ragged_dot':
       return _ragged(op, config, where=label)
@@ -290,7 +301,7 @@ class Session:
       return out
 
     run = swapped(dot) if side == 'lhs' else dot
-    if side is not None and mode is Mode.TRAIN and config.fwd.rhs.quantized:
+    if direct and mode is Mode.TRAIN and config.fwd.rhs.quantized:
       w = getattr(op, side)
       other = op.rhs if side == 'lhs' else op.lhs
       self.uses.append(

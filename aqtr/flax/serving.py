@@ -23,6 +23,7 @@ from __future__ import annotations
 import re
 import warnings
 
+import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -151,7 +152,14 @@ def _freeze(use: WeightUse, w: jax.Array, where: str):
   return jax.jit(fn)(w.astype(use.weight.dtype))
 
 
-def convert(model, *args, variables=None, keep: str | None = None, **kwargs):
+def convert(
+  model,
+  *args,
+  variables=None,
+  keep: str | None = None,
+  check: bool = True,
+  **kwargs,
+):
   """Freezes a quantized model's weights for serving (PTQ if untrained).
 
   Records every weight op of one call (abstractly), quantizes each matched
@@ -168,6 +176,10 @@ def convert(model, *args, variables=None, keep: str | None = None, **kwargs):
     keep: a regex over parameter paths ('/'-joined) to keep float (e.g.
       an embedding table that is also looked up): their ops quantize on
       the fly in SERVE.
+    check: run the served and the trained model once on the sample inputs
+      and raise unless they agree bit for bit (a frozen parameter that
+      other code reads too, e.g. a tied embedding's lookup, would read
+      zeros: keep it float with `keep`).
 
   Returns:
     nnx: the serving model (a new one; Mode.SERVE). linen: (serving
@@ -188,17 +200,20 @@ def convert(model, *args, variables=None, keep: str | None = None, **kwargs):
     for u in s.uses:
       groups.setdefault((*u.module_path, u.param), []).append(u)
   rx = None if keep is None else re.compile(keep)
+  frozen_paths = []
   if isinstance(model, nnx.Module):
     served = nnx.clone(model)
     modules = dict(nnx.iter_modules(served))
   else:
-    params = jax.tree.map(lambda x: x, dict(variables['params']))
+    params = flax.core.unfreeze(variables['params'])
   for path, uses in groups.items():
     where = '/'.join(map(str, path))
     if rx is not None and any(
       rx.fullmatch(s) for s in rules_lib.spellings(where)
     ):
       continue
+    if len({u.weight.shape for u in uses}) > 1:
+      continue  # read in several shapes: kept float (quantized on the fly)
     if isinstance(model, nnx.Module):
       owner = modules[path[:-1]]
       var = getattr(owner, path[-1])
@@ -209,6 +224,7 @@ def convert(model, *args, variables=None, keep: str | None = None, **kwargs):
         node = node[k]
       w = nn.meta.unbox(node[path[-1]])
     entries = {u.key: _freeze(u, w, where) for u in uses}
+    frozen_paths.append(where)
     ref = jax.tree.leaves(_entry_shapes(uses[0]))[0]
     if isinstance(model, nnx.Module):
       setattr(
@@ -229,9 +245,36 @@ def convert(model, *args, variables=None, keep: str | None = None, **kwargs):
         ref_ndim=ref.ndim,
       )
   if isinstance(model, nnx.Module):
-    return set_mode(served, Mode.SERVE, converted_=True)
-  out = dict(variables, params=params)
-  return set_mode(model, Mode.SERVE, converted_=True), out
+    served = set_mode(served, Mode.SERVE, converted_=True)
+    out = None
+  else:
+    out = dict(variables, params=params)
+    served = set_mode(model, Mode.SERVE, converted_=True)
+  if check:
+    _check(model, variables, served, out, frozen_paths, args, kwargs)
+  return served if out is None else (served, out)
+
+
+def _run(model, variables, args, kwargs):
+  if isinstance(model, nnx.Module):
+    return nnx.jit(lambda m: m(*args, **kwargs))(model)
+  return jax.jit(lambda v: model.apply(v, *args, **kwargs))(variables)
+
+
+def _check(model, variables, served, served_vars, frozen, args, kwargs):
+  want = jax.tree.leaves(_run(model, variables, args, kwargs))
+  got = jax.tree.leaves(_run(served, served_vars, args, kwargs))
+  same = all(
+    bool(jnp.array_equal(a, b, equal_nan=True))
+    for a, b in zip(want, got, strict=True)
+  )
+  if not same:
+    raise ValueError(
+      'aqtr.flax.convert: the served model differs from the trained one on '
+      'the sample inputs: a frozen parameter is also read outside its '
+      f'quantized ops (frozen: {", ".join(frozen)}). Keep it float with '
+      'keep=<regex>, or pass check=False.'
+    )
 
 
 def _entry_shapes(use: WeightUse):

@@ -187,6 +187,30 @@ def test_llama_convert_serve_equals_train_and_orbax(llama, tmp_path):
   _same(_nnx_call(fresh, IDS), y)
 
 
+class _Tied(nnx.Module):
+  """Embedding table looked up and reused for the logits (`attend`)."""
+
+  def __init__(self, rngs):
+    self.embed = nnx.Embed(sm.VOCAB, sm.D, rngs=rngs)
+    self.w = nnx.Param(jnp.ones((sm.D, sm.D)))
+
+  def __call__(self, ids):
+    h = self.embed(ids) @ self.w[...] * jnp.mean(self.w[...])
+    return self.embed.attend(h)
+
+
+def test_frozen_parameter_read_elsewhere_needs_keep():
+  q = af.quantize(_Tied(nnx.Rngs(0)), [Rule('int8')])
+  assert [e.weight for e in af.report(q, IDS).ops] == ['rhs', 'rhs']
+  # `attend` reads embedding.T: quantized on the fly, the table stays. `w`
+  # is also averaged outside its dot: freezing it changes the output.
+  with pytest.raises(ValueError, match=r'read outside .* \(frozen: w\)'):
+    af.convert(q, IDS)
+  served = af.convert(q, IDS, keep='w')
+  assert isinstance(served.embed.embedding, nnx.Param)
+  _same(_nnx_call(served, IDS), _nnx_call(q, IDS))
+
+
 # --- linen transformer (nn.scan over nn.remat blocks) ----------------------
 
 
