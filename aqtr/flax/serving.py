@@ -138,7 +138,25 @@ def _freeze_fn(use: WeightUse):
   return freeze
 
 
+def _freeze_all(todo: dict) -> dict:
+  """{where: {op key: entry}} of every weight in `todo`, in one jit."""
+  fns = {
+    where: {u.key: _freeze(u, w, where) for u in uses}
+    for where, (uses, w, _, _) in todo.items()
+  }
+  weights = {where: w for where, (_, w, _, _) in todo.items()}
+
+  def run(weights):
+    return {
+      where: {k: fn(weights[where]) for k, fn in ops.items()}
+      for where, ops in fns.items()
+    }
+
+  return jax.jit(run)(weights)
+
+
 def _freeze(use: WeightUse, w: jax.Array, where: str):
+  """The function freezing `w` for `use` (vmapped over stacked axes)."""
   lead = jnp.ndim(w) - len(use.weight.shape)
   if lead < 0 or tuple(jnp.shape(w)[lead:]) != tuple(use.weight.shape):
     raise ValueError(
@@ -149,7 +167,7 @@ def _freeze(use: WeightUse, w: jax.Array, where: str):
   fn = _freeze_fn(use)
   for _ in range(lead):
     fn = jax.vmap(fn)
-  return jax.jit(fn)(w.astype(use.weight.dtype))
+  return lambda w: fn(w.astype(use.weight.dtype))
 
 
 def convert(
@@ -200,12 +218,12 @@ def convert(
     for u in s.uses:
       groups.setdefault((*u.module_path, u.param), []).append(u)
   rx = None if keep is None else re.compile(keep)
-  frozen_paths = []
   if isinstance(model, nnx.Module):
     served = nnx.clone(model)
     modules = dict(nnx.iter_modules(served))
   else:
     params = flax.core.unfreeze(variables['params'])
+  todo = {}  # where -> (uses, weight, holder's parent, name)
   for path, uses in groups.items():
     where = '/'.join(map(str, path))
     if rx is not None and any(
@@ -215,35 +233,31 @@ def convert(
     if len({u.weight.shape for u in uses}) > 1:
       continue  # read in several shapes: kept float (quantized on the fly)
     if isinstance(model, nnx.Module):
-      owner = modules[path[:-1]]
-      var = getattr(owner, path[-1])
-      w = var.get_value()
+      parent = modules[path[:-1]]
+      w = getattr(parent, path[-1]).get_value()
     else:
-      node = params
+      parent = params
       for k in path[:-1]:
-        node = node[k]
-      w = nn.meta.unbox(node[path[-1]])
-    entries = {u.key: _freeze(u, w, where) for u in uses}
-    frozen_paths.append(where)
+        parent = parent[k]
+      w = nn.meta.unbox(parent[path[-1]])
+    todo[where] = (uses, w, parent, path[-1])
+  frozen = _freeze_all(todo)  # one compiled program for every weight
+  for where, (uses, w, parent, name) in todo.items():
     ref = jax.tree.leaves(_entry_shapes(uses[0]))[0]
+    shape, dtype = tuple(uses[0].weight.shape), jnp.dtype(w.dtype)
     if isinstance(model, nnx.Module):
-      setattr(
-        owner,
-        path[-1],
-        FrozenKernel(
-          entries,
-          kernel_shape=tuple(uses[0].weight.shape),
-          kernel_dtype=jnp.dtype(w.dtype),
-          ref_ndim=ref.ndim,
-        ),
-      )
-    else:
-      node[path[-1]] = FrozenBox(
-        entries,
-        shape=tuple(uses[0].weight.shape),
-        dtype=jnp.dtype(w.dtype),
+      holder = FrozenKernel(
+        frozen[where],
+        kernel_shape=shape,
+        kernel_dtype=dtype,
         ref_ndim=ref.ndim,
       )
+      setattr(parent, name, holder)
+    else:
+      parent[name] = FrozenBox(
+        frozen[where], shape=shape, dtype=dtype, ref_ndim=ref.ndim
+      )
+  frozen_paths = list(todo)
   if isinstance(model, nnx.Module):
     served = set_mode(served, Mode.SERVE, converted_=True)
     out = None
