@@ -276,7 +276,7 @@ class Session:
     mpath, op_id, direct = where
     mode = self.spec.mode
     if op.kind == 'ragged_dot':
-      return _ragged(op, config, where=label)
+      return _ragged(op, config)
     if side is not None:
       config = _weight_config(config)
     store = []
@@ -290,8 +290,14 @@ class Session:
           f'{label}: mode SERVE reads frozen weights but the model holds '
           f'float parameter {param!r}. {_HOW}'
         )
+    elif frozen is not None:
+      raise ValueError(
+        f'{label}: parameter {param!r} holds frozen serving values; mode '
+        f'{mode.name} needs the float parameter. Train the quantized float '
+        'model (aqtr.flax.quantize), serve the converted one.'
+      )
     else:
-      mode, frozen = Mode.TRAIN, None
+      mode = Mode.TRAIN
 
     def dot(lhs, rhs, dn, precision, preferred):
       out, fr = engine_dot(
@@ -319,8 +325,7 @@ class Session:
     return op.run(run, op.lhs, op.rhs)
 
 
-def _ragged(op, config, where):
-  del where
+def _ragged(op, config):
   a = op.extra
   return ragged_dot(
     a['lhs'],
