@@ -135,7 +135,7 @@ def _dn_of_matmul(a, b):
 def _dot_like(name, kind, original, args, kwargs) -> OpCall:
   """dot_general / matmul / dot as one dot with dimension numbers."""
   if name == 'lax.dot_general':
-    b = inspect.signature(jax.lax.dot_general).bind(*args, **kwargs)
+    b = inspect.signature(original).bind(*args, **kwargs)
     b.apply_defaults()
     a = b.arguments
     lhs, rhs, dn = a['lhs'], a['rhs'], a['dimension_numbers']
@@ -201,7 +201,7 @@ def _conv(name, kind, original, args, kwargs) -> OpCall:
 
 
 def _ragged(name, kind, original, args, kwargs) -> OpCall:
-  b = inspect.signature(jax.lax.ragged_dot).bind(*args, **kwargs)
+  b = inspect.signature(original).bind(*args, **kwargs)
   b.apply_defaults()
   a = b.arguments
   call = OpCall(name, kind, a['lhs'], a['rhs'], original, args, kwargs)

@@ -46,10 +46,7 @@ from aqtr import rules as rules_lib
 from aqtr.core.config import DotGeneralConfig
 from aqtr.core.ragged_dot import ragged_dot
 from aqtr.flax import common, intercept
-from aqtr.flax.frozen import (
-  FrozenKernel,
-  holder_entries,
-)
+from aqtr.flax.frozen import FrozenKernel, holder_entries
 from aqtr.freezers import Mode, configure, lifecycle
 from aqtr.rules import OpEntry, Rule
 
@@ -251,8 +248,8 @@ class Session:
       direct = side is not None and any(
         getattr(op, side) is nn.meta.unbox(v) for v in params.values()
       )
-      where_ = (mpath, op_id, direct)
-      return self._run(op, config, side, param, frozen, where_, label)
+      origin = (mpath, op_id, direct)
+      return self._run(op, config, side, param, frozen, origin, label)
     except (ValueError, TypeError) as e:
       if str(e).startswith(where):
         raise
@@ -270,16 +267,15 @@ class Session:
       return None, None, None
     return sides[0], _find(params, getattr(op, sides[0])), None
 
-  def _run(self, op, config, side, param, frozen, where, label):
-    """The op in the session's mode; `where`: (module path, op id, whether
+  def _run(self, op, config, side, param, frozen, origin, label):
+    """The op in the session's mode; `origin`: (module path, op id, whether
     the weight operand is the parameter itself)."""
-    mpath, op_id, direct = where
+    mpath, op_id, direct = origin
     mode = self.spec.mode
     if op.kind == 'ragged_dot':
       return _ragged(op, config)
     if side is not None:
       config = _weight_config(config)
-    store = []
     if mode is Mode.SERVE and frozen is not None:
       frozen = _served(frozen, config, label)
     elif mode is Mode.SERVE and side is not None and config.fwd.rhs.quantized:
@@ -300,11 +296,9 @@ class Session:
       mode = Mode.TRAIN
 
     def dot(lhs, rhs, dn, precision, preferred):
-      out, fr = engine_dot(
+      return engine_dot(
         mode, lhs, rhs, dn, config, frozen, precision, preferred, label
-      )
-      store.append(fr)
-      return out
+      )[0]
 
     run = swapped(dot) if side == 'lhs' else dot
     if direct and mode is Mode.TRAIN and config.fwd.rhs.quantized:
