@@ -53,19 +53,16 @@ from aqtr.rules import OpEntry, Rule
 _HOW = 'Run aqtr.flax.convert(model, ...) on the trained model first.'
 
 
-def engine_dot(mode, lhs, rhs, dn, config, frozen, precision, preferred, where):
-  """THE call into aqtr's freezers: one dot in `mode`, (out, frozen)."""
-  r = lifecycle.run(
-    mode,
-    lhs,
-    rhs,
-    dn,
-    config,
-    frozen=frozen,
-    precision=precision,
-    preferred_element_type=preferred,
-    where=where,
-  )
+def engine_dot(call: lifecycle.DotCall, mode, frozen, where: str):
+  """THE call into aqtr's freezers: one dot in `mode`, (out, frozen).
+
+  Errors about an operand get the op's name (`where`) here, at the
+  boundary.
+  """
+  try:
+    r = lifecycle.run(call, mode, frozen=frozen)
+  except lifecycle.FreezerError as e:
+    raise lifecycle.in_op(e, where) from None
   return r.out, r.frozen
 
 
@@ -296,9 +293,8 @@ class Session:
       mode = Mode.TRAIN
 
     def dot(lhs, rhs, dn, precision, preferred):
-      return engine_dot(
-        mode, lhs, rhs, dn, config, frozen, precision, preferred, label
-      )[0]
+      call = lifecycle.DotCall(lhs, rhs, dn, config, None, precision, preferred)
+      return engine_dot(call, mode, frozen, label)[0]
 
     run = swapped(dot) if side == 'lhs' else dot
     if direct and mode is Mode.TRAIN and config.fwd.rhs.quantized:

@@ -42,7 +42,7 @@ from aqtr.flax.quantized import (
   spec_of,
   swapped,
 )
-from aqtr.freezers import Mode
+from aqtr.freezers import Mode, lifecycle
 from aqtr.rules import OpEntry, Report
 
 
@@ -122,9 +122,10 @@ def _freeze_fn(use: WeightUse):
     store = []
 
     def dot(lhs, rhs, dn, precision, preferred):
-      out, fr = engine_dot(
-        Mode.CONVERT, lhs, rhs, dn, use.config, None, precision, preferred, ''
+      call = lifecycle.DotCall(
+        lhs, rhs, dn, use.config, None, precision, preferred
       )
+      out, fr = engine_dot(call, Mode.CONVERT, None, '')
       store.append(fr)
       return out
 
