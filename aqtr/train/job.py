@@ -180,7 +180,7 @@ def _samples_md(samples: list) -> str:
     f'## Samples (prompt {generate.PROMPT!r}, float KV cache)',
     '',
   ]
-  for run, source, how, text, stopped in samples:
+  for run, source, how, text, _ in samples:
     lines.append(f'- {run} ({source}), {how}: {text!r}')
   stopped = next((s[-1] for s in samples if s[-1]), None)
   if stopped:
