@@ -103,7 +103,12 @@ def test_summary_parses(job):
   assert float(int8_row['serving KB']) < float(float_row['serving KB'])
   saved = json.loads((out / 'summary.json').read_text())
   assert [r['run'] for r in saved] == ['float', 'int8']
-  assert (out / 'summary.md').read_text().startswith('| run')
+  summary = (out / 'summary.md').read_text()
+  assert summary.startswith('| run')
+  assert "## Samples (prompt 'def __init__(self'" in summary
+  assert '- int8 (serving checkpoint), greedy: ' in summary
+  assert '- float (training model), T=0.8 top-k 20, seed 1: ' in summary
+  assert (out / 'int8' / 'serving' / 'model.json').is_file()
 
 
 def test_int8_within_tolerance_of_float(job):
