@@ -20,6 +20,7 @@ Example (a run's serving folder; see tests/train/test_generate.py):
 from __future__ import annotations
 
 import dataclasses
+import math
 import pathlib
 from typing import Any
 
@@ -35,11 +36,12 @@ from aqtr.data import stdlib
 from aqtr.flax import common
 from aqtr.freezers import Mode
 from aqtr.pax import decode, kv_cache
-from aqtr.train import models, serving
+from aqtr.train import models, serving, tasks
 
 __all__ = [
   'PROMPT',
   'Served',
+  'cache_bpc',
   'decoder',
   'encode',
   'load',
@@ -202,3 +204,31 @@ def samples(
     g = dec.generate(variables, ids, max_new, how)
     out.append((f'T=0.8 top-k 20, seed {s}', g))
   return [(how, text(g.tokens[0]), g.stopped) for how, g in out]
+
+
+def cache_bpc(
+  model: Any,
+  variables: Any,
+  eval_set: list[tuple[Any, Any]],
+  kv: kv_cache.KVCacheConfig | None = None,
+) -> float:
+  """Teacher-forced bits per byte of `eval_set` read through the cache.
+
+  Each validation window is one prefill: every query reads the keys and
+  values as the cache stores them (quantized when `kv` says so).
+
+  Args:
+    model: the LM; its max_len must cover the windows.
+    variables: its variables.
+    eval_set: (inputs [b, T], next bytes [b, T]) batches.
+    kv: the cache config (default float).
+
+  Returns:
+    Mean cross-entropy over the batches / ln 2.
+  """
+  dec = decoder(model, kv, eval_set[0][0].shape[1])
+  losses = [
+    float(tasks.cross_entropy(dec.logits(variables, x), jnp.asarray(y)))
+    for x, y in eval_set
+  ]
+  return sum(losses) / len(losses) / math.log(2)
