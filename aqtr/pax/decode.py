@@ -142,7 +142,11 @@ class Decoder:
   """
 
   def __init__(
-    self, lm: nn.Module, *, length: int | None = None, kv: KVCacheConfig = None
+    self,
+    lm: nn.Module,
+    *,
+    length: int | None = None,
+    kv: KVCacheConfig | None = None,
   ):
     kv = KVCacheConfig() if kv is None else kv
     if not isinstance(kv, KVCacheConfig):

@@ -1,5 +1,9 @@
 """A fixed-size key/value cache for decoding, stored float or quantized.
 
+Quantizing the cache cuts the memory that token-by-token decoding reads
+at every step (KVQuant, Hooper et al. 2024, arXiv 2401.18079; KIVI, Liu
+et al. 2024, arXiv 2402.02750; MaxText's `KVQuant` config).
+
 Each layer keeps its keys and values for `length` token slots as codes +
 scales (`Stored`). With `KVCacheConfig(numerics=...)`:
 
