@@ -120,7 +120,7 @@ class Attention(nn.Module):
     layer = kv_cache.write(
       cfg, layer, jnp.where(real, k, 0), jnp.where(real, v, 0), index
     )
-    keys = jnp.arange(layer.k.codes.shape[1])
+    keys = jnp.arange(layer.k.codes.shape[2])
     mask = (keys[None, None] >= start[:, None, None]) & (
       keys[None, None] <= slots[None, :, None]
     )

@@ -13,9 +13,13 @@ scales (`Stored`). With `KVCacheConfig(numerics=...)`:
   'fp8'   float8_e4m3fn codes            (`Fp8`, max 448)
 
 The numerics come from the `numerics` registry. A scale covers one head of
-one token (`scales='token'`, MaxText's KVQuant default: shape [b, S, n])
-or one head over a block of `block_size` slots (`scales='block'`: [b, S/B,
-n]). Calibration: `absmax` (`bound = max|x|` over the scale's group) or
+one token (`scales='token'`, MaxText's KVQuant default: shape [b, n, S])
+or one head over a block of `block_size` slots (`scales='block'`: [b, n,
+S/B]). The layout is heads-major ([b, n, S, h]): the QK^T and PV dots of
+one decode step then read each head's slots in place (no transpose of
+the whole cache per step).
+
+Calibration: `absmax` (`bound = max|x|` over the scale's group) or
 `static` (`bound = KVCacheConfig.bound` for every group). Then
 `s = bound / numerics.max_value` (bound 0 -> s = 1) and `codes =
 numerics.quantize(x / s)`; reading gives `codes * s`.
@@ -35,7 +39,7 @@ Example:
   >>> cfg = KVCacheConfig(numerics='int4')
   >>> layer = init_layer(cfg, batch=1, length=8, num_heads=2, head_dim=4)
   >>> layer.k.codes.shape, layer.k.codes.dtype, layer.k.scale.shape
-  ((1, 8, 2, 2), dtype('int8'), (1, 8, 2))
+  ((1, 2, 8, 2), dtype('int8'), (1, 2, 8))
 """
 
 from __future__ import annotations
@@ -147,9 +151,9 @@ class KVCacheConfig:
 
 
 class Stored(NamedTuple):
-  """Keys or values of one layer: codes [b, S, n, h'] and scales.
+  """Keys or values of one layer: codes [b, n, S, h'] and scales.
 
-  h' = h/2 for packed int4; `scale` is [b, S, n] ('token'), [b, S/B, n]
+  h' = h/2 for packed int4; `scale` is [b, n, S] ('token'), [b, n, S/B]
   ('block'), or None for a float cache.
   """
 
@@ -215,14 +219,14 @@ def init_layer(
   """
   _check_shape(cfg, length, head_dim)
   if not cfg.quantized:
-    z = jnp.zeros((batch, length, num_heads, head_dim), dtype)
+    z = jnp.zeros((batch, num_heads, length, head_dim), dtype)
     return LayerCache(Stored(z, None), Stored(z, None))
   h = head_dim // 2 if cfg.numerics == 'int4' else head_dim
   dt = jnp.int8 if cfg.numerics != 'fp8' else cfg.numerics_of().dtype
   groups = length if cfg.scales == 'token' else length // cfg.block_size
   one = Stored(
-    jnp.zeros((batch, length, num_heads, h), dt),
-    jnp.zeros((batch, groups, num_heads), jnp.float32),
+    jnp.zeros((batch, num_heads, length, h), dt),
+    jnp.zeros((batch, num_heads, groups), jnp.float32),
   )
   return LayerCache(one, one)
 
@@ -241,13 +245,13 @@ def _unpack(p: jax.Array) -> jax.Array:
 
 
 def _codes(cfg: KVCacheConfig, x: jax.Array, scale: jax.Array) -> jax.Array:
-  """Codes of x [b, t, n, h] with per-(b, t, n) scales."""
+  """Codes of x [b, n, t, h] with per-(b, n, t) scales."""
   q = cfg.numerics_of().quantize(x.astype(jnp.float32) / scale[..., None])
   return _pack(q) if cfg.numerics == 'int4' else q
 
 
 def _values(cfg: KVCacheConfig, s: Stored) -> jax.Array:
-  """Codes as float32 [b, S, n, h], not yet scaled."""
+  """Codes as float32 [b, n, S, h], not yet scaled."""
   c = _unpack(s.codes) if cfg.numerics == 'int4' else s.codes
   return c.astype(jnp.float32)
 
@@ -258,14 +262,14 @@ def _scale_of(cfg: KVCacheConfig, bound: jax.Array) -> jax.Array:
 
 
 def _per_token(cfg: KVCacheConfig, scale: jax.Array) -> jax.Array:
-  """Scales [b, G, n] -> per slot [b, S, n]."""
+  """Scales [b, n, G] -> per slot [b, n, S]."""
   if cfg.scales == 'token':
     return scale
-  return jnp.repeat(scale, cfg.block_size, axis=1)
+  return jnp.repeat(scale, cfg.block_size, axis=2)
 
 
 def read(cfg: KVCacheConfig, s: Stored, dtype: Any = jnp.float32) -> jax.Array:
-  """Dequantized keys or values [b, S, n, h] (the codes when float)."""
+  """Dequantized keys or values [b, n, S, h] (the codes when float)."""
   if not cfg.quantized:
     return s.codes
   scale = _per_token(cfg, s.scale)
@@ -279,39 +283,39 @@ def _write_tokens(cfg: KVCacheConfig, s: Stored, x, index) -> Stored:
     bound = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1)
   scale = _scale_of(cfg, bound)
   codes = lax.dynamic_update_slice_in_dim(
-    s.codes, _codes(cfg, x, scale), index, axis=1
+    s.codes, _codes(cfg, x, scale), index, axis=2
   )
   return Stored(
-    codes, lax.dynamic_update_slice_in_dim(s.scale, scale, index, 1)
+    codes, lax.dynamic_update_slice_in_dim(s.scale, scale, index, 2)
   )
 
 
 def _write_blocks(cfg: KVCacheConfig, s: Stored, x, index) -> Stored:
   """Requantizes the blocks that `x` (t slots from `index`) touches."""
-  b, t, n, _ = x.shape
+  b, n, t, _ = x.shape
   size = cfg.block_size
-  blocks = s.scale.shape[1]
+  blocks = s.scale.shape[2]
   nb = min((t - 1) // size + 2, blocks)
   first = jnp.clip(index // size, 0, blocks - nb)
   start = first * size
   region = Stored(
-    lax.dynamic_slice_in_dim(s.codes, start, nb * size, axis=1),
-    lax.dynamic_slice_in_dim(s.scale, first, nb, axis=1),
+    lax.dynamic_slice_in_dim(s.codes, start, nb * size, axis=2),
+    lax.dynamic_slice_in_dim(s.scale, first, nb, axis=2),
   )
   old = read(cfg, region)
   new = lax.dynamic_update_slice_in_dim(
-    old, x.astype(jnp.float32), index - start, axis=1
+    old, x.astype(jnp.float32), index - start, axis=2
   )
-  grouped = new.reshape(b, nb, size, n, -1)
+  grouped = new.reshape(b, n, nb, size, -1)
   if cfg.calibration == 'static':
-    bound = jnp.full((b, nb, n), cfg.bound, jnp.float32)
+    bound = jnp.full((b, n, nb), cfg.bound, jnp.float32)
   else:
-    bound = jnp.max(jnp.abs(grouped), axis=(2, 4))
+    bound = jnp.max(jnp.abs(grouped), axis=(3, 4))
   scale = _scale_of(cfg, bound)
-  codes = _codes(cfg, new, jnp.repeat(scale, size, axis=1))
+  codes = _codes(cfg, new, jnp.repeat(scale, size, axis=2))
   return Stored(
-    lax.dynamic_update_slice_in_dim(s.codes, codes, start, axis=1),
-    lax.dynamic_update_slice_in_dim(s.scale, scale, first, axis=1),
+    lax.dynamic_update_slice_in_dim(s.codes, codes, start, axis=2),
+    lax.dynamic_update_slice_in_dim(s.scale, scale, first, axis=2),
   )
 
 
@@ -331,9 +335,10 @@ def write(
   """
 
   def one(s: Stored, x: jax.Array) -> Stored:
+    x = jnp.swapaxes(x, 1, 2)  # [b, n, t, h]
     if not cfg.quantized:
       x = x.astype(s.codes.dtype)
-      return Stored(lax.dynamic_update_slice_in_dim(s.codes, x, index, 1), None)
+      return Stored(lax.dynamic_update_slice_in_dim(s.codes, x, index, 2), None)
     if cfg.scales == 'token':
       return _write_tokens(cfg, s, x, index)
     return _write_blocks(cfg, s, x, index)
@@ -373,27 +378,26 @@ def attend(
     qc, qs = _int8_rows(q.astype(jnp.float32), axis=-1)  # [b, t, n, 1]
     kc = layer.k.codes
     dots = jnp.einsum(
-      'btnh,bsnh->bnts', qc, kc, preferred_element_type=jnp.int32
+      'btnh,bnsh->bnts', qc, kc, preferred_element_type=jnp.int32
     )
-    ks = _per_token(cfg, layer.k.scale)  # [b, S, n]
+    ks = _per_token(cfg, layer.k.scale)  # [b, n, S]
     logits = dots.astype(jnp.float32) * (
-      jnp.transpose(qs[..., 0], (0, 2, 1))[..., None]
-      * jnp.transpose(ks, (0, 2, 1))[:, :, None, :]
+      jnp.transpose(qs, (0, 2, 1, 3)) * ks[:, :, None, :]
     )
     probs = jax.nn.softmax(jnp.where(mask, logits, neg), axis=-1)
-    vs = _per_token(cfg, layer.v.scale)  # [b, S, n]
-    pc, ps = _int8_rows(probs * jnp.transpose(vs, (0, 2, 1))[:, :, None], -1)
+    vs = _per_token(cfg, layer.v.scale)  # [b, n, S]
+    pc, ps = _int8_rows(probs * vs[:, :, None, :], -1)
     out = jnp.einsum(
-      'bnts,bsnh->btnh', pc, layer.v.codes, preferred_element_type=jnp.int32
+      'bnts,bnsh->btnh', pc, layer.v.codes, preferred_element_type=jnp.int32
     )
     return (out.astype(jnp.float32) * jnp.transpose(ps, (0, 2, 1, 3))).astype(
       q.dtype
     )
   k = read(cfg, layer.k, q.dtype)
   v = read(cfg, layer.v, q.dtype)
-  logits = ops.einsum(qk_op, 'btnh,bsnh->bnts', q, k).astype(jnp.float32)
+  logits = ops.einsum(qk_op, 'btnh,bnsh->bnts', q, k).astype(jnp.float32)
   probs = jax.nn.softmax(jnp.where(mask, logits, neg), axis=-1)
-  return ops.einsum(pv_op, 'bnts,bsnh->btnh', probs.astype(v.dtype), v)
+  return ops.einsum(pv_op, 'bnts,bnsh->btnh', probs.astype(v.dtype), v)
 
 
 def nbytes(tree: Any) -> int:
