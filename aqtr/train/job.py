@@ -26,6 +26,7 @@ from typing import Any
 
 import fiddle as fdl
 
+import aqtr.pax
 from aqtr import fiddle as aqtr_fiddle
 from aqtr.flax import common
 from aqtr.train import (
@@ -163,7 +164,11 @@ def _samples(r, exp, run_dir: pathlib.Path, served: bool) -> list | None:
   """The run's generated samples (from its serving checkpoint if any)."""
   if exp.task != 'lm' or not exp.sample_tokens or r.diverged:
     return None
-  if served:
+  if fdl.get_callable(r.injected) is not aqtr.pax.TransformerLm:
+    return None  # A custom model: no decoding path.
+  if not served and aqtr.pax.needs_key(r.config):
+    return None  # Its training forward draws stochastic-rounding keys.
+  if served and (run_dir / 'serving' / 'model.json').is_file():
     s = generate.load(run_dir / 'serving')
     model, variables, source = s.model, s.variables, 'serving checkpoint'
   else:
