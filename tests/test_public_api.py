@@ -37,6 +37,7 @@ PUBLIC = {
   'state',
   'tags',
   'tilings',
+  'transforms',
   'validation',
 }
 
@@ -86,6 +87,7 @@ def test_registry_modules_share_one_interface():
     aqtr.tilings,
     aqtr.sparsity,
     aqtr.freezers,
+    aqtr.transforms,
   )
   for family in families:
     for name in ('register', 'get', 'names', 'registry'):

@@ -61,8 +61,8 @@ class NvFp4(Numerics):
   `scale_mode` rounds the block scale: 'nearest' (NVIDIA's recipe) may
   round d down (by up to 1/16 for normal e4m3 values, d >= 2^-6; more for
   subnormal ones, blocks ~2^15 below the tensor's amax), so a block's
-  largest values (up to 6.375 s) saturate at 6 s; 'ceil' rounds d up to
-  the next e4m3 value, so no value saturates.
+  largest values (up to 6.375 s for a normal d) saturate at 6 s; 'ceil'
+  rounds d up to the next e4m3 value, so no value saturates.
 
   Stochastic rounding (`aqtr.Stochastic()`, the recipe's rounding of
   gradients): uniform noise below E2M1's last mantissa bit
