@@ -13,7 +13,9 @@ from jax import lax
 from aqtr.transforms.base import Transform, register
 
 SIGNS = ('none', 'seed', 'key')
-METHODS = ('matmul', 'butterfly')
+METHODS = ('auto', 'matmul', 'butterfly')
+# 'auto': the dense product up to this block size, butterflies above.
+_AUTO_MATMUL_MAX = 32
 _MAX_LOG2 = 10
 
 
@@ -81,11 +83,12 @@ class Hadamard(Transform):
             step and different per layer (each dot has its own key).
 
   `method`: 'matmul' (one dense n x n product per block with `D H_n`
-  folded into the matrix, at HIGHEST precision; O(n) per element) or
+  folded into the matrix, at HIGHEST precision; O(n) per element),
   'butterfly' (log2 n add/subtract stages, O(log n) per element, reshapes
-  only, fused by XLA into its reader). Both give the same values to float
-  rounding. On XLA:CPU, 16 wide and followed by the NVFP4 quantization,
-  'matmul' measured faster along either axis (benchmarks/transforms.py).
+  only, fused by XLA into its reader) or 'auto' ('matmul' for n <= 32,
+  else 'butterfly': the faster on XLA:CPU when followed by the NVFP4
+  quantization, benchmarks/transforms.py). All give the same values to
+  float rounding.
 
   Attributes:
     block_size: n, a power of two in 2..1024 dividing the contraction.
@@ -103,7 +106,7 @@ class Hadamard(Transform):
   block_size: int = 16
   signs: str = 'seed'
   seed: int = 0
-  method: str = 'matmul'
+  method: str = 'auto'
 
   def __post_init__(self):
     n = self.block_size
@@ -171,7 +174,10 @@ class Hadamard(Transform):
     blocks = x.shape[:axis] + (k // n, n) + x.shape[axis + 1 :]
     ones = (1,) * (x.ndim - axis - 1)
     lead = (1,) * (axis + 1)
-    if self.method == 'matmul':
+    method = self.method
+    if method == 'auto':
+      method = 'matmul' if n <= _AUTO_MATMUL_MAX else 'butterfly'
+    if method == 'matmul':
       h = hadamard_matrix(n).astype(np.float32)
       if sigma is not None:  # D H (apply) or its transpose H D (inverse).
         h = sigma[:, None] * h
