@@ -30,18 +30,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from aqtr.core import stateful
+from aqtr.core import slot_state
 from aqtr.core.config import DotGeneralConfig
-from aqtr.core.dimension_numbers import DotLayout
-from aqtr.core.dot_general import raw_qdot
-from aqtr.core.engine_state import (
-  sparsity_paths,
-  stateful_paths,
-  tensor_config,
-)
-from aqtr.core.passes import common_tile
-from aqtr.core.qtensor import ROLE_AXES, to_view
-from aqtr.core.sparsify import SITE, schedule_init
+from aqtr.core.plan import Plan
+from aqtr.core.qtensor import to_view
+from aqtr.core.slots import GRADIENT_SLOTS, Slot
 
 __all__ = [
   'init',
@@ -54,19 +47,15 @@ __all__ = [
   'with_learned',
 ]
 
-_BWD = ('dlhs.lhs', 'drhs.lhs')
-
-
-def _axes(t, form: str) -> tuple[int, ...]:
-  return tuple(sorted(ROLE_AXES[form][r] for r in t.tiling.shared))
+_BWD = tuple(s.path for s in GRADIENT_SLOTS)
 
 
 def init(lhs, rhs, dimension_numbers, config: DotGeneralConfig) -> dict:
   """The initial state tree of one `aqtr.dot_general` call.
 
   Forward operands are initialised from their values (LSQ's step and
-  PACT's clip read them); gradient operands from their shapes, found by
-  tracing the backward pass abstractly.
+  PACT's clip read them); gradient operands from their shapes, which the
+  call's plan gives (`core.plan.Plan.view`).
 
   Args:
     lhs, rhs: example operands (shapes and, for learned inits, values).
@@ -76,46 +65,26 @@ def init(lhs, rhs, dimension_numbers, config: DotGeneralConfig) -> dict:
   Returns:
     {path: {'stats': {...}, 'learned': {...}}}; {} when nothing is stateful.
   """
-  paths = stateful_paths(config)
   lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
-  lay = DotLayout.create(lhs.shape, rhs.shape, dimension_numbers)
-  tile = common_tile([config.fwd.lhs, config.fwd.rhs], lay.lhs.k)
+  slots = slot_state.calibrated_slots(config)
+  scheduled = slot_state.scheduled_slots(config)
+  if not (slots or scheduled):
+    return {}
+  plan = Plan.create(lhs, rhs, dimension_numbers, config)
   state = {}
-  for path in sparsity_paths(config):  # Schedules: a dense mask, step 0.
-    x = lhs if path == SITE.format(side='lhs') else rhs
-    state[path] = {'stats': schedule_init(x), 'learned': {}}
-  for path, x, layout, form in (
-    ('fwd.lhs', lhs, lay.lhs, 'fk'),
-    ('fwd.rhs', rhs, lay.rhs, lay.rhs.natural_form()),
-  ):
-    if path in paths:
-      t = tensor_config(config, path)
-      x4 = to_view(layout.to_canonical(x, form), form, tile)
-      state[path] = t.calibration.init_state(
-        x4.astype(jnp.float32), _axes(t, form), t.numerics
-      )
-  if not any(p in paths for p in _BWD):
-    return state
-
-  def backward(a, b):
-    def f(a, b):
-      return raw_qdot(a, b, state, lay.dimension_numbers, config)[0]
-
-    out, vjp = jax.vjp(f, a, b)
-    return vjp(jnp.ones_like(out))
-
-  stateful.start_recording()
-  try:
-    jax.eval_shape(backward, lhs, rhs)
-  finally:
-    seen = stateful.stop_recording()
-  for path, struct, axes in seen:
-    if path in paths and path not in state:
-      t = tensor_config(config, path)
-      state[path] = jax.tree.map(
-        jnp.asarray, t.calibration.init_state(struct, axes, t.numerics)
-      )
-  return state
+  for slot in slots:
+    x = None
+    if slot.is_forward:
+      op = plan.operand(slot.side)
+      v = lhs if slot.side.value == 'lhs' else rhs
+      x3 = op.layout.to_canonical(v.astype(jnp.float32), op.form)
+      x = to_view(x3, op.form, plan.fwd_tile)
+    state[slot] = slot_state.expected(plan, slot, x)
+  for slot in scheduled:
+    x = lhs if slot.side.value == 'lhs' else rhs
+    st = state.get(slot, slot_state.SlotState())
+    state[slot] = st._replace(schedule=slot_state.schedule_init(x))
+  return slot_state.to_tree(state)
 
 
 def split(state_grads: dict) -> tuple[dict, dict]:
@@ -128,19 +97,64 @@ def split(state_grads: dict) -> tuple[dict, dict]:
     ({path: {name: gradient}} of the forward operands' learned parameters,
     {path: new stats} of the gradient operands).
   """
+  _check_tree(state_grads, 'state_grads')
   grads = {p: v['learned'] for p, v in state_grads.items() if p not in _BWD}
   stats = {p: v['stats'] for p, v in state_grads.items() if p in _BWD}
   return grads, stats
 
 
+def _check_tree(tree, name: str) -> None:
+  """Raises unless `tree` is a state tree ({path: {'stats', 'learned'}})."""
+  if not isinstance(tree, dict):
+    raise TypeError(
+      f'{name} must be a state tree {{path: {{"stats": ..., "learned": '
+      f'...}}}} (aqtr.state.init, or its gradient), got {type(tree).__name__}.'
+      ' Pass the gradient w.r.t. the state, not w.r.t. the weights.'
+    )
+  known = {s.path for s in Slot}
+  known |= {s.schedule_path for s in Slot if s.is_forward}
+  for p, v in tree.items():
+    if p not in known:
+      raise ValueError(
+        f'{name}: {p!r} is not an operand path of a state tree; allowed: '
+        f'{sorted(known)}. Is this a parameter tree?'
+      )
+    if not (isinstance(v, dict) and {'stats', 'learned'} <= set(v)):
+      raise ValueError(
+        f"{name}[{p!r}] must be {{'stats': ..., 'learned': ...}}, got "
+        f'{type(v).__name__}.'
+      )
+
+
 def merge(new_state: dict, state_grads: dict) -> dict:
   """The next state: forward stats and learned parameters from `new_state`
   (the call's output), backward stats from `state_grads`."""
+  _check_tree(new_state, 'new_state')
   _, bwd = split(state_grads)
+  if set(state_grads) != set(new_state):
+    raise ValueError(
+      f'state_grads has the paths {sorted(state_grads)} but new_state has '
+      f'{sorted(new_state)}: they come from different configs or calls; '
+      'merge the output state of one call with the gradient w.r.t. the '
+      'state given to that same call.'
+    )
   out = dict(new_state)
   for p, st in bwd.items():
+    want = jax.tree.structure(new_state[p]['stats'])
+    if jax.tree.structure(st) != want or _shapes(st) != _shapes(
+      new_state[p]['stats']
+    ):
+      raise ValueError(
+        f'{p}: the stats in state_grads do not match new_state (got '
+        f'{_shapes(st)}, expected {_shapes(new_state[p]["stats"])}); they '
+        'come from different configs or dots.'
+      )
     out[p] = {'stats': st, 'learned': new_state[p]['learned']}
   return out
+
+
+def _shapes(tree):
+  return jax.tree.map(lambda a: tuple(jnp.shape(a)), tree)
 
 
 def merge_tree(updated, state_grads):
@@ -178,7 +192,8 @@ def with_example_weights(state: dict, path: str, weights) -> dict:
     path: the operand path.
     weights: one weight >= 0 per row of the lhs (its batch and free axes,
       e.g. [batch, seq] for [batch, seq, features] activations); 0 leaves
-      a row (padding) out of the statistics.
+      a row (padding) out of the statistics. Negative, NaN or inf weights
+      raise (concrete weights; traced ones are not checked).
 
   Returns:
     The new state tree (the input is not modified).
@@ -191,6 +206,15 @@ def with_example_weights(state: dict, path: str, weights) -> dict:
     )
   want = site['stats']['weights'].shape
   w = jnp.asarray(weights, jnp.float32)
+  try:
+    bad = bool(jnp.any(~(w >= 0) | ~jnp.isfinite(w)))
+  except jax.errors.ConcretizationTypeError:
+    bad = False  # Traced: unchecked (documented).
+  if bad:
+    raise ValueError(
+      f'{path}: example weights must be finite and >= 0 (0 leaves a row out '
+      f'of the statistics), got {w.ravel().tolist()[:8]}.'
+    )
   if w.size != want[0] * want[2]:
     raise ValueError(
       f"{path}: weights of shape {w.shape} do not match the operand's "
@@ -217,10 +241,25 @@ def penalty(config: DotGeneralConfig, state: dict) -> jax.Array:
   """The sum of the learned calibrations' regularisers (PACT's L2 on the
   clip), to add to the loss."""
   total = jnp.float32(0)
+  _check_tree(state, 'state')
+  calibrated = {s.path: s for s in slot_state.calibrated_slots(config)}
+  for p in calibrated:
+    if p not in state:
+      raise ValueError(
+        f'state has no entry {p!r}, which the config needs; pass the state '
+        'of this config (aqtr.state.init(lhs, rhs, dn, config)).'
+      )
   for p, v in state.items():
-    if p not in stateful_paths(config):
+    if p not in calibrated:
       continue  # A sparsity schedule.
-    cal = tensor_config(config, p).calibration
+    cal = calibrated[p].tensor(config).calibration
     if hasattr(cal, 'penalty'):
-      total = total + cal.penalty(v)
+      try:
+        total = total + cal.penalty(v)
+      except KeyError as e:
+        raise ValueError(
+          f'{p}: {type(cal).__name__}.penalty needs the learned parameter '
+          f'{e}, but the state holds {sorted(v["learned"])}; pass the state '
+          'of this config.'
+        ) from None
   return total

@@ -51,6 +51,7 @@ ENGINE_THIRD_PARTY = {'jax', 'numpy', 'ml_dtypes'}
 CORE_BASE = {
   'aqtr.core.algorithms',
   'aqtr.core.markers',
+  'aqtr.core.prims',
   'aqtr.core.registry',
   'aqtr.core.rounding',
 }

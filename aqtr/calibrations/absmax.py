@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from aqtr.calibrations.base import Calibration, register
+from aqtr.core import prims
 
 
 @register('absmax')
@@ -42,6 +43,6 @@ class AbsMax(Calibration):
 
   def calibrate(self, x: jax.Array, axes: Sequence[int]) -> jax.Array:
     a = jnp.abs(x)
-    a = jnp.where(jnp.isnan(a), jnp.asarray(jnp.inf, a.dtype), a)
+    a = prims.where(jnp.isnan(a), float('inf'), a)
     b = jnp.max(a, axis=tuple(axes), keepdims=True)
     return b if self.clip_scale == 1.0 else b * self.clip_scale

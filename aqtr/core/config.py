@@ -31,6 +31,7 @@ from aqtr.core import markers
 from aqtr.core.algorithms import Calibration, Numerics, Sparsity, Tiling
 from aqtr.core.registry import factory, family
 from aqtr.core.rounding import NearestEven, Rounding
+from aqtr.core.slots import Slot
 
 _ACCUMULATORS = ('auto', 'int32', 'float32')
 
@@ -224,7 +225,7 @@ class DotGeneralConfig:
 
 
 # The residual operand of each backward pass -> the forward operand it is.
-RESIDUAL_OF = {'dlhs.rhs': 'fwd.rhs', 'drhs.rhs': 'fwd.lhs'}
+RESIDUAL_OF = {Slot.DLHS_RHS: Slot.FWD_RHS, Slot.DRHS_RHS: Slot.FWD_LHS}
 
 
 def _check_sparsity(cfg: DotGeneralConfig) -> None:
@@ -244,10 +245,9 @@ def _check_sparsity(cfg: DotGeneralConfig) -> None:
         f'operand g (the lhs of {name}), which cannot be pruned; allowed: '
         "NoSparsity() ('none'). Prune the forward operands (fwd.lhs, fwd.rhs)."
       )
-  for path, fwd_path in RESIDUAL_OF.items():
-    name, side = path.split('.')
-    s = getattr(getattr(cfg, name), side).sparsity
-    f = getattr(cfg.fwd, fwd_path.split('.')[1]).sparsity
+  for slot, fwd_slot in RESIDUAL_OF.items():
+    path, fwd_path = slot.path, fwd_slot.path
+    s, f = slot.tensor(cfg).sparsity, fwd_slot.tensor(cfg).sparsity
     if s.prunes and s != f:
       raise ValueError(
         f'DotGeneralConfig.{path}.sparsity: {s!r} differs from '

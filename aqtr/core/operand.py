@@ -7,17 +7,21 @@ A QTensor made here can replace the float operand of `aqtr.dot_general` /
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
 
 from aqtr.core.config import DotGeneralConfig
-from aqtr.core.dimension_numbers import DotLayout, OperandLayout
-from aqtr.core.passes import PassKeys, common_tile, forward_operand
+from aqtr.core.forward import forward_operand
+from aqtr.core.passes import slot_keys
+from aqtr.core.plan import Plan
 from aqtr.core.qtensor import QTensor
 from aqtr.core.quantizer import check_float
 from aqtr.core.rounding import as_typed_key
-from aqtr.core.sparsify import has_schedule, prune, scheduled_prune
+from aqtr.core.slot_state import SlotState, has_schedule
+from aqtr.core.slots import Side, Slot
+from aqtr.core.sparsify import Schedule, prune_operand
 
 
 def quantize_operand(
@@ -74,74 +78,57 @@ def quantize_operand(
       (*mine[0], *mine[1]), (*theirs[0], *theirs[1]), strict=True
     ):
       other_shape[b] = x.shape[a]
-  shapes = (
-    (x.shape, other_shape) if operand == 'lhs' else (other_shape, x.shape)
-  )
-  lay = DotLayout.create(*shapes, dimension_numbers)
-  return quantize_in_layout(
-    x, getattr(lay, operand), config, operand=operand, key=key, state=state
-  )
+  partner = jax.ShapeDtypeStruct(tuple(other_shape), x.dtype)
+  pair = (x, partner) if operand == 'lhs' else (partner, x)
+  plan = Plan.create(*pair, dimension_numbers, config)
+  return quantize_planned(x, plan, Side(operand), key=key, state=state)
 
 
-def quantize_in_layout(
+def quantize_planned(
   x: jax.Array,
-  layout: OperandLayout,
-  config: DotGeneralConfig,
+  plan: Plan,
+  side: Side,
   *,
-  operand: str,
   key: jax.Array | None = None,
-  state: dict | None = None,
-  sparsity_state: dict | None = None,
+  state: Mapping | None = None,
+  schedule: Mapping | None = None,
 ) -> QTensor:
-  """`quantize_operand` for an operand whose layout in the dot is known.
-
-  For callers that already hold the dot's `DotLayout` (the freezers'
-  `OperandCall` makes it once per call); `x` must be a float array of
-  `layout.shape`.
+  """`quantize_operand` for a dot whose plan is known (the freezers'
+  `DotCall` makes it once per call); `x` is the float `side` operand.
 
   Args:
     x: the float operand.
-    layout: its OperandLayout in the dot (`DotLayout.lhs` / `.rhs`).
-    config: the dot's DotGeneralConfig (its fwd.<operand> applies).
-    operand: 'lhs' or 'rhs'.
+    plan: the dot's Plan.
+    side: which forward operand `x` is.
     key: PRNG key if the forward rounding is stochastic.
     state: the operand's calibration state (its `aqtr.state.init` entry
-      'fwd.<operand>') when its calibration is stateful.
-    sparsity_state: the operand's sparsity schedule state (the 'stats' of
-      its entry 'fwd.<operand>.sparsity'): pruned with the mask the
-      forward pass uses at that state; None: a mask made from `x`.
+      'fwd.<side>': {'stats', 'learned'}) when its calibration is stateful.
+    schedule: its sparsity schedule's entry ('fwd.<side>.sparsity'):
+      pruned with the mask the forward pass uses at that state; None: a
+      mask made from `x`.
   """
-  cfg = getattr(config.fwd, operand)
-  if not cfg.quantized:
-    raise ValueError(
-      f'config.fwd.{operand} is not quantized; nothing to freeze.'
-    )
-  return _quantize_jit(
-    x,
-    as_typed_key(key),
-    state,
-    sparsity_state if has_schedule(cfg) else None,
-    layout=layout,
-    config=config,
-    operand=operand,
+  slot = Slot.forward(side)
+  t = plan.tensor(slot)
+  if not t.quantized:
+    raise ValueError(f'config.{slot.path} is not quantized; nothing to freeze.')
+  if not has_schedule(t):
+    schedule = None  # The mask is made from `x`.
+  st = SlotState(
+    stats=None if state is None else state['stats'],
+    learned=None if state is None else state['learned'],
+    schedule=None if schedule is None else Schedule(**schedule['stats']),
   )
+  return _quantize_jit(x, as_typed_key(key), st, plan=plan, side=side)
 
 
-@functools.partial(jax.jit, static_argnames=('layout', 'config', 'operand'))
-def _quantize_jit(x, key, state, site, *, layout, config, operand) -> QTensor:
+@functools.partial(jax.jit, static_argnames=('plan', 'side'))
+def _quantize_jit(x, key, st: SlotState, *, plan: Plan, side: Side) -> QTensor:
   """Jitted like the engine's forward pass, so that XLA simplifies the
   scale arithmetic identically (an eager op-by-op run can differ by an ulp
   from the compiled one, and frozen weights must equal TRAIN's bit for
   bit)."""
-  cfg = getattr(config.fwd, operand)
-  form = 'fk' if operand == 'lhs' else layout.natural_form()
-  path = f'config.fwd.{operand}'
-  if site is not None:  # The mask the schedule holds at this state.
-    x = scheduled_prune(x, cfg, layout, form, path, site)[0]
-  else:
-    x, _ = prune(x, cfg, layout, form, path)
-  tile = common_tile([config.fwd.lhs, config.fwd.rhs], layout.k)
-  keys = PassKeys.split(key)
-  key = keys.fwd_lhs if operand == 'lhs' else keys.fwd_rhs
-  q = forward_operand(x, cfg, layout, form, tile, key, operand, state)
-  return QTensor(q.values, q.scale, layout, form, q.zero_point)
+  x, _, _, _ = prune_operand(plan, side, x, st.schedule)
+  key = slot_keys(key).get(Slot.forward(side))
+  q = forward_operand(plan, side, x, key, st)
+  op = plan.operand(side)
+  return QTensor(q.values, q.scale, op.layout, op.form, q.zero_point)

@@ -1,26 +1,26 @@
-"""One canonical quantized dot: operands, tiles, quantization, contraction.
+"""Operands of a canonical quantized dot, and the one contraction core.
 
-The building blocks `dot_general.py`'s custom VJP runs for each of its three
-passes (fwd, dlhs, drhs). An operand is a canonical 3-D array, [B, F, K]
-('fk') or [B, K, F] ('kf'), see `dimension_numbers.py`. Tiles split K into
-T blocks of t elements; a quantized operand is kept in the tiled view
-[B, T, F, t] / [B, T, t, F] (`qtensor.to_view`) with a scale broadcastable
-to it. `contract` runs the low-precision dot (int8 x int8 -> int32,
-fp8 x fp8 -> f32) and applies both scales to its output:
+An operand is a canonical 3-D array, [B, F, K] ('fk') or [B, K, F] ('kf'),
+see `dimension_numbers.py`. Tiles split K into T blocks of t elements; a
+quantized operand is kept in the tiled view [B, T, F, t] / [B, T, t, F]
+(`qtensor.to_view`) with a scale broadcastable to it. `contract` runs the
+low-precision dot (int8 x int8 -> int32, fp8 x fp8 -> f32; `low_precision`
+is the dtype dispatch, shared with `ragged.py`) and applies both scales:
 
   out[b, f_a, f_b] = sum_j (q_a[b, j, f_a, :] . q_b[b, j, f_b, :])
                      * s_a[b, j, f_a] * s_b[b, j, f_b]
 
-Internal API (used by `dot_general.py` and `operand.py` only): `Operand`,
-`QuantizedOperand`, `PassKeys`, `common_tile`, `quantize_tiled`,
-`forward_operand`, `contract`, `quantized_dot`, `quantized_dot_state`,
-`fold_scale`, `repeat_tiles`, `merge_tiles`, `with_transposed_copy`, `flip`,
-`rounding_noise`, `canonical_noise`, `residual_key`, `struct_of`.
+Internal API (used by `forward.py`, `backward.py` and `ragged.py`):
+`Operand`, `QuantizedOperand`, `quantize_tiled`, `contract`, `qdot`,
+`low_precision`, `fold_scale`, `repeat_tiles`, `merge_tiles`,
+`with_transposed_copy`, `flip`, `rounding_noise`, `canonical_noise`,
+`residual_key`, `slot_keys`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -28,9 +28,15 @@ from jax import lax
 
 from aqtr.core.config import DotGeneralRaw, TensorConfig
 from aqtr.core.dimension_numbers import OperandLayout
-from aqtr.core.qtensor import QTensor, from_view, to_view
-from aqtr.core.quantizer import quantize_view_stateful, scale_problems
-from aqtr.core.zero_point import as_int8, int_corrections, per_row
+from aqtr.core.qtensor import from_view, to_view
+from aqtr.core.quantizer import quantize_view
+from aqtr.core.slots import Slot
+from aqtr.core.zero_point import (
+  as_int8,
+  int_corrections,
+  per_row,
+  subtract_rows,
+)
 
 
 def flip(form: str) -> str:
@@ -50,8 +56,7 @@ class Operand:
     noise: rounding noise shaped like `x`, or None.
     dot_dtype: the dtype an unquantized `x` enters the dot in (None: its
       own); e.g. int4 values reused from the forward pass are widened.
-    state: its calibration state (`aqtr.core.stateful`), or None.
-    path: its name in errors and in the state tree, e.g. 'fwd.lhs'.
+    state: its calibration state {'stats', 'learned'}, or None.
   """
 
   x: jax.Array
@@ -60,7 +65,6 @@ class Operand:
   noise: jax.Array | None = None
   dot_dtype: jnp.dtype | None = None
   state: dict | None = None
-  path: str = 'operand'
 
 
 def _swap_last(x: jax.Array | None) -> jax.Array | None:
@@ -92,6 +96,10 @@ def with_transposed_copy(values: jax.Array) -> tuple[jax.Array, jax.Array]:
 
   def body(carry):
     i, v, _ = carry
+    # The barrier keeps `v` a loop output (JAX hoists an unchanged carry
+    # out of the loop, and XLA then recomputes the quantization for the
+    # consumers that read it outside).
+    v = lax.optimization_barrier(v)
     return i + 1, v, _swap_last(v)
 
   init = (0, values, _swap_last(jnp.zeros_like(values)))
@@ -198,27 +206,20 @@ jax.tree_util.register_dataclass(
 )
 
 
-@dataclasses.dataclass(frozen=True)
-class PassKeys:
-  """The PRNG keys of one dot_general call, one per rounding site.
-
-  Attributes:
-    fwd_lhs, fwd_rhs: the forward operands' rounding noise.
-    dlhs, drhs: the backward passes (each splits its own further).
-  """
-
-  fwd_lhs: jax.Array | None = None
-  fwd_rhs: jax.Array | None = None
-  dlhs: jax.Array | None = None
-  drhs: jax.Array | None = None
-
-  @classmethod
-  def split(cls, key: jax.Array | None) -> PassKeys:
-    if key is None:
-      return cls()
-    fwd, dlhs, drhs = jax.random.split(key, 3)
-    fwd_lhs, fwd_rhs = jax.random.split(fwd, 2)
-    return cls(fwd_lhs=fwd_lhs, fwd_rhs=fwd_rhs, dlhs=dlhs, drhs=drhs)
+def slot_keys(key: jax.Array | None) -> dict:
+  """{Slot: key}: the forward operands' keys and each backward pass's key
+  (under its gradient slot; its requantized residual uses `residual_key`
+  of it). Empty without a key."""
+  if key is None:
+    return {}
+  fwd, dlhs, drhs = jax.random.split(key, 3)
+  fwd_lhs, fwd_rhs = jax.random.split(fwd, 2)
+  return {
+    Slot.FWD_LHS: fwd_lhs,
+    Slot.FWD_RHS: fwd_rhs,
+    Slot.DLHS_LHS: dlhs,
+    Slot.DRHS_LHS: drhs,
+  }
 
 
 def residual_key(key: jax.Array | None) -> jax.Array | None:
@@ -241,24 +242,6 @@ def canonical_noise(
   return None if noise is None else layout.to_canonical(noise, form)
 
 
-def common_tile(configs: list[TensorConfig | None], k: int) -> int | None:
-  """The one tile size the quantized configs ask for along K (None: none)."""
-  tiles = set()
-  for side, c in zip(('lhs', 'rhs'), configs, strict=False):
-    if c is not None and c.quantized:
-      try:
-        tiles.add(c.tiling.tile(k))
-      except ValueError as e:  # Name the operand whose tiling refused K.
-        raise ValueError(f'{side}: {e}') from e
-  tiles -= {None}
-  if len(tiles) > 1:
-    raise ValueError(
-      f'the lhs and rhs tilings ask for different tile sizes {sorted(tiles)} '
-      f'along the same contraction of size {k}; use one tile size.'
-    )
-  return tiles.pop() if tiles else None
-
-
 def quantize_tiled(op: Operand, tile: int | None) -> QuantizedOperand:
   """Brings `op` to the tiled view and quantizes it as its config says."""
   x4 = to_view(op.x, op.form, tile)
@@ -266,78 +249,11 @@ def quantize_tiled(op: Operand, tile: int | None) -> QuantizedOperand:
     dot_dtype = jnp.dtype(op.dot_dtype or x4.dtype)
     return QuantizedOperand(x4, None, None, op.form, dot_dtype)
   noise = None if op.noise is None else to_view(op.noise, op.form, tile)
-  q, s, z, mask, state, learned = quantize_view_stateful(
-    x4, op.config, op.form, noise, op.state, op.path
-  )
+  r = quantize_view(x4, op.config, op.form, noise, op.state)
   dot_dtype = jnp.dtype(op.config.numerics.dot_dtype)
-  return QuantizedOperand(q, s, mask, op.form, dot_dtype, z, state, learned)
-
-
-def _stored_operand(
-  x: QTensor,
-  cfg: TensorConfig,
-  layout: OperandLayout,
-  form: str,
-  tile: int | None,
-  name: str,
-) -> QuantizedOperand:
-  """A stored QTensor as a forward operand, checked against the config."""
-  numerics = cfg.numerics
-  t = tile or layout.k
-  b, f, n = layout.b, layout.f, layout.k // t
-  view = (b, n, f, t) if form == 'fk' else (b, n, t, f)
-  problems = []
-  if not cfg.quantized:
-    problems.append(f'config.fwd.{name} is not quantized')
-  elif jnp.dtype(x.qvalue.dtype) != jnp.dtype(numerics.dtype):
-    problems.append(
-      f'qvalue dtype {x.qvalue.dtype} != config numerics dtype {numerics.dtype}'
-    )
-  if x.layout != layout or x.form != form:
-    problems.append(f"layout {x.layout}/{x.form} != the dot's {layout}/{form}")
-  if tuple(x.qvalue.shape) != view:
-    problems.append(f'qvalue shape {x.qvalue.shape} != expected {view}')
-  if numerics.asymmetric != (x.zero_point is not None):
-    problems.append('zero_point missing or unexpected for the numerics')
-  if x.scale is None or jnp.ndim(x.scale) != 4:
-    problems.append('scale missing or not in the tiled view')
-  elif cfg.quantized:
-    problems += scale_problems(x.scale, view, cfg, form)
-  if problems:
-    raise ValueError(
-      f'the QTensor given as {name} does not match this dot and config: '
-      + '; '.join(problems)
-      + '. Quantize it with aqtr.quantize_operand(x, dimension_numbers, '
-      'config, operand=...) using the same config and dimension numbers.'
-    )
-  dot_dtype = jnp.dtype(numerics.dot_dtype)
   return QuantizedOperand(
-    x.qvalue, x.scale, None, form, dot_dtype, x.zero_point
+    r.q, r.s, r.mask, op.form, dot_dtype, r.z, r.state, r.learned
   )
-
-
-def forward_operand(
-  x: jax.Array | QTensor,
-  cfg: TensorConfig,
-  layout: OperandLayout,
-  form: str,
-  tile: int | None,
-  key: jax.Array | None,
-  name: str,
-  state: dict | None = None,
-) -> QuantizedOperand:
-  """One forward operand (`name` 'lhs' or 'rhs') quantized in `form`.
-
-  A float `x` is quantized with `cfg` (noise drawn from `key`, calibration
-  state `state`); a stored QTensor is checked against the dot and used as
-  it is.
-  """
-  if isinstance(x, QTensor):
-    return _stored_operand(x, cfg, layout, form, tile, name)
-  noise = canonical_noise(cfg, key, layout, form)
-  x3 = layout.to_canonical(x, form)
-  op = Operand(x3, form, cfg, noise, None, state, f'fwd.{name}')
-  return quantize_tiled(op, tile)
 
 
 def _is_int(dtype) -> bool:
@@ -346,6 +262,54 @@ def _is_int(dtype) -> bool:
 
 def _is_fp8(dtype) -> bool:
   return jnp.dtype(dtype).itemsize == 1 and jnp.issubdtype(dtype, jnp.floating)
+
+
+def _kind(da, db, raw: DotGeneralRaw) -> str:
+  """'int' (int x int -> int32), 'fp8' (fp8 x fp8 -> f32) or 'float'."""
+  if _is_int(da) and _is_int(db) and raw.accumulator != 'float32':
+    return 'int'
+  if _is_fp8(da) and _is_fp8(db) and raw.accumulator != 'int32':
+    return 'fp8'
+  return 'float'
+
+
+def low_precision(qa, qb, dot, raw: DotGeneralRaw, precision, zero=None):
+  """`dot(qa, qb, preferred, precision)` in the operands' own types -> f32.
+
+  The one dtype dispatch of the engine (dot_general and ragged_dot):
+  int x int runs an int32-accumulating dot, fp8 x fp8 an f32-accumulating
+  one (both on operands pinned by an optimization barrier, so XLA keeps
+  the low-precision dot), anything else a float dot in the operands'
+  float type. `zero` (affine operands) is a pair of functions:
+  `subtract(qa, qb)` before a float dot, `correct(out, qa, qb)` of an
+  int32 result (exact integer corrections, `zero_point.py`).
+  """
+  kind = _kind(qa.dtype, qb.dtype, raw)
+  if kind == 'float':
+    floats = [d for d in (qa.dtype, qb.dtype) if not (_is_int(d) or _is_fp8(d))]
+    ct = jnp.result_type(*floats) if floats else jnp.float32
+    qa, qb = qa.astype(ct), qb.astype(ct)
+    if zero is not None:  # Subtracted in float: exact for integer values.
+      qa, qb = zero[0](qa, qb)
+    return dot(qa, qb, jnp.float32, precision)
+  qa, qb = lax.optimization_barrier((qa, qb))
+  if kind == 'fp8':
+    return dot(qa, qb, jnp.float32, None)
+  out = dot(qa, qb, jnp.int32, None)
+  if zero is not None:
+    out = zero[1](out, qa, qb)
+  return out.astype(jnp.float32)
+
+
+def _batched_dot(b_contract: int):
+  dn = (((2,), (b_contract,)), ((0,), (0,)))
+
+  def dot(qa, qb, preferred, precision):
+    return lax.dot_general(
+      qa, qb, dn, precision=precision, preferred_element_type=preferred
+    )
+
+  return dot
 
 
 def contract(
@@ -364,31 +328,13 @@ def contract(
   qa = va.reshape(bsz * n, fa, t).astype(a.dot_dtype)
   qb = vb.reshape((bsz * n,) + vb.shape[2:]).astype(b.dot_dtype)
   fb, b_contract = (qb.shape[1], 2) if b.form == 'fk' else (qb.shape[2], 1)
-  dn = (((2,), (b_contract,)), ((0,), (0,)))
-  da, db = qa.dtype, qb.dtype
-  if _is_int(da) and _is_int(db) and raw.accumulator != 'float32':
-    qa, qb = lax.optimization_barrier((qa, qb))
-    out = lax.dot_general(qa, qb, dn, preferred_element_type=jnp.int32)
-    out = int_corrections(out, qa, qb, za, zb, b_contract)
-    out = out.astype(jnp.float32)
-  elif _is_fp8(da) and _is_fp8(db) and raw.accumulator != 'int32':
-    qa, qb = lax.optimization_barrier((qa, qb))
-    out = lax.dot_general(qa, qb, dn, preferred_element_type=jnp.float32)
-  else:
-    floats = [d for d in (da, db) if not (_is_int(d) or _is_fp8(d))]
-    ct = jnp.result_type(*floats) if floats else jnp.float32
-    qa, qb = qa.astype(ct), qb.astype(ct)
-    if za is not None:  # Subtracted in float: exact for integer values.
-      qa = qa - za[:, :, None].astype(ct)
-    if zb is not None:
-      qb = (
-        qb - zb[:, :, None].astype(ct)
-        if b_contract == 2
-        else qb - zb[:, None, :].astype(ct)
-      )
-    out = lax.dot_general(
-      qa, qb, dn, precision=precision, preferred_element_type=jnp.float32
+  zero = None
+  if za is not None or zb is not None:
+    zero = (
+      functools.partial(subtract_rows, za=za, zb=zb, b_contract=b_contract),
+      functools.partial(int_corrections, za=za, zb=zb, b_contract=b_contract),
     )
+  out = low_precision(qa, qb, _batched_dot(b_contract), raw, precision, zero)
   out = out.reshape(bsz, n, fa, fb)
   if a.scale is not None:
     out = out * a.scale
@@ -397,23 +343,16 @@ def contract(
   return out[:, 0] if n == 1 else out.sum(axis=1)
 
 
-def quantized_dot(
-  a: Operand, b: Operand, raw: DotGeneralRaw, precision
-) -> jax.Array:
-  """One backward dot: quantize `a` and `b` as `raw` says; contract."""
-  return quantized_dot_state(a, b, raw, precision)[0]
-
-
-def quantized_dot_state(a: Operand, b: Operand, raw: DotGeneralRaw, precision):
-  """`quantized_dot` and the operands' new calibration states (or None).
+def qdot(a: Operand, b: Operand, raw: DotGeneralRaw, precision, tile):
+  """One backward dot: quantize `a` and `b` as their configs say (tiles of
+  `tile` along the contraction); contract. Returns (out, a's new state,
+  b's new state).
 
   The lhs `a` may come in either form. A 'kf' lhs [B, K, F] is quantized
   as it lies and its values then written transposed by a plain copy
   (`with_transposed_copy`): on XLA:CPU far cheaper than quantizing a
   transposed float array.
   """
-  k = a.x.shape[2] if a.form == 'fk' else a.x.shape[1]
-  tile = common_tile([a.config, b.config], k)
   qa, qb = quantize_tiled(a, tile), quantize_tiled(b, tile)
   state_a = qa.state
   if qa.form == 'kf':
@@ -448,11 +387,3 @@ def repeat_tiles(x: jax.Array | None, n: int) -> jax.Array | None:
 def merge_tiles(x3: jax.Array, n: int, form: str) -> jax.Array:
   """Tiles back into K: [B*T, F, t] / [B*T, t, F] -> [B, F, K] / [B, K, F]."""
   return from_view(x3.reshape((-1, n) + x3.shape[1:]), form)
-
-
-def struct_of(x: jax.Array | QTensor) -> jax.ShapeDtypeStruct:
-  """Shape and dtype of an operand as the user sees it (a QTensor's original
-  shape, and its scale's float dtype)."""
-  if isinstance(x, QTensor):
-    return jax.ShapeDtypeStruct(x.layout.shape, x.scale.dtype)
-  return jax.ShapeDtypeStruct(x.shape, x.dtype)

@@ -17,6 +17,15 @@ ROLE_AXES = {
 }
 
 
+def view_shape(shape3, form: str, tile: int | None) -> tuple[int, ...]:
+  """The view shape `to_view` gives a canonical array of `shape3`."""
+  b, d1, d2 = shape3
+  k = d2 if form == 'fk' else d1
+  t = tile or k
+  n = k // t if t else 1
+  return (b, n, d1, t) if form == 'fk' else (b, n, t, d2)
+
+
 def to_view(x3: jax.Array, form: str, tile: int | None) -> jax.Array:
   """Canonical [B, F, K] / [B, K, F] -> view [B, T, F, t] / [B, T, t, F]."""
   b, d1, d2 = x3.shape
@@ -25,6 +34,8 @@ def to_view(x3: jax.Array, form: str, tile: int | None) -> jax.Array:
   n = k // t
   if form == 'kf':
     return x3.reshape(b, n, t, d2)
+  if n == 1:
+    return x3.reshape(b, 1, d1, t)
   x4 = x3.reshape(b, d1, n, t)
   return x4.transpose(0, 2, 1, 3) if n > 1 else x4.reshape(b, 1, d1, t)
 

@@ -27,12 +27,13 @@ Edge cases (documented behaviour, tested):
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from aqtr.core import stateful
+from aqtr.core import prims
 from aqtr.core.config import TensorConfig
 from aqtr.core.dimension_numbers import OperandLayout, normalize_axes
 from aqtr.core.qtensor import ROLE_AXES, QTensor, from_view, to_view
@@ -48,33 +49,6 @@ from aqtr.core.scale import (
 from aqtr.core.sparsify import prune
 
 
-def _blocked(calibrate, x: jax.Array, axes, free_axis: int, rows: int):
-  """`calibrate(x, axes)` with the free axis also shared in blocks of `rows`.
-
-  The free axis is split into blocks (the last one padded by repeating its
-  last row), the blocks' rows are reduced with `axes`, and the result is
-  repeated back to one entry per row. Works for bounds and (lo, hi) pairs.
-  """
-  f = x.shape[free_axis]
-  pad = [(0, 0)] * x.ndim
-  pad[free_axis] = (0, -f % rows)
-  xp = jnp.pad(x, pad, mode='edge')
-  nb = xp.shape[free_axis] // rows
-  x5 = xp.reshape(x.shape[:free_axis] + (nb, rows) + x.shape[free_axis + 1 :])
-  axes5 = tuple(a + (a > free_axis) for a in axes) + (free_axis + 1,)
-
-  def back(b5):
-    b5 = jnp.broadcast_to(
-      b5, b5.shape[: free_axis + 1] + (rows,) + b5.shape[free_axis + 2 :]
-    )
-    b = b5.reshape(
-      b5.shape[:free_axis] + (nb * rows,) + b5.shape[free_axis + 2 :]
-    )
-    return lax.slice_in_dim(b, 0, f, axis=free_axis)
-
-  return jax.tree.map(back, calibrate(x5, tuple(sorted(axes5))))
-
-
 def view_scale_shape(view_shape, cfg: TensorConfig, form: str):
   """The scale shape `quantize_view` gives a view of `view_shape`."""
   return scale_shape(view_shape, cfg.tiling.shared, ROLE_AXES[form])
@@ -88,96 +62,119 @@ def scale_problems(scale, view_shape, cfg: TensorConfig, form: str):
   return []
 
 
-def _bound(cal, x, axes, n, state, path):
-  """(bound, new_state or None): stateless, recorded, or stateful."""
-  if not stateful.is_stateful(cal):
-    return cal.bound_for(x, axes, n), None
-  if state is None and stateful.record(path, x, axes):
-    return cal.calibrate(x, axes), None
-  return stateful.site_bound(cal, x, axes, n, state, path)
+def shared_axes(cfg: TensorConfig, form: str) -> tuple[int, ...]:
+  """The view axes the tiling shares one scale along."""
+  return tuple(sorted(ROLE_AXES[form][r] for r in cfg.tiling.shared))
 
 
-def _calibrator(cfg: TensorConfig, form: str, x_shape, state, path: str):
-  """`calibrate(x, axes)` for the numerics: a bound, or (lo, hi) if affine.
+def _block_rows(cfg: TensorConfig, form: str, view_shape) -> int | None:
+  """Rows per block when a block tiling also shares the free axis."""
+  free = ROLE_AXES[form]['free']
+  rows = cfg.tiling.free_block(view_shape[free])
+  return None if rows is None or free in shared_axes(cfg, form) else rows
 
-  Block tilings (`free_block`) also share the free axis in blocks of rows.
-  A stateful calibration's new state is written to the returned `box`.
-  Returns (calibrate, axes, spans_rows, box).
+
+def calibration_view(view_shape, cfg: TensorConfig, form: str):
+  """(shape, axes) of the array the calibration sees for a view.
+
+  The view itself and the shared axes; with a block tiling (`free_block`)
+  the free axis split into blocks of rows (padded), the rows shared too.
   """
-  n = cfg.numerics
-  cal = cfg.calibration
-  roles = ROLE_AXES[form]
-  axes = tuple(sorted(roles[r] for r in cfg.tiling.shared))
-  box = {}
+  axes = shared_axes(cfg, form)
+  rows = _block_rows(cfg, form, view_shape)
+  if rows is None:
+    return tuple(view_shape), axes
+  free = ROLE_AXES[form]['free']
+  nb = -(-view_shape[free] // rows)
+  shape = view_shape[:free] + (nb, rows) + tuple(view_shape[free + 1 :])
+  axes5 = tuple(a + (a > free) for a in axes) + (free + 1,)
+  return shape, tuple(sorted(axes5))
+
+
+class Quantized(NamedTuple):
+  """One quantized view (see `quantize_view`).
+
+  Attributes:
+    q: the values; s: the scale; z: the zero point (affine) or None.
+    mask: the straight-through gradient mask, or None.
+    state: a stateful calibration's new {'stats', 'learned'}, or None.
+    learned: {name: d xhat / d param} in the view (learned calibrations),
+      or None.
+  """
+
+  q: jax.Array
+  s: jax.Array
+  z: jax.Array | None = None
+  mask: jax.Array | None = None
+  state: dict | None = None
+  learned: dict | None = None
+
+
+def _bounds(cfg: TensorConfig, x, axes, state):
+  """(bound or (lo, hi), new state or None) of the calibration."""
+  cal, n = cfg.calibration, cfg.numerics
   if n.asymmetric:
-    if stateful.is_stateful(cal):
-      raise ValueError(
-        f'{path}.calibration: {type(cal).__name__} is stateful and gives a '
-        f'symmetric bound; numerics {type(n).__name__} is asymmetric and '
-        'needs a range; allowed: a stateless calibration.'
-      )
-    base = cal.calibrate_range
-  else:
-
-    def base(x, axes):
-      bound, box['state'] = _bound(cal, x, axes, n, state, path)
-      return bound
-
-  free_axis = roles['free']
-  rows = cfg.tiling.free_block(x_shape[free_axis])
-  if rows is not None and free_axis not in axes:
-
-    def calibrate(x, axes):
-      return _blocked(base, x, axes, free_axis, rows)
-
-    return calibrate, axes, True, box
-  return base, axes, not cfg.tiling.shared <= FIBER_ROLES, box
+    return cal.calibrate_range(x, axes), None
+  if state is None:
+    return cal.bound_for(x, axes, n), None
+  return cal.bound_with_state(x, axes, n, state)
 
 
-def quantize_view(x4: jax.Array, cfg: TensorConfig, form: str, noise=None):
-  """Quantizes a tiled view.
+def _calibrate(cfg: TensorConfig, form: str, x, state):
+  """(bound, new state) of view `x`; block tilings share rows in blocks
+  (the last block padded by repeating its last row)."""
+  axes = shared_axes(cfg, form)
+  rows = _block_rows(cfg, form, x.shape)
+  if rows is None:
+    return _bounds(cfg, x, axes, state)
+  free = ROLE_AXES[form]['free']
+  f = x.shape[free]
+  pad = [(0, 0)] * x.ndim
+  pad[free] = (0, -f % rows)
+  shape5, axes5 = calibration_view(x.shape, cfg, form)
+  x5 = jnp.pad(x, pad, mode='edge').reshape(shape5)
+  bound, new = _bounds(cfg, x5, axes5, state)
 
-  The scale (and zero point) have `view_scale_shape`; the scale is NaN for
-  the rows holding a NaN or inf (see the module docstring).
+  def back(b5):
+    b5 = jnp.broadcast_to(
+      b5, b5.shape[: free + 1] + (rows,) + b5.shape[free + 2 :]
+    )
+    b = b5.reshape(b5.shape[:free] + (-1,) + b5.shape[free + 2 :])
+    return lax.slice_in_dim(b, 0, f, axis=free)
 
-  Returns:
-    (qvalue, scale, zero_point or None, grad_mask or None).
-  """
-  return quantize_view_stateful(x4, cfg, form, noise)[:4]
+  return jax.tree.map(back, bound), new
 
 
-def quantize_view_stateful(
+def quantize_view(
   x4: jax.Array,
   cfg: TensorConfig,
   form: str,
   noise=None,
   state: dict | None = None,
-  path: str = 'operand',
-):
-  """`quantize_view` with calibration state (see `aqtr.core.stateful`).
+) -> Quantized:
+  """Quantizes a tiled view.
 
-  Returns:
-    (qvalue, scale, zero_point or None, grad_mask or None, new_state or
-    None, learned): learned is {name: d xhat / d param} in the view for
-    learned calibrations, or None.
+  The scale (and zero point) have `view_scale_shape`; the scale is NaN for
+  the rows holding a NaN or inf (see the module docstring). A stateful
+  calibration reads `state` ({'stats', 'learned'}) and returns the next.
   """
   n = cfg.numerics
   cal = cfg.calibration
   x = x4.astype(jnp.float32)
   roles = ROLE_AXES[form]
-  calibrate, axes, spans_rows, box = _calibrator(
-    cfg, form, x.shape, state, path
+  spans_rows = (
+    _block_rows(cfg, form, x.shape) is not None
+    or not cfg.tiling.shared <= FIBER_ROLES
   )
   if spans_rows:  # Groups span rows: bound the finite values, mark bad rows.
     finite = jnp.isfinite(x)
-    bound = calibrate(jnp.where(finite, x, jnp.float32(0)), axes)
+    bound, new_state = _calibrate(cfg, form, prims.where(finite, x, 0.0), state)
     flags = row_flags(finite, sorted(roles[r] for r in FIBER_ROLES))
   else:
     # Groups lie within rows: a non-finite bound (the calibration contract)
     # already marks the rows holding NaN/inf.
-    bound = calibrate(x, axes)
+    bound, new_state = _calibrate(cfg, form, x, state)
     flags = None
-  new_state = box.get('state')
   po2 = cal.po2_scale
   z = None
   if n.asymmetric:
@@ -201,7 +198,7 @@ def quantize_view_stateful(
     learned, mask = cal.value_grad(x, s, n, state)
   if mask is not None:  # Never zero the gradient of a non-finite value.
     mask = mask | ~jnp.isfinite(v)
-  return q, s, z, mask, new_state, learned
+  return Quantized(q, s, z, mask, new_state, learned)
 
 
 def check_float(x, field: str) -> None:
@@ -237,8 +234,8 @@ def _quantize(x, config, contracting_axes, batch_axes, key):
   x4 = to_view(lay.to_canonical(jnp.asarray(x), 'fk'), 'fk', tile)
   if not config.quantized:
     return QTensor(x4, None, lay, 'fk'), None, keep
-  q, s, z, mask = quantize_view(x4, config, 'fk', noise)
-  return QTensor(q, s, lay, 'fk', z), mask, keep
+  r = quantize_view(x4, config, 'fk', noise)
+  return QTensor(r.q, r.s, lay, 'fk', r.z), r.mask, keep
 
 
 def quantize(
@@ -303,5 +300,5 @@ def fake_quant(
   st = x - xs
   if mask4 is not None:
     mask = qt.layout.from_canonical(from_view(mask4, 'fk'), 'fk')
-    st = jnp.where(mask, st, jnp.zeros_like(st))
+    st = prims.where(mask, st, 0.0)
   return xhat + st

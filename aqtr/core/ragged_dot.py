@@ -18,9 +18,12 @@ from jax import lax
 
 from aqtr.core.config import DotGeneralConfig
 from aqtr.core.dot_general import quantized_ragged_dot
+from aqtr.core.qtensor import QTensor
 from aqtr.core.quantizer import check_float
+from aqtr.core.ragged import RaggedPlan
 from aqtr.core.rounding import as_typed_key
 from aqtr.core.sharding import check_meshes, run_typed
+from aqtr.core.slots import Slot
 
 
 def _check_shapes(lhs, rhs, group_sizes) -> None:
@@ -116,12 +119,18 @@ def ragged_dot(
     raise TypeError(
       f'config must be an aqtr.DotGeneralConfig or None, got {config!r}.'
     )
-  for side in ('lhs', 'rhs'):
-    t = None if config is None else getattr(config.fwd, side)
+  for slot in (Slot.FWD_LHS, Slot.FWD_RHS):
+    t = None if config is None else slot.tensor(config)
     if t is not None and t.sparse:
       raise ValueError(
-        f'config.fwd.{side}.sparsity: ragged_dot does not prune operands '
+        f'config.{slot.path}.sparsity: ragged_dot does not prune operands '
         f"yet, got {t.sparsity!r}; allowed: NoSparsity() ('none')."
+      )
+  for name, x in (('lhs', lhs), ('rhs', rhs)):
+    if isinstance(x, QTensor):
+      raise ValueError(
+        f'ragged_dot: {name} is a stored QTensor, which ragged_dot does not '
+        'take; pass the float operand (it is quantized on the fly).'
       )
   lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
   _check_shapes(lhs, rhs, group_sizes)
@@ -144,15 +153,11 @@ def ragged_dot(
       'key=jax.random.key(seed) (a raw jax.random.PRNGKey works too).'
     )
   key = as_typed_key(key) if config.needs_key else None
-  preferred = (
-    None
-    if preferred_element_type is None
-    else jnp.dtype(preferred_element_type)
-  )
-  static = (config, precision, preferred)
+  plan = RaggedPlan.create(lhs, rhs, config, precision, preferred_element_type)
+  preferred = plan.preferred
 
   def run(lhs, rhs, group_sizes, key):
-    return quantized_ragged_dot(lhs, rhs, group_sizes, key, *static)
+    return quantized_ragged_dot(lhs, rhs, group_sizes, key, plan)
 
   def out_type():  # lax's output type (explicit axes: its sharding)
     return jax.eval_shape(

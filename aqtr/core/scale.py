@@ -37,7 +37,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
+from aqtr.core import prims
 from aqtr.core.algorithms import Numerics
 
 # The smallest normal float32: scales never go below it.
@@ -55,7 +57,7 @@ def po2_ceil(s: jax.Array) -> jax.Array:
     Array([0.5, 4. , 8. , 1. ], dtype=float32)
   """
   m, e = jnp.frexp(s)  # s = m * 2^e, m in [0.5, 1).
-  e = jnp.minimum(jnp.where(m == 0.5, e - 1, e), 127)
+  e = jnp.minimum(prims.where(m == 0.5, e - 1, e), 127)
   return jnp.ldexp(jnp.ones_like(s), e)
 
 
@@ -100,18 +102,52 @@ def scale_from_range(
 def _robust(s, bound, unit: float, po2: bool) -> jax.Array:
   """`s * unit` kept normal, 1 for an all-zero group, NaN if not finite."""
   s = s if unit == 1.0 else s * unit
-  # `where`, not maximum: XLA:CPU's fast min/max may drop a NaN.
-  s = jnp.where(s < TINY, TINY, s)
+  # A NaN that XLA:CPU's fast max may drop here comes from a non-finite
+  # bound, which the last select turns back into NaN.
+  s = lax.max(s, jnp.asarray(TINY, s.dtype))
   if po2:
     s = po2_ceil(s)
-  s = jnp.where(bound == 0, jnp.float32(unit), s)
+  s = prims.where(bound == 0, unit, s)
   ok = jnp.isfinite(bound) & jnp.isfinite(s)
-  return jnp.where(ok, s, jnp.float32(jnp.nan))
+  return prims.where(ok, s, float('nan'))
+
+
+def requantizable(s: jax.Array, max_value: float) -> jax.Array:
+  """S rounded up to `24 - bits(odd part of max_value)` significant bits.
+
+  Then `max_value * S` is exact in float32, so re-calibrating the
+  dequantized values of a group whose largest value sits at the top code,
+  `bound = max_value * S`, gives back S bit for bit when float32 division
+  by max_value is exact on its multiples (true of 127 on XLA:CPU; not
+  always of 7 or 448, where S may come back one ulp off). S grows by less
+  than 2^-(23 - bits) of itself (2^-16 for 127); a normal S stays normal,
+  a power of two (1 for an all-zero group) stays, NaN stays NaN.
+  Quantized training stores weights with such scales, so serving them
+  equals the training forward (`aqtr.qt`).
+
+  Args:
+    s: float32 scales from `scale_from_bound`.
+    max_value: the numerics' top grid value (127 for int8).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> s = requantizable(jnp.float32(0.3) / 127, 127.0)
+    >>> bool((127 * s) / 127 == s), bool(s >= jnp.float32(0.3) / 127)
+    (True, True)
+  """
+  odd = float(max_value).as_integer_ratio()[0]
+  while odd and odd % 2 == 0:
+    odd //= 2
+  low = jnp.uint32((1 << odd.bit_length()) - 1)
+  s = s.astype(jnp.float32)
+  u = jax.lax.bitcast_convert_type(s, jnp.uint32)
+  up = jax.lax.bitcast_convert_type((u + low) & ~low, jnp.float32)
+  return jnp.where(jnp.isfinite(s), up, s)
 
 
 def row_flags(finite: jax.Array, fiber_axes) -> jax.Array:
   """0 per row, NaN where the row holds a non-finite value (add to S)."""
-  bad = jnp.where(finite, jnp.float32(0), jnp.float32(jnp.nan))
+  bad = prims.where(finite, jnp.zeros((), jnp.float32), float('nan'))
   return jnp.sum(bad, axis=tuple(fiber_axes), keepdims=True)
 
 

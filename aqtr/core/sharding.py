@@ -128,6 +128,8 @@ def check_meshes(lhs, rhs) -> None:
 
 def vma_of(x) -> frozenset:
   """The manual mesh axes `x` varies along (empty outside shard_map)."""
+  if not isinstance(x, jax.Array):
+    return frozenset()
   aval = jax.typeof(x)
   mat = getattr(aval, 'mat', None)  # JAX >= 0.10: the manual axis type.
   if mat is not None:
@@ -232,15 +234,14 @@ def gather_specs(lhs, rhs, fwd):
   return None if specs == [None, None] else tuple(specs)
 
 
-def keep_on_shards(q_lhs, q_rhs, lay, specs):
-  """Both forward operands pinned to their shards (`specs`: None or a pair
-  of PartitionSpecs, see `gather_specs`)."""
-  if specs is None:
-    return q_lhs, q_rhs
-  return (
-    _keep_on_shards(q_lhs, lay.lhs, specs[0]),
-    _keep_on_shards(q_rhs, lay.rhs, specs[1]),
-  )
+def keep_on_shards(q: dict, plan) -> dict:
+  """{side: quantized operand} pinned to their shards where the plan has
+  a `quantized_gather` PartitionSpec (`gather_specs`)."""
+  out = {}
+  for side, x in q.items():
+    op = plan.operand(side)
+    out[side] = _keep_on_shards(x, op.layout, op.gather)
+  return out
 
 
 def _keep_on_shards(q, layout, spec):
@@ -318,7 +319,7 @@ def collectives(hlo_text: str) -> list[tuple[str, str, int]]:
   return out
 
 
-def run_on_mesh(run, args, structs, dn, preferred, out_sharding, state=None):
+def run_on_mesh(run, args, structs, plan, out_sharding, state=None):
   """`run(*args)`, the quantized dot, with lax's output sharding.
 
   Explicit axes: the output type lax gives `structs` (or `out_sharding`),
@@ -328,7 +329,9 @@ def run_on_mesh(run, args, structs, dn, preferred, out_sharding, state=None):
   """
 
   def out_type():
-    return output_type(*structs, dn, preferred, out_sharding)
+    return output_type(
+      *structs, plan.dimension_numbers, plan.preferred, out_sharding
+    )
 
   return run_typed(run, args, out_type, out_sharding, state)
 
@@ -357,11 +360,10 @@ def zeros_varying(struct, vma: frozenset) -> jax.Array:
   return match_vma(jnp.zeros(struct.shape, struct.dtype), vma)
 
 
-def check_operands(lhs, rhs, dimension_numbers, tile: int | None) -> None:
+def check_operands(lhs, rhs, plan) -> None:
   """`check_meshes`, then `check_tiles` for both float operands (a stored
-  QTensor is skipped)."""
+  QTensor is skipped), with the plan's forward tile."""
   check_meshes(lhs, rhs)
-  (lc, rc), _ = dimension_numbers
-  for x, axes, name in ((lhs, lc, 'lhs'), (rhs, rc, 'rhs')):
-    if not hasattr(x, 'qvalue'):
-      check_tiles(x, axes, tile, name)
+  for x, op, name in ((lhs, plan.lhs, 'lhs'), (rhs, plan.rhs, 'rhs')):
+    if not op.stored:
+      check_tiles(x, op.layout.contract, plan.fwd_tile, name)

@@ -13,24 +13,36 @@ added once per call whose VJP is taken (accumulating k micro-batches adds
 it k times; scale `decay` accordingly).
 
 Schedule: with `start_step > 0` or `update_step > 1` the mask is state
-(`'fwd.<side>.sparsity'` in the call's state tree, `aqtr.state`): a
-float32 0/1 mask and a step counter; the forward pass returns the next
-one (`scheduled_prune`).
+(`Schedule`, the `schedule` field of the operand's `SlotState`; spelled
+'fwd.<side>.sparsity' in the user-facing tree, `aqtr.state`): a float32
+0/1 mask and a step counter; the forward pass returns the next one
+(`scheduled_prune`).
 
-Internal API (used by `dot_general.py`, `engine_state.py`, `operand.py`,
-`quantizer.py`, `aqtr.state`, the freezer lifecycle):
-`prune`, `decay_term`, `prune_operands`, `has_schedule`, `schedule_init`,
-`scheduled_prune`, `sites_of`, `site_entries`, `SITE`.
+Internal API (used by `forward.py`, `operand.py`, `quantizer.py`,
+`slot_state.py`): `Schedule`, `prune`, `decay_term`, `prune_operand`,
+`scheduled_prune`.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
-from aqtr.core.config import DotGeneralConfig, TensorConfig
-from aqtr.core.dimension_numbers import DotLayout, OperandLayout
-from aqtr.core.qtensor import QTensor
+from aqtr.core.config import TensorConfig
+from aqtr.core.dimension_numbers import OperandLayout
+from aqtr.core.slots import Slot
+
+
+class Schedule(NamedTuple):
+  """A forward operand's sparsity schedule: the mask held and the step.
+
+  Both float32 (a differentiable input of the VJP, like all state).
+  """
+
+  mask: jax.Array
+  step: jax.Array
 
 
 def _mask(x, t: TensorConfig, layout: OperandLayout, form: str, path: str):
@@ -76,62 +88,29 @@ def decay_term(
   return (t.sparsity.decay * term).astype(x.dtype)
 
 
-def prune_operands(lhs, rhs, lay: DotLayout, cfg: DotGeneralConfig, sites=None):
-  """Both forward operands pruned: (lhs_s, rhs_s, terms, new sites).
+def prune_operand(plan, side, x, schedule=None):
+  """(x_s, keep-mask or None, SR-STE term or None, new schedule or None).
 
-  `terms` are the SR-STE gradient terms (`decay_term`, or None) of lhs and
-  rhs. A sparsity with a schedule (`has_schedule`) reads its mask state
-  from `sites` ({'lhs': site, 'rhs': site}, see `schedule_init`) and
-  returns the next one in `new sites`; without a site it raises. Stored
-  QTensor operands (`aqtr.quantize_operand`, pruned when made) are
-  returned as they are.
+  One forward operand (`side`) of the dot `plan` describes, pruned in the
+  form it is quantized in. A sparsity with a schedule (`has_schedule`)
+  holds its mask in `schedule` (`slot_state.Schedule`) and returns the
+  next one. A stored QTensor (pruned when made) is returned as it is.
   """
-  sites = sites or {}
-  out, terms, new = {}, [], {}
-  for side, x, form in (
-    ('lhs', lhs, 'fk'),
-    ('rhs', rhs, lay.rhs.natural_form()),
-  ):
-    t = getattr(cfg.fwd, side)
-    if isinstance(x, QTensor) or not t.sparse:
-      out[side] = x
-      terms.append(None)
-      continue
-    path, layout = f'config.fwd.{side}', getattr(lay, side)
-    if has_schedule(t):
-      site = sites.get(side)
-      if site is None:
-        raise ValueError(
-          f'{path}.sparsity: {t.sparsity!r} has a schedule (start_step > 0 '
-          'or update_step > 1) and needs its mask state: call '
-          'aqtr.dot_general(..., state=aqtr.state.init(lhs, rhs, '
-          'dimension_numbers, config)).'
-        )
-      out[side], mask, new[side] = scheduled_prune(
-        x, t, layout, form, path, site
-      )
-    else:
-      out[side], mask = prune(x, t, layout, form, path)
-    terms.append(decay_term(x, t, mask))
-  return out['lhs'], out['rhs'], terms, new
+  slot = Slot.forward(side)
+  t = plan.tensor(slot)
+  op = plan.operand(side)
+  if op.stored or not t.sparse:
+    return x, None, None, None
+  path = f'config.{slot.path}'
+  new = None
+  if schedule is not None:
+    x_s, mask, new = scheduled_prune(x, t, op.layout, op.form, path, schedule)
+  else:
+    x_s, mask = prune(x, t, op.layout, op.form, path)
+  return x_s, mask, decay_term(x, t, mask), new
 
 
 # ------------------------------------------------------------------ schedule
-
-
-def schedule_init(x: jax.Array) -> dict:
-  """The schedule state of an operand shaped like `x`: a dense mask (1.0)
-  and step 0 (float32, so it can be a differentiable input)."""
-  return {
-    'mask': jnp.ones(jnp.shape(x), jnp.float32),
-    'step': jnp.zeros((), jnp.float32),
-  }
-
-
-def has_schedule(t: TensorConfig) -> bool:
-  """Whether the operand's mask needs state (a start or held steps)."""
-  s = t.sparsity
-  return s.prunes and (s.start_step > 0 or s.update_step > 1)
 
 
 def scheduled_prune(
@@ -140,45 +119,21 @@ def scheduled_prune(
   layout: OperandLayout,
   form: str,
   path: str,
-  site: dict,
-) -> tuple[jax.Array, jax.Array, dict]:
-  """(x_s, mask, new site): the mask as the schedule says at `site['step']`.
+  schedule: Schedule,
+) -> tuple[jax.Array, jax.Array, Schedule]:
+  """(x_s, mask, new schedule): the mask as the schedule says at its step.
 
   Before `start_step` the mask is dense; at `start_step + j * update_step`
-  it is made from `x`; in between the stored one is held. The new site
-  holds the mask used and the next step.
+  it is made from `x`; in between the stored one is held. The new
+  schedule holds the mask used and the next step.
   """
   s = t.sparsity
-  step = site['step']
-  held = site['mask'] > 0.5
+  step = schedule.step
+  held = schedule.mask > 0.5
   fresh = _mask(x, t, layout, form, path)
   active = step >= s.start_step
   since = jnp.maximum(step - s.start_step, 0.0)
   refresh = active & (jnp.mod(since, float(s.update_step)) == 0)
   mask = jnp.where(refresh, fresh, held) | ~active
-  new = {'mask': mask.astype(jnp.float32), 'step': step + 1.0}
+  new = Schedule(mask.astype(jnp.float32), step + 1.0)
   return jnp.where(mask, x, jnp.zeros_like(x)), mask, new
-
-
-# The state path of a forward operand's sparsity schedule, e.g.
-# 'fwd.rhs.sparsity': {'stats': {'mask', 'step'}, 'learned': {}}.
-SITE = 'fwd.{side}.sparsity'
-
-
-def sites_of(state: dict | None) -> dict:
-  """{side: schedule site} of a call's state tree (`aqtr.state`)."""
-  state = state or {}
-  out = {}
-  for side in ('lhs', 'rhs'):
-    entry = state.get(SITE.format(side=side))
-    if entry is not None:
-      out[side] = entry['stats']
-  return out
-
-
-def site_entries(sites: dict) -> dict:
-  """{state path: entry} of the new schedule sites `prune_operands` gave."""
-  return {
-    SITE.format(side=side): {'stats': site, 'learned': {}}
-    for side, site in sites.items()
-  }

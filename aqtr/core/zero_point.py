@@ -14,8 +14,8 @@ point contracts that operand's free axis, along which z varies:
 `(g s) . (q - z) = (g s) . q - (g s) . z`, whose second term (a
 matrix-vector product in float) is `reuse_term`.
 
-Internal API (used by `passes.py` and `dot_general.py` only):
-`as_int8`, `per_row`, `int_corrections`, `reuse_term`.
+Internal API (used by `passes.py`, `backward.py` and `ragged.py`):
+`as_int8`, `per_row`, `int_corrections`, `subtract_rows`, `reuse_term`.
 """
 
 from __future__ import annotations
@@ -81,16 +81,31 @@ def int_corrections(
   return out
 
 
-def reuse_term(g_s: jax.Array, z: jax.Array, axis: int) -> jax.Array:
+def subtract_rows(qa, qb, za, zb, b_contract: int):
+  """(q_a - z_a, q_b - z_b) of float operands shaped as `int_corrections`'s
+  (a zero point None leaves its operand as it is)."""
+  if za is not None:
+    qa = qa - za[:, :, None].astype(qa.dtype)
+  if zb is not None:
+    zz = zb[:, :, None] if b_contract == 2 else zb[:, None, :]
+    qb = qb - zz.astype(qb.dtype)
+  return qa, qb
+
+
+def reuse_term(g_s: jax.Array, z: jax.Array, axis: int, form: str):
   """`(g s) . z` summed over g_s's `axis` (the reused operand's free axis).
 
   Args:
     g_s: the cotangent with the forward scale folded in, [BT, ., .].
     z: the reused operand's zero point per row, [BT, F].
     axis: 1 or 2, the axis of g_s that holds F.
+    form: the backward dot's output form: 'fk' [BT, F_x, t] or 'kf'
+      [BT, t, F_x].
 
   Returns:
-    The term to subtract from the backward dot, with `axis` kept (size 1).
+    The term to subtract from the backward dot's output, broadcastable to
+    it (size 1 along t).
   """
   zz = z[:, None, :] if axis == 2 else z[:, :, None]
-  return jnp.sum(g_s * zz, axis=axis, keepdims=True)
+  term = jnp.sum(g_s * zz, axis=axis)  # [BT, F_x]
+  return term[:, :, None] if form == 'fk' else term[:, None, :]

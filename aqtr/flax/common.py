@@ -24,8 +24,8 @@ from jax import lax
 
 from aqtr.core import conv as conv_lib
 from aqtr.core import einsum as einsum_lib
+from aqtr.core import slot_state
 from aqtr.core.config import DotGeneralConfig
-from aqtr.core.engine_state import state_paths, stateful_paths, tensor_config
 from aqtr.freezers import Mode, lifecycle
 from aqtr.state import init as init_state
 
@@ -165,8 +165,8 @@ class CalibStateInit:
   def learns(self) -> bool:
     """Whether some stateful calibration of the config learns parameters."""
     return any(
-      tensor_config(self.config, p).calibration.has_learned
-      for p in stateful_paths(self.config)
+      slot.tensor(self.config).calibration.has_learned
+      for slot in slot_state.calibrated_slots(self.config)
     )
 
   def __call__(self) -> tuple[dict, dict]:
@@ -194,7 +194,7 @@ def quantized_dot(host: Host, lhs, rhs, dn, precision, preferred):
   lifecycle.validate(cfg)
   check_mode(mode)
   state = None
-  if state_paths(cfg):
+  if slot_state.paths(cfg):
     state = host.calib_state(CalibStateInit(lhs, rhs, dn, cfg))
   frozen = stats = None
   if lifecycle.freezers(cfg) and not host.initializing:
@@ -208,22 +208,15 @@ def quantized_dot(host: Host, lhs, rhs, dn, precision, preferred):
       )
     elif mode in (Mode.CALIBRATE, Mode.CONVERT):
       stats = host.stats(mode)
-  r = lifecycle.run(
-    mode,
-    lhs,
-    rhs,
-    dn,
-    cfg,
-    frozen=frozen,
-    stats=stats,
-    key=prng_key(host),
-    precision=precision,
-    preferred_element_type=preferred,
-    initializing=host.initializing,
-    where=host.where,
-    how_stats=host.how_calibrate,
-    state=state,
+  call = lifecycle.DotCall(
+    lhs, rhs, dn, cfg, prng_key(host), precision, preferred, state
   )
+  try:
+    r = lifecycle.run(
+      call, mode, frozen=frozen, stats=stats, initializing=host.initializing
+    )
+  except lifecycle.FreezerError as e:  # The op's context, added here.
+    raise lifecycle.in_op(e, host.where, host.how_calibrate) from None
   host.store(r)
   if r.frozen is not None and lifecycle.removable(cfg):
     host.mark_removable(tuple(jnp.shape(rhs)))

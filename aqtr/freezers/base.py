@@ -106,7 +106,7 @@ class Freezer(abc.ABC):
     if self.frozen_parts:
       raise NotImplementedError(
         f'{type(self).__name__} declares frozen_parts {self.frozen_parts} '
-        f'but does not override Freezer.freeze ({call.where}).'
+        f'but does not override Freezer.freeze ({call.slot.path}).'
       )
     return {}
 

@@ -115,7 +115,8 @@ class CalibrationFreezer(Freezer):
     if stats is None or _never_updated(stats['count']):
       raise call.error(
         f'CONVERT freezes the static range of the {call.side} operand from '
-        f'its CALIBRATE statistics, but none were collected. {call.how_stats}'
+        'its CALIBRATE statistics, but none were collected.',
+        needs='stats',
       )
     return self.frozen(stats)
 

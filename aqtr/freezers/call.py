@@ -1,11 +1,16 @@
-"""One forward operand of one dot call, as a freezer sees it.
+"""One dot call and its forward operands, as the lifecycle and freezers see it.
 
-`aqtr.freezers.lifecycle` builds one `OperandCall` per frozen operand
-(the dot's layout is computed once per call) and hands it to the operand's
-freezer, which asks it for what it needs: the operand in canonical layout,
-TRAIN's quantization of it (`quantize`: the engine's `quantize_operand`,
-in the layout made once per call), a QTensor built from stored parts
-(`qtensor`), or the TensorConfig with a fixed range (`with_range`).
+An adapter op (`aqtr.flax`, `aqtr.pax`) makes one `DotCall` per quantized
+`dot_general` and hands it to `aqtr.freezers.lifecycle.run`; the call's
+`Plan` (layout, forms, tiles) is made once, and each frozen forward
+operand gets an `OperandCall` view of it for its freezer, which asks it
+for what it needs: the operand in canonical layout, TRAIN's quantization
+of it (`quantize`: the engine's `quantize_planned`, bit for bit), a QTensor
+built from stored parts (`qtensor`), or the TensorConfig with a fixed
+range (`with_range`).
+
+Errors raised here carry no op name: the adapter adds it at its boundary
+(`FreezerError.needs` tells it which hint to append).
 
 Not imported by `aqtr.freezers` (it imports the engine, which imports the
 freezer base classes).
@@ -14,6 +19,8 @@ freezer base classes).
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -21,85 +28,134 @@ import jax.numpy as jnp
 
 from aqtr.calibrations.constant import Constant
 from aqtr.core.config import DotGeneralConfig, TensorConfig
-from aqtr.core.dimension_numbers import DotLayout, OperandLayout
-from aqtr.core.operand import quantize_in_layout
-from aqtr.core.passes import common_tile
+from aqtr.core.dimension_numbers import OperandLayout
+from aqtr.core.operand import quantize_planned
+from aqtr.core.plan import Plan
 from aqtr.core.qtensor import QTensor
+from aqtr.core.slots import Side, Slot
+
+
+class FreezerError(ValueError):
+  """A freezer's error about one operand; `needs` names what would fix it
+  ('stats': run CALIBRATE first; None: the message says it)."""
+
+  def __init__(self, message: str, needs: str | None = None):
+    super().__init__(message)
+    self.needs = needs
+
+
+@dataclasses.dataclass(frozen=True)
+class DotCall:
+  """One `dot_general` call of an adapter op.
+
+  Attributes:
+    lhs, rhs: the float operands (in SERVE a freezer that does not read
+      its operand may get a placeholder of zeros: `Freezer.reads_float`).
+    dimension_numbers: of the dot.
+    config: its DotGeneralConfig.
+    key: PRNG key (stochastic rounding), or None.
+    precision, preferred_element_type: as in `lax.dot_general`.
+    state: the call's calibration state tree (`aqtr.state`), or None.
+
+  Example:
+    >>> import jax.numpy as jnp, aqtr
+    >>> dn = (((1,), (0,)), ((), ()))
+    >>> c = DotCall(jnp.ones((2, 4)), jnp.ones((4, 3)), dn, aqtr.presets.int8())
+    >>> c.operand('rhs').free_shape, c.operand('rhs').quantize().qvalue.dtype
+    ((3,), dtype('int8'))
+  """
+
+  lhs: Any
+  rhs: Any
+  dimension_numbers: Any
+  config: DotGeneralConfig
+  key: jax.Array | None = None
+  precision: Any = None
+  preferred_element_type: Any = None
+  state: Mapping | None = None
+
+  @functools.cached_property
+  def plan(self) -> Plan:
+    """The call's plan (made once)."""
+    return Plan.create(
+      self.lhs,
+      self.rhs,
+      self.dimension_numbers,
+      self.config,
+      self.precision,
+      self.preferred_element_type,
+    )
+
+  def operand(self, side: str | Side) -> OperandCall:
+    return OperandCall(self, Side(side))
+
+  def replace(self, **changes) -> DotCall:
+    return dataclasses.replace(self, **changes)
+
+
+# A pytree (arrays as leaves), so `jax.jit(lifecycle.run, static_argnums=1)`
+# takes a DotCall.
+jax.tree_util.register_dataclass(
+  DotCall,
+  data_fields=['lhs', 'rhs', 'key', 'state'],
+  meta_fields=[
+    'dimension_numbers',
+    'config',
+    'precision',
+    'preferred_element_type',
+  ],
+)
 
 
 @dataclasses.dataclass(frozen=True)
 class OperandCall:
-  """A forward operand of one `dot_general` call, for its freezer.
+  """A forward operand of one `DotCall`, for its freezer.
 
   Attributes:
-    side: 'lhs' or 'rhs'.
-    x: the float operand (in SERVE it may be a placeholder of zeros when
-      the freezer does not read it: `Freezer.reads_float`).
-    dot: the layout of the whole dot (both operands).
-    dimension_numbers: of the dot.
-    config: the dot's DotGeneralConfig.
-    key: PRNG key of the dot (stochastic rounding), or None.
-    where: the adapter op's name, for error messages.
-    how_stats: how to produce CALIBRATE statistics, for error messages.
-    state: the operand's calibration state ('fwd.<side>' of the call's
-      state tree) when its calibration is stateful, else None.
-    sparsity_state: its sparsity schedule's state (the stats of
-      'fwd.<side>.sparsity'), else None.
-
-  Example:
-    >>> import jax.numpy as jnp, aqtr
-    >>> from aqtr.core.dimension_numbers import DotLayout
-    >>> dn = (((1,), (0,)), ((), ()))
-    >>> x, w = jnp.ones((2, 4)), jnp.ones((4, 3))
-    >>> c = OperandCall('rhs', w, DotLayout.create(x.shape, w.shape, dn), dn,
-    ...                 aqtr.presets.int8())
-    >>> c.free_shape, c.quantize().qvalue.dtype
-    ((3,), dtype('int8'))
+    call: the DotCall.
+    side_: which operand (`side` is its name, 'lhs' / 'rhs').
   """
 
-  side: str
-  x: Any
-  dot: DotLayout
-  dimension_numbers: Any
-  config: DotGeneralConfig
-  key: jax.Array | None = None
-  where: str = 'aqtr op'
-  how_stats: str = ''
-  state: dict | None = None
-  sparsity_state: dict | None = None
+  call: DotCall
+  side_: Side
+
+  @property
+  def side(self) -> str:
+    return self.side_.value
+
+  @property
+  def slot(self) -> Slot:
+    return Slot.forward(self.side_)
+
+  @property
+  def x(self):
+    return self.call.lhs if self.side_ is Side.LHS else self.call.rhs
 
   @property
   def layout(self) -> OperandLayout:
     """This operand's batch / free / contraction axes."""
-    return getattr(self.dot, self.side)
-
-  @property
-  def other(self) -> OperandLayout:
-    """The other operand's layout."""
-    return self.dot.rhs if self.side == 'lhs' else self.dot.lhs
+    return self.call.plan.operand(self.side_).layout
 
   @property
   def tensor(self) -> TensorConfig:
     """This operand's forward TensorConfig (`config.fwd.<side>`)."""
-    return getattr(self.config.fwd, self.side)
+    return self.slot.tensor(self.call.config)
 
   @property
   def free_shape(self) -> tuple[int, ...]:
     """The sizes of the operand's free (neither batch nor contracted) axes."""
-    return tuple(self.layout.shape[a] for a in self.layout.free)
+    return self.call.plan.operand(self.side_).free_shape
 
   @property
   def form(self) -> str:
     """The view the engine keeps this operand's QTensor in ('fk' / 'kf')."""
-    return 'fk' if self.side == 'lhs' else self.layout.natural_form()
+    return self.call.plan.operand(self.side_).form
 
   @property
   def tile(self) -> int | None:
     """The dot's tile size along the contraction (None: untiled), as in
     the view of `quantize()`'s values."""
-    return common_tile(
-      [self.config.fwd.lhs, self.config.fwd.rhs], self.layout.k
-    )
+    return self.call.plan.fwd_tile
 
   def canonical(self) -> jax.Array:
     """The operand as [batch, free, contraction] (each axis group merged)."""
@@ -107,14 +163,14 @@ class OperandCall:
 
   def quantize(self) -> QTensor:
     """TRAIN's forward quantization of the operand (bit for bit)."""
-    return quantize_in_layout(
+    state = self.call.state or {}
+    return quantize_planned(
       jnp.asarray(self.x),
-      self.layout,
-      self.config,
-      operand=self.side,
-      key=self.key,
-      state=self.state,
-      sparsity_state=self.sparsity_state,
+      self.call.plan,
+      self.side_,
+      key=self.call.key,
+      state=state.get(self.slot.path),
+      schedule=state.get(self.slot.schedule_path),
     )
 
   def qtensor(
@@ -144,9 +200,9 @@ class OperandCall:
     """This operand's TensorConfig with the fixed range `Constant(bound)`."""
     return dataclasses.replace(self.tensor, calibration=Constant(bound=bound))
 
-  def error(self, message: str) -> ValueError:
-    """A ValueError naming the op and this operand."""
-    return ValueError(f'{self.where}: {message}')
+  def error(self, message: str, needs: str | None = None) -> FreezerError:
+    """An error about this operand (the adapter names the op)."""
+    return FreezerError(message, needs)
 
 
-__all__ = ['OperandCall']
+__all__ = ['DotCall', 'FreezerError', 'OperandCall']

@@ -1,9 +1,9 @@
 """One quantized dot in a Mode: the framework-free core of the adapters.
 
 The adapters (`aqtr.flax.linen`, `aqtr.flax.nnx`, the `aqtr.pax` ops)
-store variables; this module routes one `dot_general` call, per mode, to
-the freezers of its two forward operands (each gets one `OperandCall`;
-the dot's layout is computed once per call):
+store variables; this module routes one `dot_general` call (a `DotCall`,
+whose plan is made once), per mode, to the freezers of its two forward
+operands (each gets an `OperandCall` view of it):
 
   TRAIN      out = dot_general(lhs, rhs, config)        (on the fly)
   CALIBRATE  same output; each collecting operand updates its statistics
@@ -38,16 +38,29 @@ from collections.abc import Mapping
 import jax
 import jax.numpy as jnp
 
+from aqtr.core import slot_state
 from aqtr.core.config import DotGeneralConfig
-from aqtr.core.dimension_numbers import DotLayout
 from aqtr.core.dot_general import dot_general
-from aqtr.core.engine_state import state_paths
 from aqtr.core.qtensor import QTensor
-from aqtr.core.sparsify import sites_of
 from aqtr.freezers.base import Mode, NoFreezer
-from aqtr.freezers.call import OperandCall
+from aqtr.freezers.call import DotCall, FreezerError, OperandCall
 
 SIDES = ('lhs', 'rhs')
+__all__ = [
+  'DotCall',
+  'FreezerError',
+  'OperandCall',
+  'Result',
+  'entry_name',
+  'find_frozen',
+  'freezers',
+  'in_op',
+  'key_use',
+  'nbytes',
+  'removable',
+  'run',
+  'validate',
+]
 PREFIX = 'frozen_'
 
 
@@ -172,32 +185,31 @@ def find_frozen(
   )
 
 
-def _calls(lhs, rhs, dn, config, key, where, how_stats, state) -> dict:
-  """{side: OperandCall} of the frozen operands (the layout made once)."""
-  lay = DotLayout.create(jnp.shape(lhs), jnp.shape(rhs), dn)
-  ops = {'lhs': lhs, 'rhs': rhs}
-  return {
-    side: OperandCall(
-      side,
-      ops[side],
-      lay,
-      dn,
-      config,
-      key,
-      where,
-      how_stats,
-      (state or {}).get(f'fwd.{side}'),
-      sites_of(state).get(side),
-    )
-    for side in freezers(config)
-  }
+def _calls(call: DotCall) -> dict:
+  """{side: OperandCall} of the frozen operands."""
+  return {side: call.operand(side) for side in freezers(call.config)}
 
 
-def _train_dot(lhs, rhs, dn, config, key, state, kw) -> Result:
+def _dot(call: DotCall, **kw):
+  """`dot_general` of the call (`kw` overrides its fields)."""
+  c = call.replace(**kw)
+  return dot_general(
+    c.lhs,
+    c.rhs,
+    c.dimension_numbers,
+    c.config,
+    key=c.key,
+    precision=c.precision,
+    preferred_element_type=c.preferred_element_type,
+    state=c.state,
+  )
+
+
+def _train_dot(call: DotCall) -> Result:
   """The on-the-fly dot; with calibration state, its new state too."""
-  if state is None:
-    return Result(dot_general(lhs, rhs, dn, config, key=key, **kw))
-  out, new = dot_general(lhs, rhs, dn, config, key=key, state=state, **kw)
+  if call.state is None:
+    return Result(_dot(call))
+  out, new = _dot(call)
   return Result(out, state=new)
 
 
@@ -207,43 +219,50 @@ def _served_state(state, config, ops) -> dict | None:
   if state is None:
     return None
   stored = tuple(isinstance(ops[s], QTensor) for s in SIDES)
-  return {p: v for p, v in state.items() if p in state_paths(config, stored)}
+  keep = slot_state.paths(config, stored)
+  return {p: v for p, v in state.items() if p in keep}
 
 
-def _served_dot(calls, entry, lhs, rhs, dn, config, key, kw, state=None):
+def _served_dot(call: DotCall, calls: dict, entry) -> jax.Array:
   """SERVE: each freezer turns its stored parts into the dot's operand."""
-  ops = {'lhs': lhs, 'rhs': rhs}
-  fwd = config.fwd
+  ops = {'lhs': call.lhs, 'rhs': call.rhs}
+  fwd = call.config.fwd
   scales = {}
-  for side, call in calls.items():
-    f = call.tensor.freezer
+  for side, op in calls.items():
+    f = op.tensor.freezer
     part = entry.get(side) if isinstance(entry, Mapping) else None
     want = f.frozen_parts
     if part is None or any(p not in part for p in want):
-      raise call.error(
+      raise op.error(
         f'the frozen entry lacks the {side} operand parts {want}; convert '
         'again with this config.'
       )
-    served = f.serve(call, part)
+    served = f.serve(op, part)
     ops[side] = served.operand
     if served.tensor is not None:
       fwd = dataclasses.replace(fwd, **{side: served.tensor})
     if served.out_scale is not None:
       scales[side] = jnp.asarray(served.out_scale, jnp.float32)
-  if scales and kw['preferred_element_type'] is None:
-    kw = dict(kw, preferred_element_type=jnp.float32)
-  cfg = dataclasses.replace(config, fwd=fwd)
-  st = _served_state(state, cfg, ops)
-  if st is not None:
-    kw = dict(kw, state=st)
-  out = dot_general(ops['lhs'], ops['rhs'], dn, cfg, key=key, **kw)
+  preferred = call.preferred_element_type
+  if scales and preferred is None:
+    preferred = jnp.float32
+  cfg = dataclasses.replace(call.config, fwd=fwd)
+  st = _served_state(call.state, cfg, ops)
+  out = _dot(
+    call,
+    lhs=ops['lhs'],
+    rhs=ops['rhs'],
+    config=cfg,
+    preferred_element_type=preferred,
+    state=st,
+  )
   out = out[0] if st is not None else out
   return out * _out_scale(scales, calls, out.ndim) if scales else out
 
 
 def _out_scale(scales, calls, rank: int) -> jax.Array:
   """The product of the operands' output scales, shaped like the output."""
-  lay = next(iter(calls.values())).dot
+  lay = next(iter(calls.values())).call.plan.layout
   nb = len(lay.lhs.batch)
   nl, nr = len(lay.lhs.free), len(lay.rhs.free)
   total = jnp.ones((1,) * rank, jnp.float32)
@@ -266,7 +285,7 @@ def _checked_parts(call, parts) -> dict:
   if not ok:
     got = sorted(parts) if isinstance(parts, Mapping) else parts
     raise TypeError(
-      f'{call.where}: {type(f).__name__}.freeze must return a dict with '
+      f'{call.slot.path}: {type(f).__name__}.freeze must return a dict with '
       f'exactly the keys frozen_parts={f.frozen_parts} (and optionally '
       f'{f.optional_parts}), got {got!r}.'
     )
@@ -274,45 +293,35 @@ def _checked_parts(call, parts) -> dict:
 
 
 def run(
+  call: DotCall,
   mode: Mode,
-  lhs: jax.Array,
-  rhs: jax.Array,
-  dn,
-  config: DotGeneralConfig,
   *,
   frozen: Mapping | None = None,
   stats: Mapping | None = None,
-  key: jax.Array | None = None,
-  precision=None,
-  preferred_element_type=None,
   initializing: bool = False,
-  where: str = 'aqtr op',
-  how_stats: str = 'Run the model in CALIBRATE mode on sample batches first.',
-  state: Mapping | None = None,
 ) -> Result:
-  """Runs one dot_general in `mode` (see the module docstring).
+  """Runs one dot_general call in `mode` (see the module docstring).
 
   Each frozen operand's freezer decides what happens to it
   (`Freezer.start_stats` / `collect` / `freeze` / `serve`); this function
-  only routes: the adapters store what it returns.
+  only routes: the adapters store what it returns. Errors about an
+  operand are `FreezerError`s without the op's name: the adapter adds it.
 
   Args:
+    call: the DotCall (operands, dimension numbers, config validated with
+      `validate`, key, precision, preferred type, and the calibration
+      state tree when the config has stateful or learned calibrations).
     mode: an aqtr.freezers.Mode.
-    lhs, rhs, dn: the float operands and dimension numbers.
-    config: the DotGeneralConfig (validated with `validate`).
     frozen: SERVE: the entry found by `find_frozen`.
     stats: CALIBRATE / CONVERT: {side: statistics} of collecting sides.
-    key: PRNG key (see `key_use`).
-    precision, preferred_element_type: as in `lax.dot_general`.
     initializing: the adapter is creating variables (Flax init): SERVE and
       CONVERT compute the TRAIN output and store nothing; CALIBRATE does
       not count the call.
-    where, how_stats: context for error messages.
-    state: the dot's calibration state tree (`aqtr.state.init`) when its
-      config has stateful or learned calibrations. TRAIN and CALIBRATE
-      return the new state; CONVERT freezes each frozen operand with the
-      bound its state gives (so SERVE equals TRAIN at that state) and
-      SERVE reads the state of the operands it still quantizes.
+
+  With state, TRAIN and CALIBRATE return the new state; CONVERT freezes
+  each frozen operand with the bound its state gives (so SERVE equals
+  TRAIN at that state) and SERVE reads the state of the operands it still
+  quantizes.
 
   Returns:
     A Result: the output and what to store.
@@ -321,54 +330,61 @@ def run(
     >>> import jax.numpy as jnp, aqtr
     >>> cfg = aqtr.freezers.configure(aqtr.presets.int8(), rhs='weights')
     >>> x, w, dn = jnp.ones((2, 4)), jnp.ones((4, 3)), (((1,), (0,)), ((), ()))
-    >>> r = run(Mode.CONVERT, x, w, dn, cfg)
+    >>> r = run(DotCall(x, w, dn, cfg), Mode.CONVERT)
     >>> r.frozen['rhs']['qvalue'].dtype
     dtype('int8')
-    >>> bool((run(Mode.SERVE, x, 0 * w, dn, cfg, frozen=r.frozen).out ==
-    ...       run(Mode.TRAIN, x, w, dn, cfg).out).all())
+    >>> served = run(DotCall(x, 0 * w, dn, cfg), Mode.SERVE, frozen=r.frozen)
+    >>> bool((served.out == run(DotCall(x, w, dn, cfg), Mode.TRAIN).out).all())
     True
   """
   if not isinstance(mode, Mode):
     raise TypeError(f'mode must be an aqtr.freezers.Mode, got {mode!r}.')
+  if not isinstance(call, DotCall):
+    raise TypeError(f'call must be an aqtr.freezers.DotCall, got {call!r}.')
+  config = call.config
   out_dtype = (
-    jnp.dtype(preferred_element_type)
-    if preferred_element_type is not None
-    else jnp.result_type(lhs, rhs)
+    jnp.dtype(call.preferred_element_type)
+    if call.preferred_element_type is not None
+    else jnp.result_type(call.lhs, call.rhs)
   )
-  kw = dict(precision=precision, preferred_element_type=preferred_element_type)
-  state = None if state is None else dict(state)
+  if call.state is not None:
+    call = call.replace(state=dict(call.state))
   if (
     mode is Mode.TRAIN
     or not freezers(config)
     or (initializing and mode is not Mode.CALIBRATE)
   ):
-    return _train_dot(lhs, rhs, dn, config, key, state, kw)
-  calls = _calls(lhs, rhs, dn, config, key, where, how_stats, state)
+    return _train_dot(call)
+  calls = _calls(call)
   stats = stats or {}
   if mode is Mode.CALIBRATE:
-    trained = _train_dot(lhs, rhs, dn, config, key, state, kw)
-    out = trained.out
+    trained = _train_dot(call)
     new = {}
-    for side, call in calls.items():
-      f = call.tensor.freezer
+    for side, op in calls.items():
+      f = op.tensor.freezer
       if not f.collects:
         continue
       old = stats.get(side)
       if old is None:
-        old = f.start_stats(call)
-      new[side] = old if initializing else f.collect(old, call)
-    return Result(out, stats=new, state=trained.state)
+        old = f.start_stats(op)
+      new[side] = old if initializing else f.collect(old, op)
+    return Result(trained.out, stats=new, state=trained.state)
   if mode is Mode.CONVERT:
     entry = {
-      side: _checked_parts(
-        call, call.tensor.freezer.freeze(call, stats.get(side))
-      )
-      for side, call in calls.items()
+      side: _checked_parts(op, op.tensor.freezer.freeze(op, stats.get(side)))
+      for side, op in calls.items()
     }
-    out = _served_dot(calls, entry, lhs, rhs, dn, config, key, kw, state)
+    out = _served_dot(call, calls, entry)
     return Result(out.astype(out_dtype), frozen=entry)
-  out = _served_dot(calls, frozen, lhs, rhs, dn, config, key, kw, state)
+  out = _served_dot(call, calls, frozen)
   return Result(out.astype(out_dtype))
+
+
+def in_op(e: ValueError, where: str, how_stats: str = '') -> ValueError:
+  """A lifecycle error with the op's context added (the adapters' boundary):
+  `where` first, and `how_stats` after a freezer's missing statistics."""
+  hint = f' {how_stats}' if getattr(e, 'needs', None) == 'stats' else ''
+  return ValueError(f'{where}: {e}{hint}')
 
 
 def removable(config: DotGeneralConfig, side: str = 'rhs') -> bool:

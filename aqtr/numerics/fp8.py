@@ -8,7 +8,7 @@ from typing import Annotated
 import jax
 import jax.numpy as jnp
 
-from aqtr.core import markers
+from aqtr.core import markers, prims
 from aqtr.numerics.base import Numerics, register, within_range
 from aqtr.numerics.fp import FloatGrid
 
@@ -74,7 +74,7 @@ class Fp8(Numerics):
     if noise is not None:
       return FloatGrid.of_dtype(self.dtype).round(v, noise).astype(self.dtype)
     m = self.max_value
-    return jnp.clip(v, -m, m).astype(self.dtype)
+    return prims.clip(v, -m, m).astype(self.dtype)
 
   def grad_mask(self, v: jax.Array) -> jax.Array | None:
     if not self.clip_gradient:

@@ -8,7 +8,7 @@ from typing import Annotated
 import jax
 import jax.numpy as jnp
 
-from aqtr.core import markers
+from aqtr.core import markers, prims
 from aqtr.core.rounding import Rounding
 from aqtr.numerics.base import Numerics, register, within_range
 
@@ -120,13 +120,15 @@ class IntSymmetric(Numerics):
 
   def quantize(self, v: jax.Array, noise: jax.Array | None = None) -> jax.Array:
     top = self.edge - 0.5
-    v = jnp.clip(v, -self.max_value, self.max_value)
+    v = prims.clip(v, -self.max_value, self.max_value)
     if noise is not None:
       v = v + noise
     if self.preserve_zero:
-      q = jnp.clip(jnp.round(v), -top, top)
+      q = prims.round_even(v)
+      if noise is not None or self.max_value > top:  # Else already within.
+        q = prims.clip(q, -top, top)
     else:  # Half grid, stored doubled: 2 * (floor(v) + 1/2).
-      q = jnp.clip(2.0 * jnp.floor(v) + 1.0, -2 * top, 2 * top)
+      q = prims.clip(2.0 * jnp.floor(v) + 1.0, -2 * top, 2 * top)
     return q.astype(self.dtype)
 
   def grad_mask(self, v: jax.Array) -> jax.Array | None:

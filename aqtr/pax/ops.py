@@ -40,8 +40,8 @@ import jax.numpy as jnp
 from jax import lax
 
 import aqtr
+from aqtr.core import slot_state
 from aqtr.core.config import DotGeneralConfig, TensorConfig
-from aqtr.core.engine_state import state_paths
 from aqtr.flax import common
 from aqtr.flax.linen import LinenHost
 from aqtr.freezers import Mode
@@ -144,7 +144,7 @@ class Op(nn.Module):
     common.check_mode(self.mode)
     if _is_float(self.config):
       return False
-    return self.mode is not Mode.TRAIN or bool(state_paths(self.config))
+    return self.mode is not Mode.TRAIN or bool(slot_state.paths(self.config))
 
 
 class EinsumOp(Op):

@@ -1,7 +1,9 @@
 """Weight formats of quantized training: int8, int4 group-wise, fp8 e4m3.
 
 A format quantizes a float weight `w` into a `QTParam` (stored values and a
-scale) with round-to-nearest or stochastic rounding:
+scale) with round-to-nearest or stochastic rounding, through the engine's
+own pieces: the format's calibration (absmax), `aqtr.core.scale` and the
+format's numerics (`IntSymmetric` / `Fp8`):
 
   s_G = max_{i in G} |w_i| / qmax        (one scale per group G)
   q_i = Q(w_i / s_G + u_i),  u ~ U[-1/2, 1/2)  (int, stochastic rounding)
@@ -10,12 +12,14 @@ so `E[q_i s_G] = w_i` (Gupta et al. 2015, arXiv 1502.02551). Groups: int8
 and fp8 have one scale per output channel (every index of the free axes,
 the recipe of torchao's int8 quantized training); int4 has one per block of
 `group_size` elements of the contraction axes. fp8 e4m3 stochastic rounding
-adds random bits below the 3 kept mantissa bits of the float32 value and
-truncates, which is unbiased for every float in range.
+adds the noise below the 3 kept mantissa bits of the float32 value and
+truncates (`aqtr.numerics.fp.FloatGrid.round`), which is unbiased for
+every float in range.
 
-The scale is made a fixed point of `s -> (qmax * s) / qmax` in float32, so
-that quantizing the dequantized weight again (what `aqtr.dot_general` does
-to a float weight operand) gives back the same values and scale bit for bit.
+The scale is rounded up (`aqtr.core.scale.requantizable`) so that it is a
+fixed point of `s -> (qmax * s) / qmax` in float32: quantizing the
+dequantized weight again (what `aqtr.dot_general` does to a float weight
+operand) gives back the same values and scale bit for bit.
 """
 
 from __future__ import annotations
@@ -24,12 +28,13 @@ import dataclasses
 from typing import ClassVar
 
 import jax
-import jax.numpy as jnp
 
+from aqtr import presets
 from aqtr.calibrations.absmax import AbsMax
 from aqtr.core.config import TensorConfig
 from aqtr.core.dimension_numbers import OperandLayout
-from aqtr.core.rounding import uniform16
+from aqtr.core.rounding import uniform_grid
+from aqtr.core.scale import requantizable, scale_from_bound
 from aqtr.freezers.base import NoFreezer
 from aqtr.numerics.fp8 import Fp8
 from aqtr.numerics.int_symmetric import IntSymmetric
@@ -40,7 +45,6 @@ __all__ = ['WeightFormat', 'fp8', 'int4', 'int8']
 
 _KINDS = ('int8', 'int4', 'fp8')
 _GROUPS = (32, 64, 128)
-_TINY = float(jnp.finfo(jnp.float32).tiny)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -168,55 +172,35 @@ def fp8(contracting_axes: tuple[int, ...] | None = None) -> WeightFormat:
   return WeightFormat(kind='fp8', contracting_axes=contracting_axes)
 
 
-def stable_scale(bound: jax.Array, qmax: float) -> jax.Array:
-  """`bound / qmax` rounded up to `24 - bits(odd part of qmax)` bits.
+def weight_scale(bound: jax.Array, fmt: WeightFormat) -> jax.Array:
+  """The stored scale of weight groups with calibrated `bound`.
 
-  Then every `q s` (|q| <= qmax) is exact, so the engine's re-calibration
-  of a dequantized weight, `max|q s| / qmax`, gives back s bit for bit
-  when XLA's float32 division by qmax is exact on multiples of qmax (true
-  of 127 on XLA:CPU, tested; not of 7 or 448, where s may come back one
-  ulp off). The relative change of s is below 2^-16. A zero (or
-  subnormally small) bound gives 1, as in the engine.
+  The engine's scale (`aqtr.core.scale.scale_from_bound`: `bound / qmax`,
+  kept normal, 1 for an all-zero group, NaN for a non-finite bound) made
+  `requantizable`: every `qmax * s` is exact, so re-calibrating the
+  dequantized weight gives back s bit for bit (see the module docstring).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import jax.numpy as jnp
+    >>> float(weight_scale(jnp.float32(127.0), int8()))
+    1.0
   """
-  odd = int(qmax)
-  while odd % 2 == 0:
-    odd //= 2
-  drop = odd.bit_length()
-  q = jnp.float32(qmax)
-  s = jnp.where(bound < qmax * _TINY, jnp.float32(1), bound / q)
-  u = jax.lax.bitcast_convert_type(s, jnp.uint32)
-  low = jnp.uint32((1 << drop) - 1)
-  return jax.lax.bitcast_convert_type((u + low) & ~low, jnp.float32)
-
-
-def fp8_stochastic(v: jax.Array, key: jax.Array) -> jax.Array:
-  """Unbiased stochastic rounding of float32 `v` (|v| <= 448) to e4m3.
-
-  Normal range: add 20 random bits below the 3 kept mantissa bits and
-  truncate; subnormal range (|v| < 2^-6): round on the 2^-9 grid.
-  """
-  bits = jax.random.bits(key, v.shape, jnp.uint32)
-  mag = jnp.abs(v)
-  u = jax.lax.bitcast_convert_type(mag, jnp.uint32)
-  low = jnp.uint32((1 << 20) - 1)
-  t = (u + (bits & low)) & ~low
-  normal = jax.lax.bitcast_convert_type(t, jnp.float32)
-  step = jnp.float32(2.0**-9)
-  noise = (bits >> 12).astype(jnp.float32) * (1.0 / (1 << 20))
-  sub = jnp.floor(mag / step + noise) * step
-  r = jnp.where(mag < 2.0**-6, sub, jnp.minimum(normal, 448.0))
-  return (jnp.sign(v) * r).astype(jnp.float8_e4m3fn)
+  n = fmt.numerics
+  return requantizable(scale_from_bound(bound, n), n.max_value)
 
 
 def quantize_values(
   v: jax.Array, fmt: WeightFormat, key: jax.Array | None
 ) -> jax.Array:
-  """Rounds scaled values `v` (within +-qmax) to the stored dtype."""
-  if fmt.kind == 'fp8':
-    if key is None:
-      return v.astype(jnp.float8_e4m3fn)
-    return fp8_stochastic(v, key)
-  noise = None if key is None else uniform16(key, v.shape)
+  """Rounds scaled values `v` to the stored dtype with the engine numerics.
+
+  Round to nearest without a key; with one, stochastic rounding with
+  noise on the 2^16-point grid of `aqtr.core.rounding.uniform_grid` (so
+  updates down to 2^-17 of a step survive in expectation), which the
+  numerics add before rounding (int) or below the kept mantissa (fp8).
+  """
+  noise = None if key is None else uniform_grid(key, v.shape, bits=16)
   return fmt.numerics.quantize(v, noise)
 
 
@@ -234,8 +218,6 @@ def dot_config(fmt: WeightFormat, activation_bits: int | None = 8):
     >>> dot_config(int8()).fwd.lhs.numerics.bits
     8
   """
-  from aqtr import presets
-
   if activation_bits not in (None, 8):
     raise ValueError(
       f'dot_config: activation_bits must be 8 or None, got {activation_bits!r}.'

@@ -30,11 +30,8 @@ import jax.numpy as jnp
 from aqtr.core.dimension_numbers import OperandLayout
 from aqtr.core.qtensor import ROLE_AXES, QTensor, from_view, to_view
 from aqtr.core.rounding import as_typed_key
-from aqtr.qt.formats import (
-  WeightFormat,
-  quantize_values,
-  stable_scale,
-)
+from aqtr.core.scale import divide
+from aqtr.qt.formats import WeightFormat, quantize_values, weight_scale
 
 __all__ = [
   'QTParam',
@@ -128,14 +125,15 @@ def _quantize(w: jax.Array, lay: OperandLayout, fmt: WeightFormat, key):
   form = lay.natural_form()
   tile = fmt.group_size or None
   x4 = to_view(lay.to_canonical(w.astype(jnp.float32), form), form, tile)
-  axis = ROLE_AXES[form]['k']
-  bound = jnp.max(jnp.abs(x4), axis=axis, keepdims=True)
-  s = stable_scale(bound, fmt.qmax)
-  v = jnp.clip(x4 / s, -fmt.qmax, fmt.qmax)
+  n = fmt.numerics
+  axes = (ROLE_AXES[form]['k'],)
+  bound = fmt.tensor_config().calibration.bound_for(x4, axes, n)
+  s = weight_scale(bound, fmt)
+  v = divide(x4, s, n.unit)  # The numerics clip v to +-qmax.
   q = quantize_values(v, fmt, key)
   if key is not None:
     # Each group's largest |w| keeps the top code (nearest: its v lies
-    # within 2^-16 of qmax, as `stable_scale` rounds s up). Stochastic
+    # within 2^-16 of qmax, as `weight_scale` rounds s up). Stochastic
     # rounding could take it one code down, and then the engine's
     # re-calibration of the dequantized weight (max|q s| / qmax) would no
     # longer give back s: serving `qtensor()` would differ from training.

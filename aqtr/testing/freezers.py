@@ -93,7 +93,9 @@ def _life_cycle(cfg, f, x, w):
 
   @jax.jit
   def calibrate(x, w, stats):
-    return lifecycle.run(Mode.CALIBRATE, x, w, _DN, cfg, stats=stats).stats
+    return lifecycle.run(
+      lifecycle.DotCall(x, w, _DN, cfg), Mode.CALIBRATE, stats=stats
+    ).stats
 
   stats = None
   for i in range(2 if f.collects else 1):
@@ -102,13 +104,15 @@ def _life_cycle(cfg, f, x, w):
 
   @jax.jit
   def convert(x, w):
-    r = lifecycle.run(Mode.CONVERT, x, w, _DN, cfg, stats=stats)
+    r = lifecycle.run(
+      lifecycle.DotCall(x, w, _DN, cfg), Mode.CONVERT, stats=stats
+    )
     return r.out, r.frozen
 
   out, frozen = convert(x, w)
   if isinstance(f, freezers.NoFreezer):  # On the fly in every mode.
     assert frozen is None
-    train = lifecycle.run(Mode.TRAIN, x, w, _DN, cfg).out
+    train = lifecycle.run(lifecycle.DotCall(x, w, _DN, cfg), Mode.TRAIN).out
     np.testing.assert_array_equal(out, train)
     return
   part = frozen['rhs']
@@ -117,7 +121,9 @@ def _life_cycle(cfg, f, x, w):
 
   @jax.jit
   def serve(x, w, frozen):
-    return lifecycle.run(Mode.SERVE, x, w, _DN, cfg, frozen=frozen).out
+    return lifecycle.run(
+      lifecycle.DotCall(x, w, _DN, cfg), Mode.SERVE, frozen=frozen
+    ).out
 
   np.testing.assert_array_equal(serve(x, w, frozen), out)
   assert jnp.isfinite(out).all()

@@ -39,7 +39,7 @@ import optax
 import aqtr
 import aqtr.pax
 from aqtr import qt
-from aqtr.core.engine_state import state_paths
+from aqtr.core import slot_state
 from aqtr.train import mesh as mesh_lib
 from aqtr.train import models, progress, qt_runs
 from aqtr.train.experiment import Experiment
@@ -160,7 +160,7 @@ def stateful_init(module, config, params, x, seed: int) -> tuple[Any, dict]:
   to `params`, which keep their float values) and its 'aqtr_state'
   collection.
   """
-  if not state_paths(config):
+  if not slot_state.paths(config):
     return params, {}
   v = jax.jit(module.init)(jax.random.key(seed), x)
   collections = {k: c for k, c in v.items() if k != 'params'}

@@ -123,3 +123,29 @@ def test_po2_ceil_is_exact_where_exp2_is_not():
   np.testing.assert_array_equal(got, s)  # powers of two are kept
   up = np.asarray(jax.jit(scale_lib.po2_ceil)(s[:-1] * 1.5))
   np.testing.assert_array_equal(up, np.asarray(s[1:]))
+
+
+@pytest.mark.parametrize('max_value', [127.0, 7.0, 448.0, 7.5])
+def test_requantizable_scales_make_the_top_product_exact(max_value):
+  b = np.random.default_rng(0).lognormal(size=20000).astype(np.float32)
+  s0 = scale_lib.scale_from_bound(jnp.asarray(b), numerics.IntSymmetric(bits=8))
+  s0 = np.asarray(s0) * np.float32(127.0 / max_value)
+  s = np.asarray(scale_lib.requantizable(jnp.asarray(s0), max_value))
+  odd = float(max_value).as_integer_ratio()[0]
+  while odd % 2 == 0:
+    odd //= 2
+  assert np.all(s >= s0)
+  assert np.all(s / s0 - 1 < 2.0 ** -(23 - odd.bit_length()))
+  top = np.float32(max_value) * s  # Exact: s keeps 24 - bits(odd) bits.
+  np.testing.assert_array_equal(
+    top.astype(np.float64), np.float64(max_value) * s.astype(np.float64)
+  )
+
+
+def test_requantizable_keeps_special_scales():
+  s = jnp.array([1.0, scale_lib.TINY, 0.5, jnp.nan], jnp.float32)
+  out = np.asarray(scale_lib.requantizable(s, 127.0))
+  np.testing.assert_array_equal(out[:3], np.asarray(s)[:3])
+  assert np.isnan(out[3])
+  nan = lax.bitcast_convert_type(jnp.uint32(0x7FFFFFFF), jnp.float32)
+  assert bool(jnp.isnan(scale_lib.requantizable(nan, 127.0)))

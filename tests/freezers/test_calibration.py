@@ -31,7 +31,9 @@ def _cfg(per_channel=False, side='lhs'):
 def _calibrate(cfg, xs, w):
   stats = None
   for x in xs:
-    r = lifecycle.run(Mode.CALIBRATE, x, w, DN, cfg, stats=stats)
+    r = lifecycle.run(
+      lifecycle.DotCall(x, w, DN, cfg), Mode.CALIBRATE, stats=stats
+    )
     stats = r.stats
   return stats
 
@@ -63,19 +65,27 @@ def test_calibrate_counts_steps_and_averages_absmax():
   want = np.mean([float(jnp.abs(x).max()) for x in xs])
   assert float(stats['lhs']['mean']) == pytest.approx(want, rel=1e-6)
   # The CALIBRATE output is the dynamic (TRAIN) one.
-  r = lifecycle.run(Mode.CALIBRATE, xs[0], w, DN, cfg, stats=stats)
+  r = lifecycle.run(
+    lifecycle.DotCall(xs[0], w, DN, cfg), Mode.CALIBRATE, stats=stats
+  )
   np.testing.assert_array_equal(
-    r.out, lifecycle.run(Mode.TRAIN, xs[0], w, DN, cfg).out
+    r.out, lifecycle.run(lifecycle.DotCall(xs[0], w, DN, cfg), Mode.TRAIN).out
   )
 
 
 def test_train_and_serve_do_not_touch_statistics():
   cfg = _cfg()
   x, w = _data(0, (8, 16)), _data(1, (16, 4))
-  assert lifecycle.run(Mode.TRAIN, x, w, DN, cfg).stats is None
+  assert (
+    lifecycle.run(lifecycle.DotCall(x, w, DN, cfg), Mode.TRAIN).stats is None
+  )
   stats = _calibrate(cfg, [x], w)
-  conv = lifecycle.run(Mode.CONVERT, x, w, DN, cfg, stats=stats)
-  served = lifecycle.run(Mode.SERVE, x, w, DN, cfg, frozen=conv.frozen)
+  conv = lifecycle.run(
+    lifecycle.DotCall(x, w, DN, cfg), Mode.CONVERT, stats=stats
+  )
+  served = lifecycle.run(
+    lifecycle.DotCall(x, w, DN, cfg), Mode.SERVE, frozen=conv.frozen
+  )
   assert served.stats is None and served.frozen is None
 
 
@@ -84,12 +94,16 @@ def test_serve_uses_the_frozen_bound_without_recomputing_it():
   w = _data(1, (16, 4))
   xs = [_data(10 + i, (8, 16)) for i in range(2)]
   stats = _calibrate(cfg, xs, w)
-  frozen = lifecycle.run(Mode.CONVERT, xs[0], w, DN, cfg, stats=stats).frozen
+  frozen = lifecycle.run(
+    lifecycle.DotCall(xs[0], w, DN, cfg), Mode.CONVERT, stats=stats
+  ).frozen
   b = frozen['lhs']['bound']
   assert float(b) == float(stats['lhs']['mean'])
 
   def serve(x, fr=frozen):
-    return lifecycle.run(Mode.SERVE, x, w, DN, cfg, frozen=fr).out
+    return lifecycle.run(
+      lifecycle.DotCall(x, w, DN, cfg), Mode.SERVE, frozen=fr
+    ).out
 
   # In range: close to float.
   x = xs[0]
@@ -97,14 +111,17 @@ def test_serve_uses_the_frozen_bound_without_recomputing_it():
   # Out of range: clipped at the frozen bound (a dynamic range would not).
   big = 10 * x
   np.testing.assert_array_equal(serve(big), serve(jnp.clip(big, -b, b)))
-  dynamic = lifecycle.run(Mode.TRAIN, big, w, DN, cfg).out
+  dynamic = lifecycle.run(lifecycle.DotCall(big, w, DN, cfg), Mode.TRAIN).out
   assert not np.allclose(serve(big), dynamic, rtol=0.05)
   # The value used is the frozen one.
   doubled = {'lhs': {'bound': 2 * b}}
   assert not np.array_equal(serve(x, doubled), serve(x))
   # CONVERT returns the SERVE output.
   np.testing.assert_array_equal(
-    lifecycle.run(Mode.CONVERT, x, w, DN, cfg, stats=stats).out, serve(x)
+    lifecycle.run(
+      lifecycle.DotCall(x, w, DN, cfg), Mode.CONVERT, stats=stats
+    ).out,
+    serve(x),
   )
 
 
@@ -113,7 +130,9 @@ def test_static_range_equals_b_times_unit_range_dot():
   cfg = _cfg()
   x, w = _data(0, (8, 16)), _data(1, (16, 4))
   b = jnp.float32(1.7)
-  got = lifecycle.run(Mode.SERVE, x, w, DN, cfg, frozen={'lhs': {'bound': b}})
+  got = lifecycle.run(
+    lifecycle.DotCall(x, w, DN, cfg), Mode.SERVE, frozen={'lhs': {'bound': b}}
+  )
   lhs = dataclasses.replace(
     cfg.fwd.lhs, calibration=calibrations.Constant(bound=1.0)
   )
@@ -128,7 +147,9 @@ def test_static_range_gradients_are_straight_through():
   frozen = {'lhs': {'bound': 1.5 * jnp.abs(x).max()}}
 
   def loss(x, w):
-    out = lifecycle.run(Mode.SERVE, x, w, DN, cfg, frozen=frozen).out
+    out = lifecycle.run(
+      lifecycle.DotCall(x, w, DN, cfg), Mode.SERVE, frozen=frozen
+    ).out
     return jnp.sum(out**2)
 
   gx, gw = jax.jit(jax.grad(loss, (0, 1)))(x, w)
@@ -143,10 +164,14 @@ def test_per_channel_weights_bound():
   x, w = _data(0, (8, 16)), _data(1, (16, 4))
   stats = _calibrate(cfg, [x, x], w)
   np.testing.assert_allclose(stats['rhs']['mean'], jnp.abs(w).max(axis=0))
-  frozen = lifecycle.run(Mode.CONVERT, x, w, DN, cfg, stats=stats).frozen
+  frozen = lifecycle.run(
+    lifecycle.DotCall(x, w, DN, cfg), Mode.CONVERT, stats=stats
+  ).frozen
   assert frozen['rhs']['bound'].shape == (4,)
-  served = lifecycle.run(Mode.SERVE, x, w, DN, cfg, frozen=frozen).out
-  train = lifecycle.run(Mode.TRAIN, x, w, DN, cfg).out
+  served = lifecycle.run(
+    lifecycle.DotCall(x, w, DN, cfg), Mode.SERVE, frozen=frozen
+  ).out
+  train = lifecycle.run(lifecycle.DotCall(x, w, DN, cfg), Mode.TRAIN).out
   np.testing.assert_allclose(served, train, rtol=1e-5, atol=1e-5)
 
 
@@ -154,10 +179,10 @@ def test_convert_without_statistics_says_calibrate_first():
   cfg = _cfg()
   x, w = _data(0, (8, 16)), _data(1, (16, 4))
   with pytest.raises(ValueError, match='CALIBRATE'):
-    lifecycle.run(Mode.CONVERT, x, w, DN, cfg)
+    lifecycle.run(lifecycle.DotCall(x, w, DN, cfg), Mode.CONVERT)
   empty = {'lhs': CalibrationFreezer().init_stats(())}
   with pytest.raises(ValueError, match='CALIBRATE'):
-    lifecycle.run(Mode.CONVERT, x, w, DN, cfg, stats=empty)
+    lifecycle.run(lifecycle.DotCall(x, w, DN, cfg), Mode.CONVERT, stats=empty)
 
 
 def test_frozen_bound_of_the_wrong_shape_is_reported():
@@ -165,16 +190,20 @@ def test_frozen_bound_of_the_wrong_shape_is_reported():
   x, w = _data(0, (8, 16)), _data(1, (16, 4))
   with pytest.raises(ValueError, match='bound has shape'):
     lifecycle.run(
-      Mode.SERVE, x, w, DN, cfg, frozen={'lhs': {'bound': jnp.ones(8)}}
+      lifecycle.DotCall(x, w, DN, cfg),
+      Mode.SERVE,
+      frozen={'lhs': {'bound': jnp.ones(8)}},
     )
   with pytest.raises(ValueError, match='lacks the lhs'):
-    lifecycle.run(Mode.SERVE, x, w, DN, cfg, frozen={})
+    lifecycle.run(lifecycle.DotCall(x, w, DN, cfg), Mode.SERVE, frozen={})
 
 
 def test_zero_bound_is_safe():
   cfg = _cfg()
   x, w = jnp.zeros((8, 16)), _data(1, (16, 4))
   out = lifecycle.run(
-    Mode.SERVE, x, w, DN, cfg, frozen={'lhs': {'bound': jnp.float32(0)}}
+    lifecycle.DotCall(x, w, DN, cfg),
+    Mode.SERVE,
+    frozen={'lhs': {'bound': jnp.float32(0)}},
   ).out
   np.testing.assert_array_equal(out, jnp.zeros((8, 4)))

@@ -76,10 +76,12 @@ def test_serve_equals_train_bit_exact_after_convert(name):
   x = jnp.asarray(rng.standard_normal((4, 32)), jnp.float32)
   w = jnp.asarray(rng.standard_normal((32, 8)), jnp.float32)
   s = _trained_state(cfg, x, w)
-  train = lifecycle.run(Mode.TRAIN, x, w, DN, cfg, state=s)
-  conv = lifecycle.run(Mode.CONVERT, x, w, DN, cfg, state=s)
+  train = lifecycle.run(lifecycle.DotCall(x, w, DN, cfg, state=s), Mode.TRAIN)
+  conv = lifecycle.run(lifecycle.DotCall(x, w, DN, cfg, state=s), Mode.CONVERT)
   serve = lifecycle.run(
-    Mode.SERVE, x, jnp.zeros_like(w), DN, cfg, state=s, frozen=conv.frozen
+    lifecycle.DotCall(x, jnp.zeros_like(w), DN, cfg, state=s),
+    Mode.SERVE,
+    frozen=conv.frozen,
   )
   np.testing.assert_array_equal(train.out, conv.out)
   np.testing.assert_array_equal(train.out, serve.out)
@@ -98,7 +100,7 @@ def test_frozen_scale_is_the_state_bound():
   s = aqtr.state.init(x, w, DN, cfg)
   hist = s['fwd.rhs']['stats']['history']
   s['fwd.rhs']['stats']['history'] = hist.at[1].set(2.0)
-  conv = lifecycle.run(Mode.CONVERT, x, w, DN, cfg, state=s)
+  conv = lifecycle.run(lifecycle.DotCall(x, w, DN, cfg, state=s), Mode.CONVERT)
   scale = conv.frozen['rhs']['scale']
   np.testing.assert_allclose(scale, 2.0 / 127, rtol=1e-6)
 
@@ -107,7 +109,7 @@ def test_calibrate_returns_the_new_state():
   cfg = _cfg(MeanAbsMax(), MeanAbsMax(), aqtr.tilings.PerTensor())
   x, w = jnp.ones((2, 16)), jnp.ones((16, 4))
   s = aqtr.state.init(x, w, DN, cfg)
-  r = lifecycle.run(Mode.CALIBRATE, x, w, DN, cfg, state=s)
+  r = lifecycle.run(lifecycle.DotCall(x, w, DN, cfg, state=s), Mode.CALIBRATE)
   assert r.state is not None
   changed = jax.tree.map(lambda a, b: bool((a != b).any()), s, r.state)
   assert any(jax.tree.leaves(changed))
@@ -117,7 +119,7 @@ def test_missing_state_names_the_operand_path():
   cfg = _cfg(Lsq(), Lsq(), aqtr.tilings.PerChannel())
   x, w = jnp.ones((2, 16)), jnp.ones((16, 4))
   with pytest.raises(ValueError, match=r'fwd\.lhs: calibration Lsq'):
-    lifecycle.run(Mode.TRAIN, x, w, DN, cfg)
+    lifecycle.run(lifecycle.DotCall(x, w, DN, cfg), Mode.TRAIN)
 
 
 def test_learned_state_on_a_stored_operand_is_a_clear_error():

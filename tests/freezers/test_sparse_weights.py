@@ -54,16 +54,20 @@ def test_convert_stores_five_eighths_of_int8_and_serves_exactly():
   rng = np.random.default_rng(1)
   x = jnp.asarray(rng.standard_normal((8, 256)), jnp.float32)
   w = jnp.asarray(rng.standard_normal((256, 32)), jnp.float32)
-  convert = jax.jit(lambda x, w: lifecycle.run(Mode.CONVERT, x, w, DN, cfg))
+  convert = jax.jit(
+    lambda x, w: lifecycle.run(lifecycle.DotCall(x, w, DN, cfg), Mode.CONVERT)
+  )
   r = convert(x, w)
   part = r.frozen['rhs']
   # 2:4 int8: 0.5 byte of values + 2 x 2 bits of indices per 4 weights.
   assert lifecycle.nbytes(part['values']) == 256 * 32 // 2
   assert lifecycle.nbytes(part['indices']) == 256 * 32 // 8
   serve = jax.jit(
-    lambda x, w, f: lifecycle.run(Mode.SERVE, x, w, DN, cfg, frozen=f).out
+    lambda x, w, f: (
+      lifecycle.run(lifecycle.DotCall(x, w, DN, cfg), Mode.SERVE, frozen=f).out
+    )
   )
-  train = lifecycle.run(Mode.TRAIN, x, w, DN, cfg).out
+  train = lifecycle.run(lifecycle.DotCall(x, w, DN, cfg), Mode.TRAIN).out
   np.testing.assert_array_equal(serve(x, 0 * w, r.frozen), train)
   np.testing.assert_array_equal(r.out, train)
 
@@ -72,4 +76,4 @@ def test_needs_n_m_sparsity():
   cfg = aqtr.freezers.configure(aqtr.presets.int8(), rhs='sparse_weights')
   x, w = jnp.ones((2, 8)), jnp.ones((8, 4))
   with pytest.raises(ValueError, match=r'fwd\.rhs\.sparsity.*NM'):
-    lifecycle.run(Mode.CONVERT, x, w, DN, cfg)
+    lifecycle.run(lifecycle.DotCall(x, w, DN, cfg), Mode.CONVERT)

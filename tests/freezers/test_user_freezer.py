@@ -112,7 +112,11 @@ X, W = _data(0, (4, 8)), _data(1, (8, 6))
 DN = (((1,), (0,)), ((), ()))
 # lifecycle.run, compiled once per mode and config (eager dispatch compiles
 # every primitive, which is slower).
-run = jax.jit(lifecycle.run, static_argnums=(0, 3, 4))
+_run = jax.jit(lifecycle.run, static_argnums=(1,))
+
+
+def run(mode, x, w, dn, cfg, **kw):
+  return _run(lifecycle.DotCall(x, w, dn, cfg), mode, **kw)
 
 
 def test_pack_round_trip_is_exact():
@@ -244,4 +248,4 @@ def test_freeze_must_return_exactly_its_parts():
 
   cfg = freezers.configure(aqtr.presets.int8(), rhs=Misnamed())
   with pytest.raises(TypeError, match=r"exactly the keys.*\('bound',\)"):
-    lifecycle.run(Mode.CONVERT, X, W, DN, cfg)
+    lifecycle.run(lifecycle.DotCall(X, W, DN, cfg), Mode.CONVERT)

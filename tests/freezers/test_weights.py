@@ -38,13 +38,15 @@ def test_serve_from_frozen_weights_equals_train(case, preset):
   ls, rs, dn = CASES[case]
   cfg = aqtr.freezers.configure(PRESETS[preset](), rhs='weights')
   x, w = _data(0, ls), _data(1, rs)
-  conv = lifecycle.run(Mode.CONVERT, x, w, dn, cfg)
+  conv = lifecycle.run(lifecycle.DotCall(x, w, dn, cfg), Mode.CONVERT)
   part = conv.frozen['rhs']
   assert part['qvalue'].dtype == cfg.fwd.rhs.numerics.dtype
   assert part['qvalue'].size == w.size
-  train = lifecycle.run(Mode.TRAIN, x, w, dn, cfg).out
+  train = lifecycle.run(lifecycle.DotCall(x, w, dn, cfg), Mode.TRAIN).out
   served = lifecycle.run(
-    Mode.SERVE, x, jnp.zeros_like(w), dn, cfg, frozen=conv.frozen
+    lifecycle.DotCall(x, jnp.zeros_like(w), dn, cfg),
+    Mode.SERVE,
+    frozen=conv.frozen,
   ).out
   np.testing.assert_array_equal(served, train)
   np.testing.assert_array_equal(conv.out, train)
@@ -54,11 +56,11 @@ def test_frozen_lhs_operand():
   cfg = aqtr.freezers.configure(aqtr.presets.int8(), lhs='weights')
   ls, rs, dn = CASES['mk_nk']
   x, w = _data(0, ls), _data(1, rs)
-  frozen = lifecycle.run(Mode.CONVERT, x, w, dn, cfg).frozen
+  frozen = lifecycle.run(lifecycle.DotCall(x, w, dn, cfg), Mode.CONVERT).frozen
   served = lifecycle.run(
-    Mode.SERVE, jnp.zeros_like(x), w, dn, cfg, frozen=frozen
+    lifecycle.DotCall(jnp.zeros_like(x), w, dn, cfg), Mode.SERVE, frozen=frozen
   ).out
-  train = lifecycle.run(Mode.TRAIN, x, w, dn, cfg).out
+  train = lifecycle.run(lifecycle.DotCall(x, w, dn, cfg), Mode.TRAIN).out
   np.testing.assert_array_equal(served, train)
 
 
@@ -66,11 +68,13 @@ def test_zeroed_qvalues_change_the_output():
   cfg = aqtr.freezers.configure(aqtr.presets.int8(), rhs='weights')
   ls, rs, dn = CASES['mk_kn']
   x, w = _data(0, ls), _data(1, rs)
-  frozen = lifecycle.run(Mode.CONVERT, x, w, dn, cfg).frozen
+  frozen = lifecycle.run(lifecycle.DotCall(x, w, dn, cfg), Mode.CONVERT).frozen
   zero = {
     'rhs': dict(frozen['rhs'], qvalue=jnp.zeros_like(frozen['rhs']['qvalue']))
   }
-  out = lifecycle.run(Mode.SERVE, x, w, dn, cfg, frozen=zero).out
+  out = lifecycle.run(
+    lifecycle.DotCall(x, w, dn, cfg), Mode.SERVE, frozen=zero
+  ).out
   np.testing.assert_array_equal(out, jnp.zeros_like(out))
 
 
@@ -78,7 +82,9 @@ def test_frozen_values_of_another_shape_are_rejected():
   cfg = aqtr.freezers.configure(aqtr.presets.int8(), rhs='weights')
   ls, rs, dn = CASES['mk_kn']
   x, w = _data(0, ls), _data(1, rs)
-  frozen = lifecycle.run(Mode.CONVERT, x, w, dn, cfg).frozen
+  frozen = lifecycle.run(lifecycle.DotCall(x, w, dn, cfg), Mode.CONVERT).frozen
   bigger = jnp.zeros((16, 7))
   with pytest.raises(ValueError, match='does not match this dot'):
-    lifecycle.run(Mode.SERVE, x, bigger, dn, cfg, frozen=frozen)
+    lifecycle.run(
+      lifecycle.DotCall(x, bigger, dn, cfg), Mode.SERVE, frozen=frozen
+    )

@@ -46,24 +46,30 @@ def test_nearest_rounding_loses_small_updates():
   np.testing.assert_array_equal(again.qvalue, p.qvalue)
 
 
-@pytest.mark.parametrize('qmax', [127.0, 7.0, 448.0])
-def test_stable_scale_makes_products_exact(qmax):
+@pytest.mark.parametrize(
+  'fmt', [qt.int8(), qt.int4(32), qt.fp8()], ids=lambda f: f.kind
+)
+def test_stable_scale_makes_products_exact(fmt):
+  qmax = fmt.qmax  # 127, 7, 448.
   b = jnp.asarray(
     np.random.default_rng(0).lognormal(size=20000).astype(np.float32)
   )
-  s = np.asarray(formats.stable_scale(b, qmax))
+  s = np.asarray(formats.weight_scale(b, fmt))
   assert np.all(s >= np.asarray(b) / np.float32(qmax) * (1 - 1e-7))
   assert np.all(np.abs(s / (np.asarray(b) / qmax) - 1) < 2**-14)
   np.testing.assert_array_equal((np.float32(qmax) * s) / np.float32(qmax), s)
-  assert float(formats.stable_scale(jnp.zeros(()), qmax)) == 1.0
+  assert float(formats.weight_scale(jnp.zeros(()), fmt)) == 1.0
 
 
 def test_fp8_stochastic_rounds_between_neighbours():
   v = jnp.full((20000,), 1.1)  # e4m3 neighbours: 1.0 and 1.125.
-  q = formats.fp8_stochastic(v, jax.random.key(0)).astype(jnp.float32)
+  fmt = qt.fp8()
+  q = formats.quantize_values(v, fmt, jax.random.key(0)).astype(jnp.float32)
   assert set(np.unique(np.asarray(q)).tolist()) == {1.0, 1.125}
   assert abs(float(q.mean()) - 1.1) < 3e-3
-  tiny = formats.fp8_stochastic(jnp.full((20000,), -3e-3), jax.random.key(1))
+  tiny = formats.quantize_values(
+    jnp.full((20000,), -3e-3), fmt, jax.random.key(1)
+  )
   assert abs(float(tiny.astype(jnp.float32).mean()) + 3e-3) < 1e-4
 
 

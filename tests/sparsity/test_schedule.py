@@ -7,7 +7,7 @@ import pytest
 
 import aqtr
 from aqtr import sparsity
-from aqtr.core import sparsify
+from aqtr.core import slot_state, sparsify
 from aqtr.core.dimension_numbers import DotLayout
 
 LAY = DotLayout.create((2, 16), (16, 4), (((1,), (0,)), ((), ()))).rhs
@@ -19,14 +19,14 @@ def test_start_step_and_update_step():
   step = jax.jit(
     lambda w, site: sparsify.scheduled_prune(w, t, LAY, 'kf', 'p', site)
   )
-  site = sparsify.schedule_init(jnp.zeros((16, 4)))
+  site = slot_state.schedule_init(jnp.zeros((16, 4)))
   masks = []
   for i in range(9):
     w = jax.random.normal(jax.random.key(i), (16, 4))
     w_s, mask, site = step(w, site)
     fresh = np.asarray(nm.mask(w[None], 1)[0])
     np.testing.assert_array_equal(w_s, np.where(mask, w, 0))
-    assert float(site['step']) == i + 1
+    assert float(site.step) == i + 1
     masks.append((np.asarray(mask), fresh))
   for i in (0, 1):  # before start_step: dense
     assert masks[i][0].all()
@@ -38,10 +38,10 @@ def test_start_step_and_update_step():
 
 
 def test_has_schedule():
-  assert not sparsify.has_schedule(aqtr.TensorConfig())
-  assert not sparsify.has_schedule(aqtr.TensorConfig(sparsity=sparsity.NM()))
+  assert not slot_state.has_schedule(aqtr.TensorConfig())
+  assert not slot_state.has_schedule(aqtr.TensorConfig(sparsity=sparsity.NM()))
   for s in (sparsity.NM(start_step=1), sparsity.Magnitude(update_step=2)):
-    assert sparsify.has_schedule(aqtr.TensorConfig(sparsity=s))
+    assert slot_state.has_schedule(aqtr.TensorConfig(sparsity=s))
 
 
 def test_a_schedule_without_state_is_an_error():
