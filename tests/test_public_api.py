@@ -55,9 +55,11 @@ PRESETS = {
   'int8_fwd',
   'int8_sparse_2_4',
   'int8_weight_only',
+  'mxfp4_training',
   'mxfp4_weight_only',
   'mxfp8',
   'nvfp4',
+  'nvfp4_training',
   'switchback',
 }
 

@@ -171,8 +171,8 @@ class Mx(Numerics):
     if rounding.stochastic and self.scale_mode == 'floor':
       raise ValueError(
         'TensorConfig.rounding: stochastic rounding with Mx(scale_mode='
-        "'floor') clamps the values above max_elem * X and biases them; "
-        "set scale_mode='rceil' (or 'ceil')."
+        "'floor') is biased (values above max_elem * X are clamped); set "
+        "scale_mode='rceil' (or 'ceil'), or use NearestEven()."
       )
 
   def scale_from_bound(self, bound: jax.Array) -> jax.Array:
