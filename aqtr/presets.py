@@ -84,6 +84,21 @@ def _t(
   )
 
 
+def _check_int(preset: str, name: str, v, low: int, high=None, none=False):
+  """Raises naming the preset's argument unless low <= v (<= high) is an
+  int (or None, when `none`)."""
+  if none and v is None:
+    return
+  ok = isinstance(v, int) and not isinstance(v, bool) and v >= low
+  if ok and (high is None or v <= high):
+    return
+  allowed = f'>= {low}' if high is None else f'in {low}..{high}'
+  raise ValueError(
+    f'presets.{preset}: {name} must be {"None or " if none else ""}an int '
+    f'{allowed}, got {v!r}.'
+  )
+
+
 def _tiles(size: int) -> SubChannel:
   return SubChannel(tile_size=size, tile_count=0)
 
@@ -133,6 +148,13 @@ def fully_quantized(
     bwd_bits: gradient bits (1..8), or None for float backward passes.
     stochastic_rounding: stochastic rounding on the gradient operand.
   """
+  _check_int('fully_quantized', 'fwd_bits', fwd_bits, 1, 8, none=True)
+  _check_int('fully_quantized', 'bwd_bits', bwd_bits, 1, 8, none=True)
+  if not isinstance(stochastic_rounding, bool):
+    raise TypeError(
+      'presets.fully_quantized: stochastic_rounding must be a bool, got '
+      f'{stochastic_rounding!r}.'
+    )
   fwd = _int(fwd_bits) if fwd_bits is not None else NoNumerics()
   sr = Stochastic(noise_sharing_axes=()) if stochastic_rounding else None
   if bwd_bits is None:
@@ -177,6 +199,8 @@ def int8_sparse_2_4(
     update_step: steps between mask refreshes (held in between).
     decay: the SR-STE decay (0: plain straight-through).
   """
+  _check_int('int8_sparse_2_4', 'start_step', start_step, 0)
+  _check_int('int8_sparse_2_4', 'update_step', update_step, 1)
   cfg = int8()
   nm = NM(
     n=2,
@@ -381,8 +405,9 @@ def int4_asym_weight_only(group: int = 128) -> DotGeneralConfig:
   (sub-channel tiles; the contraction must be a multiple of `group`).
 
   Args:
-    group: elements per scale group, > 0.
+    group: elements per scale group, an int > 0.
   """
+  _check_int('int4_asym_weight_only', 'group', group, 1)
   return _weight_only(
     IntAsymmetric(bits=4, storage='uint8', clip_gradient=False),
     tiling=_tiles(group),
@@ -401,6 +426,7 @@ def fp8_delayed(history_length: int = 16) -> DotGeneralConfig:
   Args:
     history_length: amax values kept per tensor, >= 1.
   """
+  _check_int('fp8_delayed', 'history_length', history_length, 1)
   cal = DelayedScaling(history_length=history_length, po2_scale=False)
 
   def t(dtype_name: str) -> TensorConfig:

@@ -111,8 +111,29 @@ def test_fully_quantized_float_forward():
   ],
 )
 def test_bits_out_of_range_raise(kwargs):
-  with pytest.raises(ValueError, match=r'bits must be in 1\.\.8'):
+  with pytest.raises(
+    ValueError, match=r'_bits must be None or an int in 1\.\.8'
+  ):
     presets.fully_quantized(**kwargs)
+
+
+@pytest.mark.parametrize(
+  'name, kwargs, arg',
+  [
+    ('int4_asym_weight_only', dict(group=0), 'group'),  # used 128 silently
+    ('int4_asym_weight_only', dict(group=32.0), 'group'),
+    ('int4_asym_weight_only', dict(group=True), 'group'),
+    ('fp8_delayed', dict(history_length=0), 'history_length'),
+    ('fully_quantized', dict(fwd_bits=8.0), 'fwd_bits'),
+    ('fully_quantized', dict(bwd_bits=True), 'bwd_bits'),
+    ('fully_quantized', dict(stochastic_rounding='no'), 'stochastic_rounding'),
+    ('int8_sparse_2_4', dict(start_step=-1), 'start_step'),
+    ('int8_sparse_2_4', dict(update_step=0), 'update_step'),
+  ],
+)
+def test_bad_preset_arguments_name_the_argument(name, kwargs, arg):
+  with pytest.raises((TypeError, ValueError), match=rf'{name}: {arg} must be'):
+    getattr(presets, name)(**kwargs)
 
 
 def test_stochastic_rounding_needs_backward_bits():

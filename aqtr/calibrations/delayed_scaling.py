@@ -29,9 +29,15 @@ class DelayedScaling(StatefulCalibration):
   tiling says. On a gradient operand (dlhs.lhs, drhs.lhs) the history is
   updated by the backward pass (see `aqtr.state`); it records the amax of
   the tensor actually quantized there: with `use_fwd_quant` that is g
-  times the partner's forward scale (folded in before quantizing). A
-  NaN/inf in the current group makes the bound non-finite (and enters the
-  history).
+  times the partner's forward scale (folded in before quantizing).
+
+  Non-finite values. A NaN/inf in the current group makes this step's
+  bound non-finite (its outputs are NaN, as with `lax`), but it does not
+  enter the history: a non-finite amax_t is recorded as 0, an empty
+  entry. Non-finite entries already in a history (a state made or edited
+  elsewhere) are ignored like empty ones, so the bound is the max of the
+  finite entries (amax_t if none is > 0): one bad step never poisons the
+  next L.
 
   State: {'stats': {'history': [L, *group]}}.
 
@@ -67,7 +73,8 @@ class DelayedScaling(StatefulCalibration):
     del numerics
     hist = state['stats']['history']
     amax = jnp.max(jnp.abs(x), axis=tuple(axes), keepdims=True)
-    past = jnp.max(hist, axis=0)
+    past = jnp.max(jnp.where(jnp.isfinite(hist), hist, 0), axis=0)
     bound = jnp.where(past > 0, past, amax) + nonfinite_guard(x, axes)
-    new = jnp.concatenate([amax[None].astype(hist.dtype), hist[:-1]], axis=0)
+    entry = jnp.where(jnp.isfinite(amax), amax, 0).astype(hist.dtype)
+    new = jnp.concatenate([entry[None], hist[:-1]], axis=0)
     return bound, {'stats': {'history': new}, 'learned': {}}

@@ -41,7 +41,9 @@ class EmaStats(StatefulCalibration):
   i.e. the running mean for the first steps, then an EMA with decay
   1 - 1/ema_update_count; the priors enter as `prior_count` earlier
   steps. From call `freeze_step` on (counting from 0), the statistics
-  stop changing.
+  stop changing. NaN/inf values are left out of the statistics (the
+  step's bound is still NaN, so its outputs are NaN as with `lax`): one
+  bad batch never poisons the running statistics.
   bound = c1 * S_l1 + c2 * (S_lp)^(1/p) + c3 * S_max + c0, from the
   statistics including the current step.
 
@@ -55,7 +57,7 @@ class EmaStats(StatefulCalibration):
 
   Attributes:
     p: the exponent of the lp statistic (> 0).
-    c0, c1, c2, c3: the bound's coefficients (finite, >= 0).
+    c0, c1, c2, c3: the bound's coefficients (finite, >= 0, not all 0).
     ema_update_count: N, the cap of the running count (>= 1).
     prior_count: weight of the priors, in steps (>= 0).
     prior_l1, prior_lp, prior_max: prior values of mean |x|, mean |x|^p,
@@ -106,6 +108,11 @@ class EmaStats(StatefulCalibration):
       v = getattr(self, f)
       if not _is_num(v) or v < 0:
         raise ValueError(f'{name}.{f} must be a finite float >= 0, got {v!r}.')
+    if not any(getattr(self, f) > 0 for f in ('c0', 'c1', 'c2', 'c3')):
+      raise ValueError(
+        f'{name}.c0, c1, c2, c3 are all 0, so the bound would be 0 (and the '
+        'scale silently 1): set at least one > 0 (the default is c1=3).'
+      )
     n = self.ema_update_count
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
       raise ValueError(
@@ -148,7 +155,7 @@ class EmaStats(StatefulCalibration):
     ax = tuple(axes)
     a = jnp.abs(x)
     w = (a != 0) if self.exclude_zeros else jnp.ones_like(a, bool)
-    w = w | ~jnp.isfinite(a)  # A NaN/inf always enters (and surfaces).
+    w = w & jnp.isfinite(a)  # A NaN/inf never enters (the guard surfaces it).
     wf = w.astype(jnp.float32)
     if weights is not None:
       w = w & (weights > 0)
@@ -194,7 +201,9 @@ class MeanAbsMax(StatefulCalibration):
   The mean over the steps it has seen (e.g. the CALIBRATE steps) of the
   per-step absolute maximum, per scale group: the usual static-range
   calibration of post-training quantization (Jacob et al. 2018, arXiv
-  1712.05877, "averaged min/max"). State: {'stats': {'count', 'mean'}}.
+  1712.05877, "averaged min/max"). A step whose group holds a NaN/inf
+  gets a NaN bound (its outputs are NaN, as with `lax`) and is not
+  counted. State: {'stats': {'count', 'mean'}}.
 
   Example:
     >>> import jax.numpy as jnp
@@ -216,7 +225,9 @@ class MeanAbsMax(StatefulCalibration):
     del numerics
     st = state['stats']
     amax = jnp.max(jnp.abs(x), axis=tuple(axes), keepdims=True)
-    count = st['count'] + 1
-    mean = st['mean'] + (amax - st['mean']) / count
+    ok = jnp.isfinite(amax)
+    count = jnp.where(ok, st['count'] + 1, st['count'])
+    step = jnp.where(ok, amax - st['mean'], 0) / jnp.maximum(count, 1)
+    mean = st['mean'] + step
     new = {'count': count, 'mean': mean}
     return mean + nonfinite_guard(x, axes), {'stats': new, 'learned': {}}

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 from aqtr.calibrations.base import (
   StatefulCalibration,
+  learned_magnitude,
   nonfinite_guard,
   register,
 )
@@ -30,10 +31,14 @@ class Lsq(StatefulCalibration):
                  = -QN or QP          outside (the clipped value)
 
   scaled by g = 1 / sqrt(N * QP), N the number of elements sharing s (the
-  scale group). The input's gradient passes straight through inside the
-  range and is zero outside. Init: s = 2 mean|x| / sqrt(QP) over the group
-  (from the operand `aqtr.state.init` is given), so only forward operands
-  can use it.
+  scale group). The step used is max(|s|, 2^-126) (a step of exactly 0
+  quantizes to ~0, like a tiny step) and its gradient is d/ds of that,
+  i.e. the formula above times sign(s) (sign(0) = +1), so an optimizer
+  moves |s| the right way from a negative step too. The input's gradient
+  passes straight through inside the range and is zero outside. Init:
+  s = 2 mean|x| / sqrt(QP) over the group's finite values (from the
+  operand `aqtr.state.init` is given), so only forward operands can use
+  it.
 
   State: {'learned': {'step': [*group]}}.
 
@@ -56,22 +61,24 @@ class Lsq(StatefulCalibration):
         'forward operand (fwd.lhs or fwd.rhs), not on a gradient.'
       )
     qp = numerics.max_value
-    step = 2 * jnp.mean(jnp.abs(x), axis=tuple(axes), keepdims=True)
-    step = step / math.sqrt(qp)
+    ax, ok = tuple(axes), jnp.isfinite(x)  # NaN/inf do not enter the init.
+    total = jnp.sum(jnp.where(ok, jnp.abs(x), 0), axis=ax, keepdims=True)
+    count = jnp.sum(ok, axis=ax, keepdims=True)
+    step = 2 * total / jnp.maximum(count, 1) / math.sqrt(qp)
     step = jnp.where(step > 0, step, 1.0).astype(jnp.float32)
     return {'stats': {}, 'learned': {'step': step}}
 
   def bound_with_state(self, x, axes, numerics, state):
-    step = jnp.abs(state['learned']['step'])
+    step, _ = learned_magnitude(state['learned']['step'])
     return step * numerics.max_value + nonfinite_guard(x, axes), state
 
   def value_grad(self, x, s, numerics, state):
-    del state
+    _, sign = learned_magnitude(state['learned']['step'])
     qp = numerics.max_value
     v = x / s
     inside = jnp.abs(v) < qp
     q = numerics.quantize(v).astype(jnp.float32) * numerics.unit
-    return {'step': q - jnp.where(inside, v, 0.0)}, inside
+    return {'step': (q - jnp.where(inside, v, 0.0)) * sign}, inside
 
   def grad_scale(self, group_size: int, numerics) -> float:
     return 1.0 / math.sqrt(group_size * numerics.max_value)

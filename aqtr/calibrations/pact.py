@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 from aqtr.calibrations.base import (
   StatefulCalibration,
+  learned_magnitude,
   nonfinite_guard,
   register,
 )
@@ -28,14 +29,19 @@ class Pact(StatefulCalibration):
     d y_q / d alpha = sign(x) * 1[|x| >= alpha],   d y_q / d x = 1[|x| < alpha]
 
   which for non-negative activations (after a ReLU) is the paper's
-  1[x >= alpha]. Its L2 regulariser `penalty = l2 * sum alpha^2` is
-  exposed (`Pact.penalty`, `aqtr.state.penalty`) for the loss.
+  1[x >= alpha]. The clip used is max(|alpha|, 2^-126) (alpha = 0 clips
+  everything to ~0) and its gradient is d/d alpha of that: the formula
+  above times sign(alpha) (sign(0) = +1), so an optimizer moves |alpha|
+  the right way from a negative alpha too. Its L2 regulariser
+  `penalty = l2 * sum alpha^2` is exposed (`Pact.penalty`,
+  `aqtr.state.penalty`) for the loss.
 
   State: {'learned': {'clip': [*group]}}.
 
   Attributes:
-    init_clip: initial alpha (> 0), or None for max |x| of the operand
-      given to `aqtr.state.init` (the paper starts from 10).
+    init_clip: initial alpha (> 0), or None for max |x| over the finite
+      values of the operand given to `aqtr.state.init` (the paper starts
+      from 10).
     l2: the weight of the L2 penalty on alpha (>= 0).
 
   Example:
@@ -74,7 +80,8 @@ class Pact(StatefulCalibration):
     if self.init_clip is not None:
       clip = jnp.full(shape, self.init_clip, jnp.float32)
     elif isinstance(x, jax.Array):
-      clip = jnp.max(jnp.abs(x), axis=tuple(axes), keepdims=True)
+      finite = jnp.where(jnp.isfinite(x), jnp.abs(x), 0)
+      clip = jnp.max(finite, axis=tuple(axes), keepdims=True)
       clip = jnp.where(clip > 0, clip, 1.0).astype(jnp.float32)
     else:
       raise ValueError(
@@ -85,14 +92,14 @@ class Pact(StatefulCalibration):
 
   def bound_with_state(self, x, axes, numerics, state):
     del numerics
-    clip = jnp.abs(state['learned']['clip'])
+    clip, _ = learned_magnitude(state['learned']['clip'])
     return clip + nonfinite_guard(x, axes), state
 
   def value_grad(self, x, s, numerics, state):
     del s, numerics
-    clip = jnp.abs(state['learned']['clip'])
+    clip, sign = learned_magnitude(state['learned']['clip'])
     out = jnp.abs(x) >= clip
-    return {'clip': jnp.where(out, jnp.sign(x), 0.0)}, ~out
+    return {'clip': jnp.where(out, jnp.sign(x), 0.0) * sign}, ~out
 
   def penalty(self, state: dict) -> jax.Array:
     """l2 * sum(alpha^2): add to the loss."""

@@ -229,6 +229,7 @@ class DotGeneralConfig:
         )
     _check_sparsity(self)
     _check_transforms(self)
+    _check_gather(self)
 
   @property
   def needs_key(self) -> bool:
@@ -313,6 +314,35 @@ def _check_transforms(cfg: DotGeneralConfig) -> None:
         f'DotGeneralConfig.{name}.use_fwd_quant: {name} rotates its '
         f'operands ({lt!r}), so its residual must be rotated and quantized '
         f"afresh; allowed: False, or {name} transforms 'none'."
+      )
+
+
+def _check_gather(cfg: DotGeneralConfig) -> None:
+  """quantized_gather: forward operands; their residual slots off or the
+  same (the residual is the forward operand); never the gradient g."""
+  for side in ('lhs', 'rhs'):
+    t = getattr(cfg.fwd, side)
+    if t.quantized_gather and not t.quantized:
+      raise ValueError(
+        f'DotGeneralConfig.fwd.{side}.quantized_gather=True but its numerics '
+        f'{type(t.numerics).__name__} do not quantize: there is nothing to '
+        'gather quantized; quantize the operand or set it to False.'
+      )
+  for name in ('dlhs', 'drhs'):
+    if getattr(cfg, name).lhs.quantized_gather:
+      raise ValueError(
+        f'DotGeneralConfig.{name}.lhs.quantized_gather=True is on the '
+        f'gradient operand g (the lhs of {name}), which is never gathered; '
+        'set it on the forward operands (fwd.lhs, fwd.rhs) instead.'
+      )
+  for slot, fwd_slot in RESIDUAL_OF.items():
+    path, fwd_path = slot.path, fwd_slot.path
+    on = slot.tensor(cfg).quantized_gather
+    if on and not fwd_slot.tensor(cfg).quantized_gather:
+      raise ValueError(
+        f'DotGeneralConfig.{path}.quantized_gather=True but '
+        f'{fwd_path}.quantized_gather is False: only forward operands are '
+        f'gathered quantized; set it on {fwd_path} (the residual follows).'
       )
 
 

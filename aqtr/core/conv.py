@@ -35,7 +35,7 @@ from jax import lax
 
 from aqtr.core.config import DotGeneralConfig
 from aqtr.core.dot_general import dot_general
-from aqtr.core.sharding import constrain
+from aqtr.core.sharding import check_out_sharding, constrain
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,18 +153,9 @@ def _tuple(v, n: int, name: str, default: int = 1) -> tuple[int, ...]:
   return v
 
 
-def plan(
-  lhs_shape,
-  rhs_shape,
-  window_strides,
-  padding,
-  lhs_dilation=None,
-  rhs_dilation=None,
-  dimension_numbers=None,
-  feature_group_count: int = 1,
-  batch_group_count: int = 1,
-) -> ConvPlan:
-  """Resolves a convolution's arguments into a `ConvPlan` (lax semantics).
+def plan(lhs_shape, rhs_shape, *args, **kwargs) -> ConvPlan:
+  """The `ConvPlan` of a convolution: lax's arguments after the operands
+  (`ConvArgs`), resolved for the operand shapes (lax semantics).
 
   Example:
     >>> p = plan((2, 8, 8, 3), (3, 3, 3, 4), (1, 1), 'SAME',
@@ -172,6 +163,16 @@ def plan(
     >>> p.kernel_shape, p.out_spatial
     ((27, 4), (8, 8))
   """
+  return ConvArgs.bind(*args, **kwargs).plan(lhs_shape, rhs_shape)
+
+
+def _resolve(lhs_shape, rhs_shape, a: ConvArgs) -> ConvPlan:
+  """Resolves a convolution's arguments into a `ConvPlan` (lax semantics)."""
+  window_strides, padding = a.window_strides, a.padding
+  lhs_dilation, rhs_dilation = a.lhs_dilation, a.rhs_dilation
+  dimension_numbers = a.dimension_numbers
+  feature_group_count = a.feature_group_count
+  batch_group_count = a.batch_group_count
   lhs_shape, rhs_shape = tuple(lhs_shape), tuple(rhs_shape)
   if batch_group_count != 1:
     raise NotImplementedError(
@@ -246,17 +247,7 @@ class ConvArgs:
 
   def plan(self, lhs_shape, rhs_shape) -> ConvPlan:
     """The `ConvPlan` of these arguments for the given operand shapes."""
-    return plan(
-      lhs_shape,
-      rhs_shape,
-      self.window_strides,
-      self.padding,
-      self.lhs_dilation,
-      self.rhs_dilation,
-      self.dimension_numbers,
-      self.feature_group_count,
-      self.batch_group_count,
-    )
+    return _resolve(lhs_shape, rhs_shape, self)
 
   def lax(self, lhs, rhs) -> jax.Array:
     """`lax.conv_general_dilated(lhs, rhs, *these arguments)` (float)."""
@@ -324,6 +315,7 @@ def conv_general_dilated(
     >>> y.shape, float(y[0, 1, 1, 0])
     ((1, 4, 4, 5), 18.0)
   """
+  check_out_sharding(out_sharding, jnp.ndim(lhs), 'conv: the rank of lhs')
   args = ConvArgs(
     window_strides,
     padding,

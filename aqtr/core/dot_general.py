@@ -52,7 +52,11 @@ from aqtr.core.qtensor import QTensor
 from aqtr.core.quantizer import check_float
 from aqtr.core.ragged import ragged_bwd, ragged_fwd
 from aqtr.core.rounding import as_typed_key
-from aqtr.core.sharding import check_operands, run_on_mesh
+from aqtr.core.sharding import (
+  check_dot_out_sharding,
+  check_operands,
+  run_on_mesh,
+)
 
 
 def _fwd(lhs, rhs, key, state, plan: Plan):
@@ -136,6 +140,7 @@ def dot_general(
       f'config must be an aqtr.DotGeneralConfig or None, got {config!r}.'
     )
   key = as_typed_key(key)  # Checked even where unused.
+  check_dot_out_sharding(out_sharding, lhs, rhs, dimension_numbers)
   stored = tuple(isinstance(x, QTensor) for x in (lhs, rhs))
   slot_state.check_tree(config, state, stored)
   if any(stored) and config is None:

@@ -18,7 +18,7 @@ from aqtr.core.config import DotGeneralConfig
 from aqtr.core.dot_general import dot_general
 from aqtr.core.qtensor import QTensor
 from aqtr.core.rounding import as_typed_key
-from aqtr.core.sharding import permute_sharding
+from aqtr.core.sharding import check_einsum_out_sharding, permute_sharding
 
 
 def _expand(spec: str, rank: int, ell: str, field: str) -> str:
@@ -152,6 +152,7 @@ def einsum(
     (2, 3, 5)
   """
   as_typed_key(key)  # Checked even where unused (float configs).
+  check_einsum_out_sharding(out_sharding, subscripts)
   given = isinstance(lhs, QTensor) or isinstance(rhs, QTensor)
   if not given and (
     config is None or (isinstance(config, DotGeneralConfig) and config.is_float)

@@ -196,8 +196,9 @@ def quantize_view(
   learned = None
   if new_state is not None and cal.has_learned:
     learned, mask = cal.value_grad(x, s, n, state)
-  if mask is not None:  # Never zero the gradient of a non-finite value.
-    mask = mask | ~jnp.isfinite(v)
+  if mask is not None:  # Never zero the gradient of a non-finite value
+    # or row; a finite x / s that overflows is clipped like any other.
+    mask = mask | ~(jnp.isfinite(x) & jnp.isfinite(s))
   return Quantized(q, s, z, mask, new_state, learned)
 
 

@@ -22,8 +22,26 @@ from aqtr.core.qtensor import QTensor
 from aqtr.core.quantizer import check_float
 from aqtr.core.ragged import RaggedPlan
 from aqtr.core.rounding import as_typed_key
-from aqtr.core.sharding import check_meshes, run_typed
+from aqtr.core.sharding import check_meshes, check_out_sharding, run_typed
 from aqtr.core.slots import Slot
+
+
+def _as_sizes(group_sizes):
+  """A list or tuple of group sizes as an int32 array (arrays as given)."""
+  if not isinstance(group_sizes, list | tuple):
+    return group_sizes
+  try:
+    sizes = np.asarray(group_sizes)
+  except ValueError:  # Ragged nesting.
+    sizes = np.asarray(None)
+  if sizes.size == 0 and sizes.ndim == 1:
+    sizes = sizes.astype(np.int32)
+  if sizes.dtype == object or not np.issubdtype(sizes.dtype, np.integer):
+    raise TypeError(
+      'ragged_dot: group_sizes must be integers (an int array, list or '
+      f'tuple), got {group_sizes!r}.'
+    )
+  return jnp.asarray(sizes, jnp.int32)
 
 
 def _check_shapes(lhs, rhs, group_sizes) -> None:
@@ -95,7 +113,8 @@ def ragged_dot(
   Args:
     lhs: [M, K] float tokens.
     rhs: [G, K, N] float expert weights.
-    group_sizes: [G] integers. When concrete they must be non-negative and
+    group_sizes: [G] integers (an int array, or a list or tuple of ints,
+      converted to int32). When concrete they must be non-negative and
       sum to M (checked). Under `jit` they are not checked: as in
       `lax.ragged_dot`, rows past sum(group_sizes) get zero output and
       zero gradient.
@@ -140,7 +159,9 @@ def ragged_dot(
         'take; pass the float operand (it is quantized on the fly).'
       )
   lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+  group_sizes = _as_sizes(group_sizes)
   _check_shapes(lhs, rhs, group_sizes)
+  check_out_sharding(out_sharding, 2, 'ragged_dot: [M, N]')
   _check_group_sizes(group_sizes, lhs.shape[0])
   if config is None or config.is_float or lhs.size == 0 or rhs.size == 0:
     return lax.ragged_dot(

@@ -21,6 +21,8 @@
 
 Internal API (used by `dot_general.py` and `ragged_dot.py`):
 `explicit_axes`, `output_type`, `run_on_mesh`, `run_typed`, `vma_of`,
+`check_out_sharding`, `check_dot_out_sharding`,
+`check_einsum_out_sharding`,
 `match_vma`, `zeros_varying`, `check_tiles`, `check_meshes`,
 `check_operands`, `permute_sharding`, `constrain`,
 `gather_specs`, `keep_on_shards`; `collectives` reads a compiled module's
@@ -190,11 +192,59 @@ def check_tiles(x, contracting, tile: int | None, name: str) -> None:
       )
 
 
+def check_out_sharding(out_sharding, rank: int, what: str) -> None:
+  """Raises unless `out_sharding`'s spec has at most `rank` entries.
+
+  Args:
+    out_sharding: None, a PartitionSpec or a NamedSharding.
+    rank: the rank of the output it describes.
+    what: the output's layout for the message, e.g. '[M, N] of ragged_dot'.
+  """
+  spec = getattr(out_sharding, 'spec', out_sharding)
+  if not isinstance(spec, jax.sharding.PartitionSpec) or len(spec) <= rank:
+    return
+  raise ValueError(
+    f'out_sharding {spec} has {len(spec)} entries, but the output is '
+    f'{rank}-D ({what}); give at most {rank}, one per output axis.'
+  )
+
+
+def check_dot_out_sharding(out_sharding, lhs, rhs, dimension_numbers):
+  """`check_out_sharding` for dot_general's output (stored QTensor
+  operands count with their float shape); bad dimension numbers are left
+  to the layout checks."""
+  if out_sharding is None:
+    return
+  try:
+    (lc, rc), (lb, _) = dimension_numbers
+    ranks = [
+      len(x.layout.shape if hasattr(x, 'layout') else jnp.shape(x))
+      for x in (lhs, rhs)
+    ]
+    rank = sum(ranks) - len(lc) - len(rc) - len(lb)
+  except (TypeError, ValueError):
+    return
+  check_out_sharding(
+    out_sharding, rank, 'dot_general: [batch..., lhs free..., rhs free...]'
+  )
+
+
+def check_einsum_out_sharding(out_sharding, subscripts) -> None:
+  """`check_out_sharding` for an einsum with explicit output letters."""
+  if out_sharding is None or not isinstance(subscripts, str):
+    return
+  if '->' not in subscripts or '.' in subscripts:
+    return  # Implicit output or ellipsis: left to lax.
+  out = subscripts.split('->')[1].replace(' ', '')
+  check_out_sharding(out_sharding, len(out), f'einsum output {out!r}')
+
+
 def permute_sharding(sharding, perm):
   """`sharding` (NamedSharding, PartitionSpec or None) of an array whose
   axis i is axis perm[i] of the array `sharding` describes."""
   if sharding is None:
     return None
+  check_out_sharding(sharding, len(perm), f'{len(perm)} axes')
   spec = getattr(sharding, 'spec', sharding)
   entries = tuple(spec) + (None,) * (len(perm) - len(spec))
   new = jax.sharding.PartitionSpec(*(entries[p] for p in perm))
@@ -207,6 +257,7 @@ def constrain(x: jax.Array, sharding) -> jax.Array:
   """`x` with `sharding`: a reshard under explicit axes, else a constraint."""
   if sharding is None:
     return x
+  check_out_sharding(sharding, x.ndim, f'shape {tuple(x.shape)}')
   if explicit_axes():
     return jax.sharding.reshard(x, sharding)
   return lax.with_sharding_constraint(x, sharding)

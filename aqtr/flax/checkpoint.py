@@ -14,7 +14,8 @@ int8 / int4 / fp8 values keep their dtype.
 Integrity: `save` also writes `aqtr_checksum.json` in the checkpoint folder
 (a sha256 of every array's dtype, shape and bytes); `restore` recomputes it
 and refuses data that changed since it was saved. Every way a checkpoint
-cannot be restored (no folder, missing or garbled metadata, truncated or
+cannot be restored (no folder, missing or garbled metadata, a target of
+another structure or of other leaf shapes or dtypes, truncated or
 corrupted data, a checksum mismatch) raises one `CheckpointError` whose
 one-line message starts with the checkpoint's path.
 """
@@ -135,7 +136,8 @@ def restore(path: str | os.PathLike, target):
   Raises:
     CheckpointError: no checkpoint at `path`, missing or garbled metadata,
       unreadable data, data that changed since `save` (checksum), or a
-      target of another structure. The message starts with the path.
+      target of another structure or with a leaf of another shape or dtype
+      (named). The message starts with the path.
 
   Example:
     >>> import tempfile, jax.numpy as jnp
@@ -154,7 +156,8 @@ def restore(path: str | os.PathLike, target):
   expected = _read_digests(path)
   ckpt = ocp.StandardCheckpointer()
   try:
-    saved = set(ckpt.metadata(path).item_metadata.tree)
+    meta = ckpt.metadata(path).item_metadata.tree
+    saved = set(meta)
   except Exception as e:  # Reported with the path.
     raise CheckpointError(
       path,
@@ -166,6 +169,7 @@ def restore(path: str | os.PathLike, target):
       path, f'the orbax metadata and {CHECKSUM_FILE} list different arrays.'
     )
   _check_keys(path, saved, set(abstract))
+  _check_shapes(path, meta, abstract)
   try:
     out = ckpt.restore(path, abstract)
   except Exception as e:  # Reported with the path.
@@ -207,6 +211,29 @@ def _check_keys(path: str, saved: set, wanted: set) -> None:
     f'the checkpoint does not match the target: missing {missing[:5]}, '
     f'unexpected {extra[:5]}.',
   )
+
+
+def _check_shapes(path: str, meta: dict, abstract: dict) -> None:
+  """Reports target leaves whose shape or dtype differs from the saved one."""
+  bad = []
+  for key in sorted(abstract):
+    want, m = abstract[key], meta[key]
+    if getattr(m, 'shape', None) is None or getattr(m, 'dtype', None) is None:
+      continue  # Not an array's metadata: the restore checks it.
+    have = (tuple(m.shape), np.dtype(m.dtype))
+    if have != (tuple(want.shape), np.dtype(want.dtype)):
+      bad.append(
+        f'{key!r} is {have[1].name}{list(have[0])} in the checkpoint but '
+        f'{np.dtype(want.dtype).name}{list(want.shape)} in the target'
+      )
+  if bad:
+    more = f' (and {len(bad) - 2} more)' if len(bad) > 2 else ''
+    raise CheckpointError(
+      path,
+      f'the target differs from the saved tree: {"; ".join(bad[:2])}{more}. '
+      'The files are intact: build the target from the model and config '
+      'that were saved (same layer sizes, same weight format).',
+    )
 
 
 __all__ = ['CHECKSUM_FILE', 'CheckpointError', 'restore', 'save']

@@ -35,6 +35,12 @@ class CalibrationFreezer(Freezer):
   Use `per_channel` only for operands whose free axes have a fixed size
   (weights); activations' free axes are batch and sequence axes.
 
+  The bound is symmetric: affine numerics (`int_asymmetric`) are refused
+  (freeze affine weights with 'weights'). A CALIBRATE call whose
+  statistic is not finite (a NaN/inf in the batch) is left out of the mean
+  and not counted, so one bad batch cannot freeze a NaN bound (which SERVE
+  would propagate, not replace).
+
   Attributes:
     per_channel: one bound per free-axes index instead of one per tensor.
 
@@ -92,10 +98,13 @@ class CalibrationFreezer(Freezer):
     }
 
   def update_stats(self, stats: dict, value: jax.Array) -> dict:
-    """One CALIBRATE call: `mean += (value - mean) / (count + 1)`."""
-    count = stats['count'] + 1
+    """One CALIBRATE call: `mean += (value - mean) / (count + 1)`; a
+    non-finite `value` leaves the statistics unchanged."""
     value = value.reshape(stats['mean'].shape)
-    mean = stats['mean'] + (value - stats['mean']) / count.astype(jnp.float32)
+    ok = jnp.all(jnp.isfinite(value))
+    count = stats['count'] + ok.astype(stats['count'].dtype)
+    step = jnp.where(ok, value - stats['mean'], 0)
+    mean = stats['mean'] + step / jnp.maximum(count, 1).astype(jnp.float32)
     return {'mean': mean, 'count': count}
 
   def frozen(self, stats: dict) -> dict:
@@ -104,14 +113,27 @@ class CalibrationFreezer(Freezer):
 
   # The life cycle (see aqtr.freezers.base.Freezer).
 
+  def _symmetric(self, call) -> None:
+    n = call.tensor.numerics
+    if getattr(n, 'asymmetric', False):
+      raise call.error(
+        f'config.fwd.{call.side}.freezer is CalibrationFreezer, which '
+        f'freezes a symmetric bound, but config.fwd.{call.side}.numerics '
+        f'is affine ({type(n).__name__}); use symmetric numerics, or the '
+        "'weights' freezer for affine weights."
+      )
+
   def start_stats(self, call) -> dict:
+    self._symmetric(call)
     return self.init_stats(self.stats_shape(call.free_shape))
 
   def collect(self, stats: dict, call) -> dict:
+    self._symmetric(call)
     value = self.statistic(call.canonical(), call.tensor.calibration)
     return self.update_stats(stats, value)
 
   def freeze(self, call, stats: dict | None) -> dict:
+    self._symmetric(call)
     if stats is None or _never_updated(stats['count']):
       raise call.error(
         f'CONVERT freezes the static range of the {call.side} operand from '
@@ -122,6 +144,7 @@ class CalibrationFreezer(Freezer):
 
   def serve(self, call, frozen: dict) -> Served:
     """`b * dot(x / b, ..)` with the operand's range fixed to 1."""
+    self._symmetric(call)
     b = jnp.asarray(frozen['bound'], jnp.float32)
     shape = self.stats_shape(call.free_shape)
     if b.shape != shape:
@@ -129,7 +152,8 @@ class CalibrationFreezer(Freezer):
         f'the frozen {call.side} bound has shape {b.shape}, this call needs '
         f"{shape} (the operand's free axes with per_channel)."
       )
-    b = jnp.where(b > 0, b, jnp.ones_like(b))
+    # An all-zero range serves with 1; a NaN bound propagates.
+    b = jnp.where((b > 0) | jnp.isnan(b), b, jnp.ones_like(b))
     return Served(
       call.x / call.over_free(b), tensor=call.with_range(1.0), out_scale=b
     )

@@ -32,6 +32,7 @@ Example:
 
 from __future__ import annotations
 
+import numbers
 from typing import Any, NamedTuple
 
 import jax
@@ -87,6 +88,18 @@ def _check_codec(name, codec, tables):
     )
 
 
+def _check_float(tree, what: str) -> None:
+  """Raises naming the first leaf of `tree` that is not floating point."""
+  for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    dtype = jnp.result_type(x)
+    if not jnp.issubdtype(dtype, jnp.floating):
+      raise TypeError(
+        f'low-bit Adam: {what} leaf {jax.tree_util.keystr(path)} has dtype '
+        f'{dtype}; Adam updates need float leaves (cast it to float32, or '
+        'leave it out of the optimizer, e.g. with optax.masked).'
+      )
+
+
 def scale_by_lowbit_adam(
   b1: float = 0.9,
   b2: float = 0.999,
@@ -114,10 +127,19 @@ def scale_by_lowbit_adam(
   # m is signed; v must never decode to 0 (m / eps would explode).
   _check_codec('mu_codec', mu_codec, ('signed_dynamic',))
   _check_codec('nu_codec', nu_codec, ('dynamic_no_zero', 'linear'))
+  for name, b in (('b1', b1), ('b2', b2)):
+    if isinstance(b, bool) or not isinstance(b, numbers.Real):
+      raise ValueError(f'{name} must be a float in [0, 1), got {b!r}.')
+  if isinstance(seed, bool) or not isinstance(seed, int):
+    raise TypeError(f'low-bit Adam: seed must be an int, got {seed!r}.')
   if not 0 <= b1 < 1 or not 0 <= b2 < 1:
     raise ValueError(f'b1 and b2 must be in [0, 1), got b1={b1}, b2={b2}.')
-  if not isinstance(min_size, int) or min_size < 0:
+  if isinstance(min_size, bool) or not isinstance(min_size, int):
     raise ValueError(f'min_size must be an int >= 0, got {min_size!r}.')
+  if min_size < 0:
+    raise ValueError(f'min_size must be an int >= 0, got {min_size!r}.')
+  if not (isinstance(eps, numbers.Real) and 0 <= eps < float('inf')):
+    raise ValueError(f'eps must be a finite float >= 0, got {eps!r}.')
 
   def small(x) -> bool:
     return x.size < min_size
@@ -129,6 +151,8 @@ def scale_by_lowbit_adam(
     return s.decode() if isinstance(s, LowBitTensor) else s
 
   def init_fn(params):
+    _check_float(params, 'parameter')
+
     def zeros(codec):  # Fresh buffers for each moment (donation-safe).
       def one(p):
         if small(p):
@@ -146,6 +170,7 @@ def scale_by_lowbit_adam(
 
   def update_fn(updates, state, params=None):
     del params
+    _check_float(updates, 'update')
     count = optax.safe_increment(state.count)
     t = count.astype(jnp.float32)
     c1, c2 = 1 - b1**t, 1 - b2**t

@@ -32,7 +32,7 @@ import jax
 from aqtr import presets
 from aqtr.calibrations.absmax import AbsMax
 from aqtr.core.config import TensorConfig
-from aqtr.core.dimension_numbers import OperandLayout
+from aqtr.core.dimension_numbers import OperandLayout, normalize_axes
 from aqtr.core.rounding import uniform_grid
 from aqtr.core.scale import requantizable, scale_from_bound
 from aqtr.freezers.base import NoFreezer
@@ -92,6 +92,10 @@ class WeightFormat:
         'WeightFormat.contracting_axes must be a tuple of ints or None, got '
         f'{axes!r}.'
       )
+    if axes is not None and len(set(axes)) != len(axes):
+      raise ValueError(
+        f'WeightFormat.contracting_axes repeats an axis: {axes}.'
+      )
 
   @property
   def numerics(self):
@@ -142,7 +146,9 @@ class WeightFormat:
         f'weight: it needs at least one contraction axis and one free axis '
         f'(contracting_axes={self.contracting_axes}).'
       )
-    axes = tuple(a % rank for a in axes)
+    axes = normalize_axes(
+      axes, rank, f'WeightFormat.contracting_axes for parameter {name!r}'
+    )
     lay = OperandLayout(tuple(shape), (), axes)
     if self.kind == 'int4' and lay.k % self.group_size:
       raise ValueError(

@@ -150,8 +150,12 @@ class LowBitTensor:
     With a `key`, codes are rounded stochastically (unbiased between the
     table's neighbours); without, to the nearest table value.
     """
-    if bits not in (4, 8):
+    if not _is_int(bits) or bits not in (4, 8):
       raise ValueError(f'LowBitTensor bits must be 4 or 8, got {bits!r}.')
+    if not _is_int(block) or block < 0:
+      raise ValueError(
+        f'LowBitTensor block must be an int >= 0 (0: rank-1), got {block!r}.'
+      )
     table = table or dynamic_table(bits, True)
     if len(table) != 2**bits:
       raise ValueError(
@@ -231,6 +235,11 @@ _TABLES = ('signed_dynamic', 'dynamic_no_zero', 'linear')
 _ROUNDINGS = ('nearest', 'stochastic')
 
 
+def _is_int(v) -> bool:
+  """An int proper: 8.0, True and numpy floats are not."""
+  return isinstance(v, int | np.integer) and not isinstance(v, bool)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class StateCodec:
   """How one optimizer state tensor is stored: bits, table, normaliser.
@@ -256,13 +265,15 @@ class StateCodec:
   rounding: str = 'nearest'
 
   def __post_init__(self):
-    if self.bits not in (4, 8):
-      raise ValueError(f'StateCodec.bits must be 4 or 8, got {self.bits!r}.')
+    if not _is_int(self.bits) or self.bits not in (4, 8):
+      raise ValueError(
+        f'StateCodec.bits must be 4 or 8 (an int), got {self.bits!r}.'
+      )
     if self.table not in _TABLES:
       raise ValueError(
         f'StateCodec.table must be one of {_TABLES}, got {self.table!r}.'
       )
-    if not isinstance(self.block, int) or self.block < 0:
+    if not _is_int(self.block) or self.block < 0:
       raise ValueError(
         f'StateCodec.block must be an int >= 0 (0: rank-1), got {self.block!r}.'
       )

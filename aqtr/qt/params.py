@@ -34,6 +34,7 @@ from aqtr.core.scale import divide
 from aqtr.qt.formats import WeightFormat, quantize_values, weight_scale
 
 __all__ = [
+  'PARAM',
   'QTParam',
   'QuantizationReport',
   'Rule',
@@ -42,8 +43,17 @@ __all__ = [
   'path_str',
   'quantize_params',
   'requantize',
+  'UPDATE',
   'tree_bytes',
 ]
+
+PARAM = 'param'
+# The role of a QT update; JAX shows it when a tree op pairs the two roles.
+UPDATE = (
+  'update: a new QTParam from aqtr.qt.quantized_training; apply it with '
+  'aqtr.qt.apply_updates, not optax.apply_updates (which would add the '
+  'int codes and the scales)'
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +67,12 @@ class QTParam:
     layout: the weight's operand layout (static).
     form: 'fk' or 'kf', the view's form (static).
     fmt: the WeightFormat (static).
+    role: PARAM, or UPDATE for the new parameter `quantized_training`
+      returns as its update (static). The two roles are different pytree
+      metadata, so tree arithmetic that pairs a parameter with its update
+      (`optax.apply_updates`, which would add the integer codes and the
+      scales) fails with a structure error that shows UPDATE's text;
+      `aqtr.qt.apply_updates` takes the new parameter instead.
   """
 
   qvalue: jax.Array
@@ -64,6 +80,7 @@ class QTParam:
   layout: OperandLayout
   form: str
   fmt: WeightFormat
+  role: str = PARAM
 
   @property
   def shape(self) -> tuple[int, ...]:
@@ -94,7 +111,7 @@ class QTParam:
 jax.tree_util.register_dataclass(
   QTParam,
   data_fields=['qvalue', 'scale'],
-  meta_fields=['layout', 'form', 'fmt'],
+  meta_fields=['layout', 'form', 'fmt', 'role'],
 )
 
 
@@ -154,6 +171,17 @@ def requantize(p: QTParam, w: jax.Array, key=None) -> QTParam:
     w: the new float weight.
     key: PRNG key for stochastic rounding; None: round to nearest.
   """
+  if not is_qt(p):
+    raise TypeError(f'requantize: p must be an aqtr.qt.QTParam, got {p!r}.')
+  if tuple(jnp.shape(w)) != p.shape:
+    raise ValueError(
+      f'requantize: w has shape {tuple(jnp.shape(w))} but p stores a weight '
+      f"of shape {p.shape}; pass the new weight in p's shape."
+    )
+  if not jnp.issubdtype(jnp.result_type(w), jnp.floating):
+    raise TypeError(
+      f'requantize: w must be a float array, got {jnp.result_type(w)}.'
+    )
   return _quantize(w, p.layout, p.fmt, as_typed_key(key))
 
 

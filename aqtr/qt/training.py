@@ -11,9 +11,13 @@ quantization step still move the weights on average; with round-to-nearest
 they vanish and training stalls (Gupta et al. 2015, arXiv 1502.02551; the
 int8 recipe of torchao's quantized training). Step t draws its rounding
 noise from `fold_in(key(seed), t)` (then one fold per leaf), so a run is
-reproducible from its seed. A step whose gradients or updates are not
-finite is skipped: weights and inner state are untouched and the state's
-`skipped` counter grows.
+reproducible from its seed. A step whose gradients, updates or new weights
+`w + u` are not finite (a finite update can overflow) is skipped: weights
+and inner state are untouched and the state's `skipped` counter grows.
+
+The update of a QTParam is the new QTParam, marked as an update (its
+`role`): apply updates with `aqtr.qt.apply_updates`; `optax.apply_updates`
+raises a pytree structure error naming it (instead of adding int codes).
 
 Example:
   >>> import jax, jax.numpy as jnp, optax
@@ -30,6 +34,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from typing import Any, NamedTuple
 
@@ -37,7 +42,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from aqtr.qt.params import dequantize, is_qt, requantize
+from aqtr.qt.params import PARAM, UPDATE, dequantize, is_qt, requantize
 
 __all__ = [
   'NearestRoundingWarning',
@@ -111,6 +116,13 @@ def quantized_training(
   Returns:
     An optax GradientTransformationExtraArgs; `update` needs `params`.
   """
+  if not hasattr(inner, 'init') or not hasattr(inner, 'update'):
+    raise TypeError(
+      'quantized_training: inner must be an optax GradientTransformation '
+      f'(e.g. optax.adam(1e-3)), got {inner!r}.'
+    )
+  if isinstance(seed, bool) or not isinstance(seed, int):
+    raise TypeError(f'quantized_training: seed must be an int, got {seed!r}.')
   if rounding not in _ROUNDINGS:
     raise ValueError(
       f'quantized_training: rounding must be one of {_ROUNDINGS}, got '
@@ -140,16 +152,18 @@ def quantized_training(
       raise ValueError('quantized_training.update needs params=.')
     w = dequantize(params)
     u, new_inner = inner.update(updates, state.inner, w, **extra)
-    ok = _all_finite(updates, u)
     key = step_key(state)
     leaves, treedef = jax.tree.flatten(params, is_leaf=is_qt)
     flat_w = treedef.flatten_up_to(w)
     flat_u = treedef.flatten_up_to(u)
+    new_w = [wi + ui for wi, ui in zip(flat_w, flat_u, strict=True)]
+    ok = _all_finite(updates, u, new_w)
     out = []
-    for i, (p, wi, ui) in enumerate(zip(leaves, flat_w, flat_u, strict=True)):
+    for i, (p, wi, ui) in enumerate(zip(leaves, new_w, flat_u, strict=True)):
       if is_qt(p):
         k = jax.random.fold_in(key, i) if stochastic else None
-        out.append(_select(ok, requantize(p, wi + ui, k), p))
+        new = _select(ok, requantize(p, wi, k), p)
+        out.append(dataclasses.replace(new, role=UPDATE))
       else:
         out.append(jnp.where(ok, ui, jnp.zeros_like(ui)))
     new_state = QTState(
@@ -179,7 +193,7 @@ def apply_updates(params, updates):
           'the update of a QTParam must be a QTParam: make the updates with '
           'aqtr.qt.quantized_training.'
         )
-      return u
+      return dataclasses.replace(u, role=PARAM)
     if p is None:
       return None
     return jnp.asarray(p + u).astype(jnp.asarray(p).dtype)

@@ -43,6 +43,8 @@ BAD_FIELDS = {
     {'p': 0.0},
     {'c1': -1.0},
     {'c0': math.nan},
+    {'c1': 0.0},  # all four coefficients 0: the bound would be 0
+    {'c1': 0.0, 'c3': 0.0},
     {'ema_update_count': 0},
     {'prior_count': -1.0},
     {'exclude_zeros': 1},

@@ -130,3 +130,41 @@ def test_errors_name_the_operand_path():
   del bad['fwd.rhs']
   with pytest.raises(ValueError, match="missing \\['fwd.rhs'\\]"):
     aqtr.dot_general(xs[0], w, DN, _cfg(), state=bad)
+
+
+@pytest.mark.parametrize('bad', [jnp.nan, jnp.inf])
+def test_non_finite_history_entries_are_ignored(bad):
+  # The bound is the max of the finite entries (was: NaN dropped the whole
+  # history for the current amax; inf made every output NaN).
+  c = DelayedScaling(history_length=L)
+  st = {'stats': {'history': jnp.array([bad, 5.0, 1.0]).reshape(L, 1, 1, 1, 1)}}
+  x = jnp.array([[[[2.0, -1.0]]]])
+  b, new = c.bound_with_state(x, (3,), None, st)
+  assert float(b.squeeze()) == 5.0
+  np.testing.assert_array_equal(new['stats']['history'].ravel(), [2, bad, 5])
+  # Only non-finite entries: as an empty history, the current amax.
+  empty = {'stats': {'history': jnp.full((L, 1, 1, 1, 1), bad)}}
+  b, _ = c.bound_with_state(x, (3,), None, empty)
+  assert float(b.squeeze()) == 2.0
+  # End to end: the outputs stay finite and equal those of the clean state.
+  xs, w = _data(1)
+  s = aqtr.state.init(xs[0], w, DN, _cfg())
+  _, s = _step(w, s, xs[0])
+  dirty = jax.tree.map(lambda v: v, s)
+  h = dirty['fwd.lhs']['stats']['history']
+  dirty['fwd.lhs']['stats']['history'] = h.at[2].set(bad)
+  run = jax.jit(lambda s: aqtr.dot_general(xs[0], w, DN, _cfg(), state=s)[0])
+  out = run(dirty)
+  assert bool(jnp.all(jnp.isfinite(out)))
+  np.testing.assert_array_equal(out, run(s))
+
+
+def test_a_non_finite_amax_makes_its_step_nan_and_enters_as_empty():
+  c = DelayedScaling(history_length=L)
+  st = c.init_state(jnp.zeros((1, 1, 1, 2)), (3,), None)
+  _, st = c.bound_with_state(jnp.array([[[[3.0, 1.0]]]]), (3,), None, st)
+  b, st = c.bound_with_state(jnp.array([[[[jnp.inf, 1.0]]]]), (3,), None, st)
+  assert bool(jnp.isnan(b.squeeze()))  # this step is non-finite, like lax
+  np.testing.assert_array_equal(st['stats']['history'].ravel(), [0, 3, 0])
+  b, _ = c.bound_with_state(jnp.array([[[[1.0, 1.0]]]]), (3,), None, st)
+  assert float(b.squeeze()) == 3.0  # the next step is not poisoned

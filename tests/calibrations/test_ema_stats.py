@@ -107,3 +107,29 @@ def test_with_example_weights_reshapes_and_checks():
   np.testing.assert_allclose(new['fwd.lhs']['stats']['l1'].squeeze(), 1.0)
   with pytest.raises(ValueError, match=r'fwd\.lhs: .* 6 rows'):
     aqtr.state.with_example_weights(s, 'fwd.lhs', jnp.ones(5))
+
+
+def test_ema_stats_rejects_all_zero_coefficients():
+  with pytest.raises(ValueError, match=r'EmaStats\.c0, c1, c2, c3 are all 0'):
+    EmaStats(c1=0.0)
+  EmaStats(c1=0.0, c0=0.5)  # any one > 0 will do
+
+
+@pytest.mark.parametrize(
+  'cal', [EmaStats(c1=1.0, c3=1.0), MeanAbsMax()], ids=['ema', 'mean_absmax']
+)
+@pytest.mark.parametrize('bad', [jnp.nan, jnp.inf])
+def test_a_non_finite_step_is_nan_but_leaves_the_statistics(cal, bad):
+  # Was: the NaN/inf entered the running statistics, NaN forever after.
+  clean, _ = _run(cal, [STEPS[0], STEPS[3]])
+  st = cal.init_state(jnp.zeros((1, 1, 1, 4)), (3,), None)
+  _, st = cal.bound_with_state(jnp.array([[[STEPS[0]]]]), (3,), None, st)
+  row = jnp.array([[[[bad, 1.0, 2.0, 3.0]]]])
+  b, st = cal.bound_with_state(row, (3,), None, st)
+  assert bool(jnp.isnan(b.squeeze()))
+  b, st = cal.bound_with_state(jnp.array([[[STEPS[3]]]]), (3,), None, st)
+  if isinstance(cal, MeanAbsMax):  # the bad step is not counted at all
+    assert float(b.squeeze()) == clean[-1]
+  else:  # its finite values are a batch of their own
+    assert np.isfinite(float(b.squeeze()))
+  assert all(bool(jnp.all(jnp.isfinite(v))) for v in st['stats'].values())

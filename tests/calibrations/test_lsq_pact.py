@@ -164,3 +164,72 @@ def test_learned_errors():
   bad = aqtr.DotGeneralConfig(dlhs=aqtr.DotGeneralRaw(lhs=t, rhs=t))
   with pytest.raises(ValueError, match='dlhs.lhs.*learns'):
     aqtr.dot_general(x, w, DN, bad, state={})
+
+
+def _with(name, value):
+  return {'fwd.lhs': {'stats': {}, 'learned': {name: value}}}
+
+
+@pytest.mark.parametrize('cal, name', [(Lsq(), 'step'), (Pact(), 'clip')])
+def test_a_negative_step_or_clip_gets_the_gradient_of_its_sign(cal, name):
+  # The bound uses |p|, so d loss / d p at -p is minus the one at +p:
+  # gradient descent moves |p| the same way from either sign.
+  x, w, c = _data(4)
+  x = jnp.sign(x) * (0.5 + jnp.abs(x))
+  cfg = _cfg(cal)
+  p = aqtr.state.init(x, w, DN, cfg)['fwd.lhs']['learned'][name] * 0.4
+  gx, g_pos = _grads(cfg, x, w, c, _with(name, p))
+  gx_neg, g_neg = _grads(cfg, x, w, c, _with(name, -p))
+  g_pos = g_pos['fwd.lhs']['learned'][name]
+  g_neg = g_neg['fwd.lhs']['learned'][name]
+  assert float(jnp.abs(g_pos).min()) > 0
+  np.testing.assert_array_equal(g_neg, -g_pos)
+  np.testing.assert_array_equal(gx_neg, gx)
+
+  def loss(a):
+    return jnp.sum(aqtr.dot_general(x, w, DN, cfg, state=_with(name, a))[0] * c)
+
+  # The finite difference at -p agrees in sign with the gradient.
+  eps = 1e-3 * jnp.abs(p)
+  fd = (loss(-p + eps) - loss(-p - eps)) / 2
+  assert float(fd) * float(jnp.sum(g_neg * eps)) > 0
+
+
+@pytest.mark.parametrize('cal, name', [(Lsq(), 'step'), (Pact(), 'clip')])
+def test_a_zero_step_or_clip_quantizes_to_zero(cal, name):
+  # p = 0 acts as the smallest positive p (2^-126): every value clips to
+  # ~0 (it used to quantize with step 1), no x gradient passes, and the
+  # p gradient is that of a tiny positive p (finite, non-zero).
+  x, w, c = _data(5)
+  x = 10 * x  # x / 2^-126 overflows: still clipped, not passed through
+  cfg = _cfg(cal)
+  zero = jnp.zeros_like(
+    aqtr.state.init(x, w, DN, cfg)['fwd.lhs']['learned'][name]
+  )
+  out, _ = aqtr.dot_general(x, w, DN, cfg, state=_with(name, zero))
+  assert float(jnp.abs(out).max()) < 1e-30
+  gx, g0 = _grads(cfg, x, w, c, _with(name, zero))
+  _, g_tiny = _grads(cfg, x, w, c, _with(name, zero + 1e-37))
+  g0 = g0['fwd.lhs']['learned'][name]
+  np.testing.assert_array_equal(gx, 0)
+  np.testing.assert_allclose(g0, g_tiny['fwd.lhs']['learned'][name], rtol=1e-6)
+  assert bool(jnp.all(jnp.isfinite(g0))) and float(jnp.abs(g0).min()) > 0
+
+
+@pytest.mark.parametrize('bad', [jnp.nan, jnp.inf])
+def test_init_from_data_ignores_non_finite_values(bad):
+  # A NaN used to give step/clip 1.0 silently; an inf gave an inf clip
+  # (every later output NaN).
+  x, w, _ = _data(6)
+  dirty = x.at[1, 3].set(bad)
+  for cal, name in ((Lsq(), 'step'), (Pact(), 'clip')):
+    cfg = _cfg(cal)
+    got = aqtr.state.init(dirty, w, DN, cfg)['fwd.lhs']['learned'][name]
+    clean = aqtr.state.init(x, w, DN, cfg)['fwd.lhs']['learned'][name]
+    assert bool(jnp.all(jnp.isfinite(got)))
+    rows = np.arange(x.shape[0]) != 1  # other rows: the clean init
+    np.testing.assert_array_equal(got.ravel()[rows], clean.ravel()[rows])
+  row = jnp.abs(jnp.delete(x[1], 3))
+  want = 2 * float(row.mean()) / math.sqrt(INT4.max_value)
+  got = aqtr.state.init(dirty, w, DN, _cfg(Lsq()))['fwd.lhs']['learned']
+  assert float(got['step'].ravel()[1]) == pytest.approx(want, rel=1e-6)

@@ -142,6 +142,32 @@ def test_dot_general_config_validation():
     aqtr.DotGeneralConfig(fwd=aqtr.DotGeneralRaw(use_fwd_quant=True))
 
 
+@pytest.mark.parametrize('slot', ['dlhs.lhs', 'drhs.lhs', 'dlhs.rhs'])
+def test_quantized_gather_off_the_forward_operands_raises(slot):
+  # It was accepted and ignored (only forward operands are gathered).
+  cfg = aqtr.presets.int8()
+  name, side = slot.split('.')
+  t = dataclasses.replace(
+    getattr(getattr(cfg, name), side), quantized_gather=True
+  )
+  raw = dataclasses.replace(getattr(cfg, name), **{side: t})
+  with pytest.raises(ValueError, match=rf'{slot}\.quantized_gather=True'):
+    dataclasses.replace(cfg, **{name: raw})
+  # A residual slot may follow its forward operand.
+  fwd = dataclasses.replace(
+    cfg.fwd, rhs=dataclasses.replace(cfg.fwd.rhs, quantized_gather=True)
+  )
+  if slot == 'dlhs.rhs':
+    dataclasses.replace(cfg, fwd=fwd, dlhs=raw)
+
+
+def test_quantized_gather_on_a_float_operand_raises():
+  cfg = aqtr.presets.int8_weight_only()  # float activations
+  lhs = dataclasses.replace(cfg.fwd.lhs, quantized_gather=True)
+  with pytest.raises(ValueError, match=r'fwd\.lhs\.quantized_gather=True but'):
+    dataclasses.replace(cfg, fwd=dataclasses.replace(cfg.fwd, lhs=lhs))
+
+
 def test_is_float():
   assert config_lib.float_config().is_float
   assert aqtr.presets.float().is_float

@@ -237,6 +237,23 @@ def test_bad_group_sizes_dtype_and_config():
     aqtr.ragged_dot(x, w, jnp.array([4, 0, 6]), config='int8')
 
 
+def test_group_sizes_as_a_python_list_or_tuple():
+  # A list used to fail with JAX's "Cannot determine dtype".
+  x, w, _ = operands()
+  want = aqtr.ragged_dot(x, w, jnp.array([4, 0, 6]), presets.int8())
+  for sizes in ([4, 0, 6], (4, 0, 6)):
+    got = aqtr.ragged_dot(x, w, sizes, presets.int8())
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(
+      aqtr.ragged_dot(x, w, sizes), lax.ragged_dot(x, w, jnp.array(sizes))
+    )
+  for bad in ([4.0, 0, 6], ['4', 0, 6], [[4], [0, 6]]):
+    with pytest.raises(TypeError, match='group_sizes must be integers'):
+      aqtr.ragged_dot(x, w, bad, presets.int8())
+  with pytest.raises(ValueError, match='sum to the rows'):
+    aqtr.ragged_dot(x, w, [4, 0, 5], presets.int8())
+
+
 def test_token_tiling_rejected_in_drhs():
   cfg = presets.int8()
   t = tilings.SubChannel(tile_size=5)

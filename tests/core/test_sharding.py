@@ -389,3 +389,47 @@ def test_collectives_parses_hlo():
     ('all-gather', 's8', 32),
     ('all-reduce', 'f32', 20),
   ]
+
+
+_TOO_LONG = {
+  'dot_general': lambda x, w, c, s: aqtr.dot_general(
+    x, w, (((1,), (0,)), ((), ())), c, out_sharding=s
+  ),
+  'einsum': lambda x, w, c, s: aqtr.einsum(
+    'mk,kn->mn', x, w, config=c, out_sharding=s
+  ),
+  'ragged_dot': lambda x, w, c, s: aqtr.ragged_dot(
+    x, jnp.stack([w, w]), [4, 4], c, out_sharding=s
+  ),
+}
+
+
+@pytest.mark.parametrize('config', ['float', 'int8'])
+@pytest.mark.parametrize('op', sorted(_TOO_LONG))
+def test_out_sharding_of_another_rank_is_named(op, config):
+  # A 3-entry spec for a 2-D output was a bare AssertionError from lax.
+  mesh = jax.make_mesh((8,), ('k',))
+  x, w = jnp.ones((8, 64)), jnp.ones((64, 16))
+  xs, ws = _on_mesh(mesh, (P('k', None), P()), x, w)
+  cfg = getattr(presets, config)()
+  with jax.set_mesh(mesh):
+    with pytest.raises(
+      ValueError, match=r'out_sharding .* has 3 entries, but the output is 2-D'
+    ):
+      jax.jit(lambda a, b: _TOO_LONG[op](a, b, cfg, P(None, None, 'k')))(xs, ws)
+    if op == 'ragged_dot' and config == 'float':
+      return  # lax.ragged_dot itself rejects explicit row shards.
+    out = jax.jit(lambda a, b: _TOO_LONG[op](a, b, cfg, P('k', None)))(xs, ws)
+    assert jax.typeof(out).sharding.spec == P('k', None)
+
+
+def test_conv_out_sharding_of_another_rank_is_named():
+  x, k = jnp.ones((2, 8, 8, 4)), jnp.ones((3, 3, 4, 8))
+  for cfg in (presets.float(), presets.int8()):
+    with pytest.raises(
+      ValueError, match=r'has 5 entries, but the output is 4-D'
+    ):
+      aqtr.conv_general_dilated(
+        x, k, (1, 1), 'SAME', dimension_numbers=('NHWC', 'HWIO', 'NHWC'),
+        config=cfg, out_sharding=P(None, None, None, None, 'k'),
+      )  # fmt: skip

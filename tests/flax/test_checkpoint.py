@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import pytest
@@ -75,3 +78,40 @@ def test_restoring_under_another_config_is_reported(tmp_path):
     ckpt.save(tmp_path / 's', {'w': jnp.zeros(2)})
   ckpt.save(tmp_path / 's', {'w': jnp.ones(2)}, force=True)
   bitwise(ckpt.restore(tmp_path / 's', {'w': jnp.zeros(2)})['w'], jnp.ones(2))
+
+
+class _Dense(nn.Module):
+  features: int
+  config: aqtr.DotGeneralConfig
+  mode: Mode = Mode.TRAIN
+
+  @nn.compact
+  def __call__(self, x):
+    dg = functools.partial(ql.DotGeneral, config=self.config, mode=self.mode)
+    return nn.Dense(self.features, dot_general_cls=dg)(x)
+
+
+def test_restoring_into_other_shapes_names_the_leaf(tmp_path):
+  # A Dense(16) serving tree into a Dense(8) target used to be reported
+  # as "truncated or corrupted"; the files are intact.
+  cfg, x = _cfg(), jnp.ones((2, 32))
+
+  def serving(n):
+    v = jax.eval_shape(_Dense(n, cfg).init, jax.random.key(0), x)
+    return jax.eval_shape(
+      lambda v: ql.convert(_Dense(n, cfg, Mode.CONVERT), v, x), v
+    )
+
+  v = _Dense(16, cfg).init(jax.random.key(0), x)
+  ckpt.save(tmp_path / 's', ql.convert(_Dense(16, cfg, Mode.CONVERT), v, x))
+  with pytest.raises(
+    ckpt.CheckpointError,
+    match=r"'aqtr\.Dense_0\..*rhs\.qvalue' is int8\[1, 1, 32, 16\] in the "
+    r'checkpoint but int8\[1, 1, 32, 8\] in the target.*\(and 1 more\)\. '
+    'The files are intact',
+  ):
+    ckpt.restore(tmp_path / 's', serving(8))
+  ckpt.restore(tmp_path / 's', serving(16))
+  with pytest.raises(ckpt.CheckpointError, match=r"'w' is int8\[2\].*float32"):
+    ckpt.save(tmp_path / 'w', {'w': jnp.ones(2, jnp.int8)})
+    ckpt.restore(tmp_path / 'w', {'w': jnp.ones(2)})

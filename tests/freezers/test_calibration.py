@@ -207,3 +207,31 @@ def test_zero_bound_is_safe():
     frozen={'lhs': {'bound': jnp.float32(0)}},
   ).out
   np.testing.assert_array_equal(out, jnp.zeros((8, 4)))
+
+
+def test_a_non_finite_calibrate_batch_is_left_out():
+  # It used to make the mean NaN, which SERVE then replaced by a bound of 1.
+  cfg = _cfg()
+  w = _data(1, (16, 4))
+  xs = [_data(10 + i, (8, 16), scale=1.0 + i) for i in range(3)]
+  bad = xs[1].at[2, 3].set(jnp.nan)
+  stats = _calibrate(cfg, [xs[0], bad, xs[2]], w)
+  assert int(stats['lhs']['count']) == 2
+  want = np.mean([float(jnp.abs(x).max()) for x in (xs[0], xs[2])])
+  assert float(stats['lhs']['mean']) == pytest.approx(want, rel=1e-6)
+  # A NaN bound given to SERVE propagates instead of becoming 1.
+  frozen = {'lhs': {'bound': jnp.float32(jnp.nan)}}
+  call = lifecycle.DotCall(xs[0], w, DN, cfg)
+  out = lifecycle.run(call, Mode.SERVE, frozen=frozen).out
+  assert bool(jnp.all(jnp.isnan(out)))
+
+
+def test_affine_numerics_are_refused_naming_the_freezer():
+  cfg = aqtr.freezers.configure(
+    aqtr.presets.int4_asym_weight_only(8), rhs=CalibrationFreezer()
+  )
+  x, w = _data(0, (4, 16)), _data(1, (16, 4))
+  with pytest.raises(
+    ValueError, match=r'fwd\.rhs\.freezer is Calibration.*affine'
+  ):
+    lifecycle.run(lifecycle.DotCall(x, w, DN, cfg), Mode.CALIBRATE)

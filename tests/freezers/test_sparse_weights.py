@@ -1,5 +1,7 @@
 """sparse_weights: N:M weights stored compressed, served bit-exactly."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -77,3 +79,53 @@ def test_needs_n_m_sparsity():
   x, w = jnp.ones((2, 8)), jnp.ones((8, 4))
   with pytest.raises(ValueError, match=r'fwd\.rhs\.sparsity.*NM'):
     lifecycle.run(lifecycle.DotCall(x, w, DN, cfg), Mode.CONVERT)
+
+
+def _affine(bits: int, group: int | None) -> aqtr.DotGeneralConfig:
+  """Weight-only affine `bits` in groups of `group` (None: per channel)."""
+  cfg = aqtr.presets.int4_asym_weight_only(group or 32)
+  if group is not None and bits == 4:
+    return cfg
+  t = dataclasses.replace(
+    cfg.fwd.rhs,
+    numerics=aqtr.numerics.IntAsymmetric(bits=bits, storage='int8'),
+    tiling=aqtr.tilings.PerChannel(),
+  )
+  fwd = dataclasses.replace(cfg.fwd, rhs=t)
+  dlhs = dataclasses.replace(cfg.dlhs, rhs=t)
+  return dataclasses.replace(cfg, fwd=fwd, dlhs=dlhs)
+
+
+@pytest.mark.parametrize(
+  'bits, group, w_kn',
+  [(4, 32, True), (8, None, True), (4, 32, False)],
+  ids=['int4_asym/32', 'asym8/channel', 'int4_asym/32-w[N,K]'],
+)
+def test_affine_weights_serve_exactly_what_they_train(bits, group, w_kn):
+  # A pruned 0 quantizes to the zero point, not to code 0: SERVE must
+  # restore it as z (it used to keep the wrong units and fill with 0).
+  cfg = aqtr.freezers.configure(
+    sparsity.configure(_affine(bits, group), rhs=sparsity.NM()),
+    rhs='sparse_weights',
+  )
+  rng = np.random.default_rng(2)
+  x = jnp.asarray(rng.standard_normal((8, 64)), jnp.float32)
+  w = jnp.asarray(rng.standard_normal((64, 16)) + 0.7, jnp.float32)
+  dn = DN if w_kn else (((1,), (1,)), ((), ()))
+  w = w if w_kn else w.T
+  r = lifecycle.run(lifecycle.DotCall(x, w, dn, cfg), Mode.CONVERT)
+  assert 'zero_point' in r.frozen['rhs']
+  assert r.frozen['rhs']['values'].size == w.size // 2
+  call = lifecycle.DotCall(x, 0 * w, dn, cfg)
+  serve = lifecycle.run(call, Mode.SERVE, frozen=r.frozen).out
+  train = lifecycle.run(lifecycle.DotCall(x, w, dn, cfg), Mode.TRAIN).out
+  np.testing.assert_array_equal(serve, train)
+
+
+def test_compress_round_trip_with_a_zero_point():
+  nm = sparsity.NM(n=2, m=4)
+  z = jnp.array([[3], [-5]], jnp.int8)  # one zero point per row
+  q = jnp.array([[3, 7, 3, 3, 1, 3, 3, 3], [2, -5, 0, -5, -5, -5, -5, -5]])
+  q = q.astype(jnp.int8)  # at most 2 of every 4 differ from z
+  values, indices = compress(q, nm, z)
+  np.testing.assert_array_equal(decompress(values, indices, nm, z), q)

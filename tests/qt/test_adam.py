@@ -112,6 +112,34 @@ def test_lowbit_validation():
     qt.adamw_8bit(1e-3, b1=1.0)
   with pytest.raises(ValueError, match='min_size'):
     qt.adamw_4bit(1e-3, min_size=-1)
+  # Construction checks types: bits=8.0 used to pass and fail later.
+  for bad in (8.0, True, '8'):
+    with pytest.raises(ValueError, match=r'StateCodec\.bits must be 4 or 8'):
+      qt.StateCodec(bits=bad, table='linear')
+  with pytest.raises(ValueError, match=r'StateCodec\.block must be an int'):
+    qt.StateCodec(block=128.0)
+  with pytest.raises(ValueError, match='LowBitTensor block must be an int'):
+    lowbit.LowBitTensor.encode(jnp.ones(8), block=-2)
+  with pytest.raises(ValueError, match='eps must be a finite float >= 0'):
+    qt.adamw_8bit(1e-3, eps=-1e-8)
+  with pytest.raises(ValueError, match='min_size'):
+    qt.adamw_8bit(1e-3, min_size=True)
+  with pytest.raises(ValueError, match='b1 must be a float'):
+    qt.adamw_8bit(1e-3, b1='0.9')
+  with pytest.raises(TypeError, match='seed must be an int'):
+    qt.adamw_4bit(1e-3, seed=1.5)
+
+
+@pytest.mark.parametrize('name', ['adamw_8bit', 'adamw_4bit'])
+def test_lowbit_adam_refuses_integer_leaves_naming_them(name):
+  # int32 params used to get the Adam term cast to int: updates of 0.
+  tx = getattr(qt, name)(1e-2, min_size=0)
+  params = {'w': jnp.ones((4, 4)), 'step': jnp.zeros((3,), jnp.int32)}
+  with pytest.raises(TypeError, match=r"parameter leaf \['step'\].*int32"):
+    tx.init(params)
+  state = tx.init({'w': params['w']})
+  with pytest.raises(TypeError, match=r"update leaf \['w'\].*int32"):
+    tx.update({'w': jnp.ones((4, 4), jnp.int32)}, state, {'w': params['w']})
 
 
 @pytest.mark.parametrize(

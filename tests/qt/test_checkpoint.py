@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import aqtr
 from aqtr import qt
@@ -53,3 +54,17 @@ def test_qt_params_and_lowbit_states_round_trip_bit_exactly(tmp_path):
   np.testing.assert_array_equal(
     train_fwd(x, q['Dense_0']['kernel'].dequant()), serve
   )
+
+
+def test_restoring_into_another_format_names_the_leaf(tmp_path):
+  # QT int8 params into an int4(32) target: "truncated or corrupted" before.
+  w = {'kernel': jax.random.normal(jax.random.key(0), (64, 16))}
+  q8, _ = qt.quantize_params(w)
+  checkpoint.save(tmp_path / 'c', q8)
+  q4, _ = qt.quantize_params(w, [qt.Rule(fmt=qt.int4(32))])
+  with pytest.raises(
+    checkpoint.CheckpointError,
+    match=r"'kernel\.qvalue' is int8\[.*\] in the checkpoint but "
+    r'uint8\[.*\] in the target',
+  ):
+    checkpoint.restore(tmp_path / 'c', jax.eval_shape(lambda: q4))

@@ -92,3 +92,16 @@ def test_too_small_to_group_names_the_parameter():
     qt.quantize_params(params, [qt.Rule(fmt=qt.int4(128))])
   with pytest.raises(ValueError, match="'bias'.*contraction axis"):
     qt.quantize_params({'bias': jnp.ones(8)}, [qt.Rule(pattern='bias')])
+
+
+def test_contracting_axes_out_of_range_or_repeated_are_named():
+  # Axis 5 of a 2-D weight used to wrap to axis 1 (the wrong contraction).
+  w = {'kernel': jnp.ones((64, 16))}
+  with pytest.raises(
+    ValueError, match=r"contracting_axes for parameter 'kernel' has axis 5"
+  ):
+    qt.quantize_params(w, [qt.Rule(fmt=qt.int8(contracting_axes=(5,)))])
+  with pytest.raises(ValueError, match='contracting_axes repeats an axis'):
+    qt.WeightFormat(contracting_axes=(0, 0))
+  q, _ = qt.quantize_params(w, [qt.Rule(fmt=qt.int8(contracting_axes=(-2,)))])
+  assert q['kernel'].layout.contract == (0,)

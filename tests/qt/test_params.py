@@ -152,3 +152,15 @@ def test_int8_params_serve_as_qtensor_bit_exactly():
   xq = aqtr.fake_quant(x)
   np.testing.assert_allclose(g, jnp.tile(xq.sum(0)[:, None], (1, 96)), 1e-5)
   assert not dot_config(qt.int8(), None).fwd.lhs.quantized
+
+
+def test_requantize_names_the_shapes():
+  # It used to fail inside a reshape.
+  p = qt.quantize_params({'kernel': jnp.ones((64, 16))})[0]['kernel']
+  with pytest.raises(ValueError, match=r'w has shape \(32, 16\).*\(64, 16\)'):
+    qt.requantize(p, jnp.ones((32, 16)))
+  with pytest.raises(TypeError, match='w must be a float array'):
+    qt.requantize(p, jnp.ones((64, 16), jnp.int32))
+  with pytest.raises(TypeError, match='p must be an aqtr.qt.QTParam'):
+    qt.requantize(jnp.ones((64, 16)), jnp.ones((64, 16)))
+  assert qt.requantize(p, jnp.ones((64, 16))).shape == (64, 16)

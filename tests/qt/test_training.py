@@ -110,6 +110,40 @@ def test_non_finite_step_is_skipped_and_reported(inner, bad_value):
   assert (np.asarray(qt.apply_updates(p1, u)['bias']) != 0).all()
 
 
+def test_finite_update_that_overflows_the_weight_is_skipped():
+  # kernel 2e38 and gradient -2e38 under sgd(1): u = 2e38 is finite but
+  # w + u overflows; it used to leave NaN weights with skipped == 0.
+  tx = qt.quantized_training(optax.sgd(1.0))
+  p0 = qt.quantize_params({'kernel': jnp.full((32, 8), 2e38)})[0]
+  u, s1 = _jit_update(tx)(p0, tx.init(p0), {'kernel': jnp.full((32, 8), -2e38)})
+  p1 = qt.apply_updates(p0, u)
+  assert int(s1.skipped) == 1
+  np.testing.assert_array_equal(p1['kernel'].qvalue, p0['kernel'].qvalue)
+  np.testing.assert_array_equal(p1['kernel'].scale, p0['kernel'].scale)
+  # The same for a float leaf.
+  f0 = {'bias': jnp.full(4, 3e38)}
+  tx = qt.quantized_training(optax.sgd(1.0))
+  u, s1 = tx.update({'bias': jnp.full(4, -1e38)}, tx.init(f0), f0)
+  assert int(s1.skipped) == 1
+  np.testing.assert_array_equal(qt.apply_updates(f0, u)['bias'], f0['bias'])
+
+
+def test_optax_apply_updates_on_qt_params_raises_naming_the_fix():
+  # It used to add the int8 codes (wrapping) and sum the scales silently.
+  tx = qt.quantized_training(optax.sgd(1e-2))
+  p0 = _tiny()
+  u, _ = _jit_update(tx)(p0, tx.init(p0), _grads())
+  with pytest.raises(
+    ValueError, match=r'apply it with aqtr\.qt\.apply_updates'
+  ):
+    optax.apply_updates(p0, u)
+  p1 = qt.apply_updates(p0, u)
+  assert p1['kernel'].role == qt.params.PARAM
+  # The applied tree has the params' structure: it feeds the next step.
+  assert jax.tree.structure(p1) == jax.tree.structure(p0)
+  _steps(tx, p1, 1)
+
+
 def test_nearest_warns_once_and_bad_arguments():
   with pytest.warns(qt.NearestRoundingWarning, match='stalls') as rec:
     near = qt.quantized_training(optax.sgd(1e-3), rounding='nearest')
@@ -124,6 +158,11 @@ def test_nearest_warns_once_and_bad_arguments():
     tx.update(_grads(), tx.init(_tiny()))
   with pytest.raises(TypeError, match='must be a QTParam'):
     qt.apply_updates(_tiny(), _grads())
+  with pytest.raises(TypeError, match='inner must be an optax Gradient'):
+    qt.quantized_training('adam')
+  for seed in (1.5, 'a', True):
+    with pytest.raises(TypeError, match='seed must be an int'):
+      qt.quantized_training(optax.sgd(1.0), seed=seed)
 
 
 @pytest.mark.parametrize('inner', ['adamw', 'adamw_8bit', 'adamw_4bit'])
