@@ -16,7 +16,8 @@ in one jitted function, without and with RHT-16 on both wgrad inputs
 along the tokens (the NVFP4 recipe, arXiv 2509.25149), same process,
 interleaved rounds, medians. `added` = (with - without) / without. The
 engine's own NVFP4 fwd+VJP (`jax.vjp` of `aqtr.dot_general`) is timed
-for reference.
+for reference, and `presets.nvfp4_training` (nearest rounding, to time
+the transform alone) with and without its RHT-16 on the wgrad inputs.
 
   python benchmarks/transforms.py
   python benchmarks/transforms.py --size 1024 --rounds 15
@@ -152,6 +153,15 @@ def gemm_table(size: int, rounds: int) -> list[str]:
       lambda x, w, g, h=h: (h.apply(x, 0), h.apply(g, 0))
     )
   fns['engine NVFP4 fwd+VJP'] = jax.jit(engine)
+  for rht in (False, True):
+    recipe = aqtr.presets.nvfp4_training(rht=rht, stochastic_rounding=False)
+
+    def engine_recipe(x, w, g, recipe=recipe):
+      dn = (((1,), (0,)), ((), ()))
+      y, vjp = jax.vjp(lambda x, w: aqtr.dot_general(x, w, dn, recipe), x, w)
+      return y, *vjp(g)
+
+    fns[f'engine nvfp4_training(rht={rht}) fwd+VJP'] = jax.jit(engine_recipe)
   fns['lax f32 fwd+VJP'] = jax.jit(f32)
   ms = _time(fns, (x, w, g), rounds)
   base, ref = ms['3 NVFP4 GEMMs'], ms['lax f32 fwd+VJP']
