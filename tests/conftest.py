@@ -45,6 +45,8 @@ GROUPS = {
   'tests/qt/test_adam.py': 'digits_mlp',
   'tests/pax/test_inject.py': 'pax_float_lm',
   'tests/pax/test_transformer.py': 'pax_float_lm',
+  'tests/pax/test_decode.py': 'pax_decode',
+  'tests/train/test_generate.py': 'train_generate',
 }
 _GROUPED = pytest.StashKey[bool]()
 

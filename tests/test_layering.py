@@ -32,6 +32,7 @@ LAYERS = {
   'fiddle': 3,
   'fiddlers': 3,
   'selectors': 3,
+  'rules': 3,
   'state': 3,
   'gin': 3,
   'flags': 3,

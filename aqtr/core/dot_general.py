@@ -69,7 +69,7 @@ def _bwd(plan: Plan, res, gs):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _qdot(lhs, rhs, key, state, plan: Plan):
-  return forward(plan, lhs, rhs, key, state)[0]
+  return forward(plan, lhs, rhs, key, state, residuals=False)[0]
 
 
 _qdot.defvjp(_fwd, _bwd)

@@ -110,8 +110,12 @@ def _residual(plan: Plan, side: Side, x, q, kept, key, decay):
   )
 
 
-def forward(plan: Plan, lhs, rhs, key, state: dict):
-  """((out, new_state), Residuals) of the quantized forward dot."""
+def forward(plan: Plan, lhs, rhs, key, state: dict, residuals: bool = True):
+  """((out, new_state), Residuals) of the quantized forward dot.
+
+  `residuals=False` (the primal call, no VJP): no residuals (None), and
+  no transposed copy of q_L written for them.
+  """
   keys = slot_keys(key)
   xs, decay, new = {}, {}, dict(state)
   for side, x in zip(SIDES, (lhs, rhs), strict=True):
@@ -142,7 +146,7 @@ def forward(plan: Plan, lhs, rhs, key, state: dict):
   }
   q = keep_on_shards(q, plan)
   kept = dict(q)
-  if plan.transposed_lhs:
+  if plan.transposed_lhs and residuals:
     q[Side.LHS], kept[Side.LHS] = q[Side.LHS].with_transposed()
   out = contract(q[Side.LHS], q[Side.RHS], plan.config.fwd, plan.precision)
   for s in SIDES:
@@ -151,10 +155,11 @@ def forward(plan: Plan, lhs, rhs, key, state: dict):
       new[slot] = new[slot]._replace(
         stats=q[s].state['stats'], learned=q[s].state['learned']
       )
+  out = out.reshape(plan.out_shape).astype(plan.out_dtype)
+  if not residuals:
+    return (out, new), None
   res = {
     s: _residual(plan, s, xs[s], q[s], kept[s], grad_keys[s], decay[s])
     for s in SIDES
   }
-  res = Residuals(res[Side.LHS], res[Side.RHS], state)
-  out = out.reshape(plan.out_shape).astype(plan.out_dtype)
-  return (out, new), res
+  return (out, new), Residuals(res[Side.LHS], res[Side.RHS], state)

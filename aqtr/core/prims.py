@@ -22,25 +22,19 @@ import numpy as np
 from jax import lax
 
 
-def _broadcast(x: jax.Array, shape) -> jax.Array:
-  if x.shape == tuple(shape):
-    return x
-  dims = tuple(range(len(shape) - x.ndim, len(shape)))
-  return lax.broadcast_in_dim(x, shape, dims)
-
-
 def where(condition: jax.Array, x, y) -> jax.Array:
-  """`jnp.where(condition, x, y)` for arrays of one dtype or Python scalars
-  (a scalar takes the other operand's dtype)."""
-  dtype = next(
-    (a.dtype for a in (x, y) if isinstance(a, jax.Array | np.ndarray)),
-    jnp.float32,
-  )
-  x, y = jnp.asarray(x, dtype), jnp.asarray(y, dtype)
-  shape = np.broadcast_shapes(jnp.shape(condition), x.shape, y.shape)
-  return lax.select(
-    _broadcast(condition, shape), _broadcast(x, shape), _broadcast(y, shape)
-  )
+  """`jnp.where(condition, x, y)` for same-shaped arrays, either of x, y
+  possibly a Python scalar (made like the other, sharding included).
+  Other shapes go to `jnp.where`."""
+  arrays = [a for a in (x, y) if isinstance(a, jax.Array | np.ndarray)]
+  if not arrays or any(a.shape != jnp.shape(condition) for a in arrays):
+    return jnp.where(condition, x, y)
+  like = arrays[0]
+  x = x if isinstance(x, jax.Array | np.ndarray) else lax.full_like(like, x)
+  y = y if isinstance(y, jax.Array | np.ndarray) else lax.full_like(like, y)
+  if x.dtype != y.dtype:
+    return jnp.where(condition, x, y)
+  return lax.select(condition, x, y)
 
 
 def clip(x: jax.Array, lo: float, hi: float) -> jax.Array:

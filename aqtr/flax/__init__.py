@@ -6,6 +6,11 @@
                                # convert, report; Frozen, Stats, Removed
   import aqtr.flax.checkpoint  # orbax save / restore of serving trees
 
+Stock models (no aqtr ops in them) are quantized by rules:
+`aqtr.flax.quantize(model, rules)`, `report`, `convert`, `set_mode`,
+`sizes` (`aqtr.flax.quantized`, `aqtr.flax.serving`; the calls are caught by
+`aqtr.flax.intercept`, frozen weights held as in `aqtr.flax.frozen`).
+
 `aqtr.flax.linen_convert` (re-exported by linen) holds the conversion;
 `aqtr.flax.common` the one op body the linen, nnx and `aqtr.pax` ops
 share. What each mode does to an operand is its freezer's
@@ -20,3 +25,10 @@ try:  # Name the extra to install when one is missing.
   import flax  # noqa: F401
 except ImportError as e:
   raise extras.missing('flax', 'aqtr.flax', e) from e
+
+# Interception of stock models (rules): `aqtr.flax.quantize(model, rules)`.
+from aqtr.flax.quantized import quantize, set_mode  # noqa: E402
+from aqtr.flax.serving import convert, report, sizes  # noqa: E402
+from aqtr.rules import Rule  # noqa: E402
+
+__all__ = ['Rule', 'convert', 'quantize', 'report', 'set_mode', 'sizes']

@@ -3,6 +3,8 @@
 A small praxis-like layer family on Flax linen: every layer is built from a
 Fiddle template (`aqtr.pax.templates`) and every tensor contraction is an
 injectable op field (`EinsumOp`, `DotGeneralOp`, `ConvOp`; None = float).
+`Decoder` generates from a `TransformerLm` through a fixed-size KV cache,
+float or quantized (`KVCacheConfig`: int8 / int4 / fp8 codes + scales).
 `inject` quantizes an existing model config by rules (layer class, dotted
 path regex, or tag) without editing layer code, and reports which op got
 which config; `mixed_precision_rules` reads MaxText-style per-layer JSON.
@@ -31,12 +33,21 @@ try:  # Name the extra to install when one is missing.
 except ImportError as e:
   raise extras.missing('flax', 'aqtr.pax', e) from e
 
-from aqtr.pax import mixed_precision, paths, tags, templates
+from aqtr.pax import (
+  decode,
+  kv_cache,
+  mixed_precision,
+  paths,
+  tags,
+  templates,
+)
 from aqtr.pax.attention import Attention
 from aqtr.pax.classifier import Cnn, Conv, Mlp
+from aqtr.pax.decode import Decoder, Sampling
 from aqtr.pax.embedding import Embedding, SharedEmbeddingSoftmax, Softmax
 from aqtr.pax.feedforward import FeedForward
 from aqtr.pax.inject import Rule, inject
+from aqtr.pax.kv_cache import KVCacheConfig
 from aqtr.pax.linear import Linear
 from aqtr.pax.mixed_precision import mixed_precision_rules
 from aqtr.pax.moe import MoeFeedForward
@@ -57,22 +68,27 @@ __all__ = [
   'Cnn',
   'Conv',
   'ConvOp',
+  'Decoder',
   'DotGeneralOp',
   'EinsumOp',
   'Embedding',
   'FeedForward',
   'InjectionReport',
+  'KVCacheConfig',
   'Linear',
   'Mlp',
   'MoeFeedForward',
   'Op',
   'RaggedDotOp',
   'Rule',
+  'Sampling',
   'SharedEmbeddingSoftmax',
   'Softmax',
   'TransformerLm',
+  'decode',
   'describe',
   'inject',
+  'kv_cache',
   'mixed_precision',
   'mixed_precision_rules',
   'needs_key',

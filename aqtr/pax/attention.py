@@ -27,7 +27,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from aqtr.pax import ops, sharding, tags
+from aqtr.pax import kv_cache, ops, sharding, tags
 from aqtr.pax.linear import Linear
 
 __all__ = ['Attention']
@@ -82,3 +82,49 @@ class Attention(nn.Module):
     probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
     out = ops.einsum(self.pv_einsum, 'bnts,bsnh->btnh', probs, v)
     return self.o_proj(sharding.merge_heads(out))
+
+  def extend(
+    self,
+    x: jax.Array,
+    layer: kv_cache.LayerCache,
+    cfg: kv_cache.KVCacheConfig,
+    index: jax.Array,
+    start: jax.Array,
+  ) -> tuple[jax.Array, kv_cache.LayerCache]:
+    """Attention of t new tokens over a cache (prefill or one decode step).
+
+    The new keys and values are written to slots index .. index + t - 1
+    first (zeros before a sequence's `start`), then every query reads the
+    cache: query slot p sees slots start .. p. With a float cache the
+    outputs equal `__call__`'s on the whole sequence (to float rounding).
+
+    Args:
+      x: [batch, t, d] new tokens' inputs.
+      layer: this layer's cache (S slots).
+      cfg: how the cache stores and reads keys and values.
+      index: int32 scalar, the slot of x's first token.
+      start: int32 [batch], each sequence's first real slot.
+
+    Returns:
+      ([batch, t, d] outputs, the updated cache).
+    """
+    if not self.causal:
+      raise ValueError('Attention.extend: decoding needs causal=True.')
+    t = x.shape[1]
+    q = self._heads(self.q_proj(x))
+    k = self._heads(self.k_proj(x))
+    v = self._heads(self.v_proj(x))
+    q = q * jnp.asarray(q.shape[-1] ** -0.5, q.dtype)
+    slots = index + jnp.arange(t)
+    real = (slots[None] >= start[:, None])[..., None, None]
+    layer = kv_cache.write(
+      cfg, layer, jnp.where(real, k, 0), jnp.where(real, v, 0), index
+    )
+    keys = jnp.arange(layer.k.codes.shape[2])
+    mask = (keys[None, None] >= start[:, None, None]) & (
+      keys[None, None] <= slots[None, :, None]
+    )
+    out = kv_cache.attend(
+      cfg, layer, q, mask[:, None], self.qk_einsum, self.pv_einsum
+    )
+    return self.o_proj(sharding.merge_heads(out)), layer

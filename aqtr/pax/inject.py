@@ -1,6 +1,7 @@
 """Quantize an existing model config by rules, without editing layer code.
 
-`inject(model_cfg, rules)` walks a copy of the model's Fiddle config, finds
+`inject(model_cfg, rules)` (rules: `aqtr.rules.Rule`, the type the Flax
+interception takes too) walks a copy of the model's Fiddle config, finds
 every op site (`aqtr.pax.paths`), and gives each op the config of the first
 rule that matches it. A rule matches by any combination (all must hold) of
 
@@ -12,6 +13,8 @@ rule that matches it. A rule matches by any combination (all must hold) of
          instance (`aqtr.pax.Linear`, `aqtr.pax.Attention`, `ConvOp`)
   tag    a Fiddle tag (or tuple) on the op's field or its `config`
          argument (`aqtr.pax.tags.WeightOp`, `ActivationOp`)
+  op     an op kind: 'einsum', 'dot_general', 'ragged_dot', 'conv'
+  weight True / False: the op is tagged WeightOp / ActivationOp
 
 and sets `config`: a DotGeneralConfig, a Fiddle config of one (deep-copied
 per op), a preset name ('int8': `aqtr.fiddle.config('int8')`, a fresh
@@ -35,150 +38,26 @@ Example:
 from __future__ import annotations
 
 import copy
-import dataclasses
 import logging
-import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import fiddle as fdl
-
-from aqtr import fiddle as aqtr_fiddle
-from aqtr import presets
-from aqtr.core.config import DotGeneralConfig
+from aqtr import rules as rules_lib
 from aqtr.pax import paths
-from aqtr.pax.report import InjectionReport, OpEntry, describe
+from aqtr.pax.report import InjectionReport, OpEntry
+from aqtr.rules import Rule
 
 __all__ = ['Rule', 'inject']
 
 _log = logging.getLogger(__name__)
 
 
-def _as_tuple(value: Any) -> tuple[Any, ...]:
-  return tuple(value) if isinstance(value, tuple | list) else (value,)
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class Rule:
-  """Set `config` on the ops matching all of `path`, `layer` and `tag`.
-
-  A rule with no criterion matches every op.
-
-  Attributes:
-    config: DotGeneralConfig, Fiddle config of one, preset name, or None.
-    path: regex over dotted op / ancestor paths (re.fullmatch).
-    layer: class or tuple of classes of the op or an enclosing layer.
-    tag: Fiddle tag or tuple of tags on the op's field.
-    name: label used in the report (default: the criteria).
-
-  Example:
-    >>> Rule('int8', path='.*attention.*').label()
-    "Rule('int8', path='.*attention.*')"
-  """
-
-  config: Any = None
-  path: str | None = dataclasses.field(default=None, kw_only=True)
-  layer: Any = dataclasses.field(default=None, kw_only=True)
-  tag: Any = dataclasses.field(default=None, kw_only=True)
-  name: str | None = dataclasses.field(default=None, kw_only=True)
-
-  def __post_init__(self):
-    c = self.config
-    if isinstance(c, str):
-      if c not in presets.__all__:
-        raise ValueError(
-          f'Rule.config: unknown preset {c!r}; presets: '
-          f'{", ".join(presets.__all__)}.'
-        )
-    elif c is not None and not isinstance(c, DotGeneralConfig | fdl.Buildable):
-      raise TypeError(
-        'Rule.config must be a DotGeneralConfig, a Fiddle config of one, a '
-        f'preset name or None, got {c!r}.'
-      )
-    if self.path is not None:
-      try:
-        re.compile(self.path)
-      except re.error as e:
-        raise ValueError(f'Rule.path {self.path!r} is not a regex: {e}.') from e
-    for cls in _as_tuple(self.layer) if self.layer is not None else ():
-      if not isinstance(cls, type):
-        raise TypeError(f'Rule.layer must be a class or tuple, got {cls!r}.')
-    for tag in _as_tuple(self.tag) if self.tag is not None else ():
-      if not (isinstance(tag, type) and issubclass(tag, fdl.Tag)):
-        raise TypeError(f'Rule.tag must be a fdl.Tag subclass, got {tag!r}.')
-
-  def matches(self, site: paths.OpSite) -> bool:
-    """Whether this rule selects the op at `site`."""
-    if self.path is not None:
-      rx = re.compile(self.path)
-      names = (site.path, *site.prefixes)
-      if not any(
-        rx.fullmatch(n) or rx.fullmatch(paths.index_dotted(n)) for n in names
-      ):
-        return False
-    if self.layer is not None:
-      classes = _as_tuple(self.layer)
-      owners = (*site.layers, site.op_cls)
-      if not any(
-        isinstance(f, type) and issubclass(f, classes) for f in owners
-      ):
-        return False
-    if self.tag is not None and not set(_as_tuple(self.tag)) & site.tags:
-      return False
-    return True
-
-  def label(self) -> str:
-    """The rule's name, or its criteria in one line."""
-    if self.name:
-      return self.name
-    parts = [_short(self.config)]
-    if self.path is not None:
-      parts.append(f'path={self.path!r}')
-    for key in ('layer', 'tag'):
-      value = getattr(self, key)
-      if value is not None:
-        names = [getattr(v, '__name__', repr(v)) for v in _as_tuple(value)]
-        parts.append(f'{key}={"|".join(names)}')
-    return f'Rule({", ".join(parts)})'
-
-
-def _short(config: Any) -> str:
-  if isinstance(config, fdl.Buildable):
-    return f'<fdl.Config {fdl.get_callable(config).__name__}>'
-  if isinstance(config, DotGeneralConfig):
-    return f'<{describe(config)}>'
-  return repr(config)
-
-
-def _resolve(config: Any) -> Any:
-  """A fresh value for one op: presets expanded, Fiddle configs copied."""
-  if isinstance(config, str):
-    return aqtr_fiddle.config(config)
-  if isinstance(config, fdl.Buildable):
-    return copy.deepcopy(config)
-  return config
-
-
-def _built(config: Any, where: str) -> Any:
-  if not isinstance(config, fdl.Buildable):
-    return config
-  try:
-    return aqtr_fiddle.build(config)
-  except Exception as e:  # re-raised with the op path
-    raise ValueError(f'{where}: the op config does not build: {e}') from e
-
-
 def _as_rules(rules: Any) -> tuple[Rule, ...]:
-  if isinstance(rules, Rule):
-    rules = [rules]
-  elif isinstance(rules, Mapping):
-    rules = [Rule(c, path=p) for p, c in rules.items()]
-  if not isinstance(rules, Sequence):
-    raise TypeError(f'rules must be a list of Rule, got {rules!r}.')
-  for r in rules:
-    if not isinstance(r, Rule):
-      raise TypeError(f'rules must hold aqtr.pax.Rule objects, got {r!r}.')
-  return tuple(rules)
+  if isinstance(rules, Mapping) and not isinstance(rules, dict):
+    rules = dict(rules)
+  if isinstance(rules, Sequence) and not isinstance(rules, list | tuple):
+    rules = list(rules)
+  return rules_lib.as_rules(rules, 'aqtr.pax.inject')
 
 
 def inject(
@@ -226,14 +105,15 @@ def inject(
         chosen = i if chosen is None else chosen
     if chosen is not None:
       wins[chosen] += 1
-      site.set_config(_resolve(rules[chosen].config))
+      site.set_config(rules_lib.resolve(rules[chosen].config))
     op = site.op
     current = op.__arguments__.get('config') if op is not None else None
     entries.append(
       OpEntry(
         path=site.path,
         op=site.op_cls.__name__,
-        config=_built(current, site.path),
+        config=rules_lib.built(current, site.path),
+        kind=site.kind,
         rule=chosen,
       )
     )

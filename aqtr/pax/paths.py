@@ -29,9 +29,24 @@ import fiddle as fdl
 from fiddle import daglish
 
 from aqtr.fiddle import path_str
-from aqtr.pax.ops import Op, op_fields
+from aqtr.pax import tags as pax_tags
+from aqtr.pax.ops import (
+  ConvOp,
+  DotGeneralOp,
+  EinsumOp,
+  Op,
+  RaggedDotOp,
+  op_fields,
+)
 
 __all__ = ['OpSite', 'find_ops', 'index_dotted', 'unshare']
+
+_KINDS = (
+  (EinsumOp, 'einsum'),
+  (DotGeneralOp, 'dot_general'),
+  (RaggedDotOp, 'ragged_dot'),
+  (ConvOp, 'conv'),
+)
 
 
 def index_dotted(path: str) -> str:
@@ -71,6 +86,23 @@ class OpSite:
   layers: tuple[Any, ...]
   prefixes: tuple[str, ...]
   tags: frozenset[Any]
+
+  @property
+  def kind(self) -> str | None:
+    """The op kind a `Rule(op=...)` selects ('einsum', 'conv', ...)."""
+    for cls, kind in _KINDS:
+      if issubclass(self.op_cls, cls):
+        return kind
+    return None
+
+  @property
+  def weight(self) -> bool | None:
+    """True / False when the op is tagged a weight / activation op."""
+    if pax_tags.WeightOp in self.tags:
+      return True
+    if pax_tags.ActivationOp in self.tags:
+      return False
+    return None
 
   @property
   def op(self) -> fdl.Buildable | None:

@@ -29,7 +29,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from aqtr.pax import sharding
+from aqtr.pax import kv_cache, sharding
 from aqtr.pax.attention import Attention
 from aqtr.pax.feedforward import FeedForward
 from aqtr.pax.linear import Initializer
@@ -56,6 +56,14 @@ class Block(nn.Module):
     """[batch, time, d] -> [batch, time, d]."""
     x = x + self.attention(self.attention_norm(x))
     return x + self.ffn(self.ffn_norm(x))
+
+  def extend(self, x, layer, cfg, index, start):
+    """`__call__` on t new tokens through a cache (`Attention.extend`)."""
+    h, layer = self.attention.extend(
+      self.attention_norm(x), layer, cfg, index, start
+    )
+    x = x + h
+    return x + self.ffn(self.ffn_norm(x)), layer
 
 
 class TransformerLm(nn.Module):
@@ -96,6 +104,37 @@ class TransformerLm(nn.Module):
     x = self.final_norm(x)
     head = self.softmax if self.softmax is not None else self.embedding
     return head(x)
+
+  def extend(
+    self,
+    ids: jax.Array,
+    cache: kv_cache.Cache,
+    cfg: kv_cache.KVCacheConfig,
+  ) -> tuple[jax.Array, kv_cache.Cache]:
+    """Logits of t new tokens `ids` [batch, t] written at `cache.index`.
+
+    Prefill is one call on the (left-padded) prompts with an empty cache;
+    each decode step is a call on one token. Token slot p of sequence i has
+    position p - cache.start[i]. Apply with `method='extend'` on the
+    variables of `__call__` (see `aqtr.pax.decode`).
+
+    Returns:
+      (logits [batch, t, V], the cache with t more slots filled).
+    """
+    t = ids.shape[-1]
+    x = self.embedding.embed(ids)
+    table = self.variables['params']['position_embedding']
+    slots = cache.index + jnp.arange(t)
+    pos = jnp.clip(slots[None] - cache.start[:, None], 0, self.max_len - 1)
+    x = x + jnp.take(table, pos, axis=0).astype(x.dtype)
+    layers = []
+    for layer, kv in zip(self.layers, cache.layers, strict=True):
+      x, kv = layer.extend(x, kv, cfg, cache.index, cache.start)
+      layers.append(kv)
+    x = self.final_norm(x)
+    head = self.softmax if self.softmax is not None else self.embedding
+    cache = kv_cache.Cache(tuple(layers), cache.index + t, cache.start)
+    return head(x), cache
 
 
 def next_token_loss(logits: jax.Array, ids: jax.Array) -> jax.Array:

@@ -115,6 +115,7 @@ _RANGES: dict[str, tuple[type, str, Callable[[Any], bool]]] = {
   'seed': (int, '>= 0', lambda v: v >= 0),
   'max_corpus_bytes': (int, '>= 1 or None', lambda v: v >= 1),
   'val_percent': (int, 'in 1..99', lambda v: 1 <= v <= 99),
+  'sample_tokens': (int, '>= 0', lambda v: v >= 0),
 }
 
 
@@ -172,6 +173,9 @@ class Experiment:
     seed: parameters, data order and stochastic rounding keys.
     max_corpus_bytes: train text read from the stdlib (lm); None: all.
     val_percent: share of stdlib files held out (lm).
+    sample_tokens: new bytes of each sample in summary.md (lm: greedy and
+      two sampled continuations of a fixed prompt, decoded from the
+      serving checkpoint when there is one); 0: no samples.
     mesh: () one device; (n,) data parallel over n devices; (d, m) data x
       model parallel (see `aqtr.train.mesh`); the product must be the
       device count (checked when the run starts).
@@ -196,6 +200,7 @@ class Experiment:
   seed: int = 0
   max_corpus_bytes: int | None = 2_000_000
   val_percent: int = 10
+  sample_tokens: int = 48
   mesh: tuple[int, ...] = ()
   distributed: bool = False
 

@@ -26,10 +26,12 @@ from typing import Any
 
 import fiddle as fdl
 
+import aqtr.pax
 from aqtr import fiddle as aqtr_fiddle
 from aqtr.flax import common
 from aqtr.train import (
   experiment,
+  generate,
   loop,
   models,
   qt_runs,
@@ -135,7 +137,9 @@ def _row(
   }
 
 
-def _serve(r: loop.RunResult, task, run_dir: pathlib.Path, say) -> dict:
+def _serve(
+  r: loop.RunResult, task, run_dir: pathlib.Path, say, template
+) -> dict:
   serve = serving.check(
     r.injected,
     r.params,
@@ -144,6 +148,7 @@ def _serve(r: loop.RunResult, task, run_dir: pathlib.Path, say) -> dict:
     task.eval_set,
     run_dir / 'serving',
     r.collections,
+    model=template if task.name == 'lm' else None,
   )
   (run_dir / 'serving.json').write_text(json.dumps(serve, indent=1))
   say(
@@ -155,9 +160,45 @@ def _serve(r: loop.RunResult, task, run_dir: pathlib.Path, say) -> dict:
   return serve
 
 
-def _write_summary(out: pathlib.Path, rows: list, metric: str) -> str:
+def _samples(r, exp, run_dir: pathlib.Path, served: bool) -> list | None:
+  """The run's generated samples (from its serving checkpoint if any)."""
+  if exp.task != 'lm' or not exp.sample_tokens or r.diverged:
+    return None
+  if fdl.get_callable(r.injected) is not aqtr.pax.TransformerLm:
+    return None  # A custom model: no decoding path.
+  if not served and aqtr.pax.needs_key(r.config):
+    return None  # Its training forward draws stochastic-rounding keys.
+  if served and (run_dir / 'serving' / 'model.json').is_file():
+    s = generate.load(run_dir / 'serving')
+    model, variables, source = s.model, s.variables, 'serving checkpoint'
+  else:
+    model = models.build(r.injected)
+    variables = {'params': r.params, **r.collections}
+    source = 'training model'
+  out = generate.samples(model, variables, max_new=exp.sample_tokens)
+  return [(r.name, source, *sample) for sample in out]
+
+
+def _samples_md(samples: list) -> str:
+  lines = [
+    '',
+    f'## Samples (prompt {generate.PROMPT!r}, float KV cache)',
+    '',
+  ]
+  for run, source, how, text, _ in samples:
+    lines.append(f'- {run} ({source}), {how}: {text!r}')
+  stopped = next((s[-1] for s in samples if s[-1]), None)
+  if stopped:
+    lines += ['', f"Cut short by the model's max_len positions: {stopped}"]
+  return '\n'.join(lines)
+
+
+def _write_summary(
+  out: pathlib.Path, rows: list, metric: str, samples: list = ()
+) -> str:
   text = report.table(rows, columns(metric), FORMATS)
-  (out / 'summary.md').write_text(text + '\n')
+  extra = _samples_md(samples) + '\n' if samples else ''
+  (out / 'summary.md').write_text(text + '\n' + extra)
   (out / 'summary.json').write_text(json.dumps(rows, indent=1))
   return text
 
@@ -206,7 +247,7 @@ def run(
   say(f'aqtr-train: {exp.task}, {task.info}', flush=True)
   params = loop.init_params(template, task, exp.seed)
   float_bytes = common.nbytes(params)
-  rows, records = [], []
+  rows, records, samples = [], [], []
   base = None
   try:
     with report.Metrics(out / 'metrics.jsonl') as metrics:
@@ -235,7 +276,8 @@ def run(
         if r.diverged:
           say(f'  {name}: DIVERGED ({r.diverged}); the other runs go on.')
         elif models.has_frozen_weights(r.injected):
-          serve = _serve(r, task, run_dir, say)
+          serve = _serve(r, task, run_dir, say, template)
+        samples += _samples(r, exp, run_dir, serve is not None) or []
         if name == 'float' and not r.diverged:
           base = r
         rows.append(_row(r, task.metric, base, serve, float_bytes))
@@ -243,9 +285,9 @@ def run(
         marker.unlink()
   except KeyboardInterrupt:
     if rows:
-      _write_summary(out, rows, task.metric)
+      _write_summary(out, rows, task.metric, samples)
     raise
-  text = _write_summary(out, rows, task.metric)
+  text = _write_summary(out, rows, task.metric, samples)
   report.plot(
     records,
     out / 'loss.png',

@@ -32,6 +32,7 @@ Example (run by tests/train; ~10 s of compiling):
 from __future__ import annotations
 
 import pathlib
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -49,15 +50,20 @@ __all__ = ['check', 'restore', 'save']
 
 
 def save(
-  path: str | pathlib.Path, variables: Any, config: aqtr.DotGeneralConfig
+  path: str | pathlib.Path,
+  variables: Any,
+  config: aqtr.DotGeneralConfig,
+  model: Any = None,
 ) -> pathlib.Path:
   """Writes serving variables (orbax) and the run's config (Fiddle JSON).
 
   Args:
     path: a folder; it gets `variables/` (orbax, `aqtr.flax.checkpoint`)
-      and `config.json`.
+      and `config.json` (and `model.json` when `model` is given).
     variables: from `aqtr.flax.linen.convert`.
     config: the DotGeneralConfig the model was trained with.
+    model: the float model template (`aqtr-generate` rebuilds the serving
+      model from it and `config.json`).
 
   Returns:
     The absolute folder.
@@ -68,6 +74,11 @@ def save(
   (path / 'config.json').write_text(
     aqtr_fiddle.dumps(aqtr_fiddle.as_config(config))
   )
+  if model is not None:
+    try:
+      (path / 'model.json').write_text(aqtr_fiddle.dumps(model))
+    except Exception as e:  # A custom model may not serialize.
+      warnings.warn(f'model.json not written: {e}', stacklevel=2)
   return path
 
 
@@ -109,6 +120,7 @@ def check(
   eval_set: list[tuple[np.ndarray, np.ndarray]],
   out: str | pathlib.Path,
   collections: dict | None = None,
+  model: Any = None,
 ) -> dict[str, Any]:
   """Converts, saves, restores and compares serving with training logits.
 
@@ -121,6 +133,7 @@ def check(
     out: the checkpoint folder.
     collections: the model's other trained collections (e.g. the
       calibration state 'aqtr_state'), kept in the serving variables.
+    model: the float model template, saved as `model.json` (see `save`).
 
   Returns:
     {'serving_bytes', 'float_bytes', 'kernel_ratio', 'serve_equal' (bit
@@ -135,7 +148,7 @@ def check(
 
   variables = jax.jit(convert)(params)
   report = aqtr_linen.report(variables)
-  path = save(out, variables, config)
+  path = save(out, variables, config, model)
   restored = restore(path, jax.eval_shape(convert, params), config)
   serve_logits = jax.jit(serve.apply)
   diff, equal = 0.0, True

@@ -14,6 +14,7 @@ import sys
 
 import pytest
 
+from aqtr import fiddle as aqtr_fiddle
 from aqtr.train import report
 
 # int8 (fwd + both gradients) ends this close to float on the tiny LM
@@ -103,7 +104,12 @@ def test_summary_parses(job):
   assert float(int8_row['serving KB']) < float(float_row['serving KB'])
   saved = json.loads((out / 'summary.json').read_text())
   assert [r['run'] for r in saved] == ['float', 'int8']
-  assert (out / 'summary.md').read_text().startswith('| run')
+  summary = (out / 'summary.md').read_text()
+  assert summary.startswith('| run')
+  assert "## Samples (prompt 'def __init__(self'" in summary
+  assert '- int8 (serving checkpoint), greedy: ' in summary
+  assert '- float (training model), T=0.8 top-k 20, seed 1: ' in summary
+  assert (out / 'int8' / 'serving' / 'model.json').is_file()
 
 
 def test_int8_within_tolerance_of_float(job):
@@ -115,3 +121,27 @@ def test_int8_within_tolerance_of_float(job):
   assert q['train loss'] < start - 2.0, 'int8 did not learn'
   assert abs(q['train loss'] - f['train loss']) < TOL_TRAIN
   assert abs(q['val loss'] - f['val loss']) < TOL_VAL
+
+
+def test_quantized_kv_cache_bpc_close_to_float_cache(job):
+  # Teacher-forced validation bpc read through the cache, from the int8
+  # run's serving checkpoint (tiny size: loose bounds; README's table has
+  # the default experiment's numbers).
+  from aqtr.pax import KVCacheConfig
+  from aqtr.train import experiment, generate, tasks
+
+  out, _ = job
+  served = generate.load(out / 'int8' / 'serving')
+  cfg = aqtr_fiddle.loads((out / 'config.json').read_text())
+  eval_set = tasks.make(experiment.split(cfg)[0]).eval_set
+
+  def bpc(**kw):
+    kv = KVCacheConfig(**kw)
+    return generate.cache_bpc(served.model, served.variables, eval_set, kv)
+
+  base = bpc()
+  rows = {r['run']: r for r in json.loads((out / 'summary.json').read_text())}
+  assert abs(base - rows['int8']['bpc']) < 1e-4  # float cache == forward
+  assert abs(bpc(numerics='int8') / base - 1) < 0.005
+  assert abs(bpc(numerics='fp8') / base - 1) < 0.01
+  assert abs(bpc(numerics='int4', scales='block') / base - 1) < 0.05

@@ -1,0 +1,116 @@
+"""Where an intercepted model keeps its frozen weights: in place of the kernel.
+
+`aqtr.flax.convert` replaces each float parameter whose ops froze it by a
+holder of their frozen entries, {op key: {entry name: {'rhs': {qvalue,
+scale}}}} (`aqtr.freezers.lifecycle`'s entries, one per op reading the
+parameter: op key `<kind><n>_<side>`, e.g. 'einsum0_rhs'):
+
+  nnx    a `FrozenKernel` Variable in the layer's attribute
+  linen  a `FrozenBox` in the 'params' collection at the kernel's name
+
+Both read as zeros of the kernel's shape (the stock layer still reads its
+kernel; the intercepted op ignores it in SERVE and XLA drops the zeros under
+jit). Because the holder sits where the kernel sat, every transform that
+moved the kernel (`nn.scan` / `nnx.scan` over stacked layers, vmap, remat,
+partitioning by collection) moves the frozen values the same way: the
+zeros' leading (stacked) axes are read off the values, so one holder serves
+the stacked tree outside a scan and one layer's slice inside.
+
+Example:
+  >>> import jax.numpy as jnp
+  >>> box = FrozenBox({'dot_general0_rhs': {'frozen_0': {'rhs': {
+  ...   'qvalue': jnp.zeros((3, 4, 2), jnp.int8),
+  ...   'scale': jnp.ones((3, 1, 2))}}}}, shape=(4, 2), ref_ndim=2)
+  >>> box.unbox().shape  # three stacked layers
+  (3, 4, 2)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+from flax.core import meta
+from flax.nnx import variablelib
+
+
+def _zeros(frozen, shape, dtype, ref_ndim) -> jax.Array:
+  """Zeros of `shape`, with the leading axes the frozen values carry."""
+  leaves = jax.tree.leaves(frozen)
+  lead = ()
+  if leaves:
+    q = leaves[0]
+    lead = tuple(jnp.shape(q)[: jnp.ndim(q) - ref_ndim])
+  return jnp.zeros(lead + tuple(shape), dtype)
+
+
+class FrozenKernel(nnx.Variable):
+  """nnx: the frozen entries of a parameter's ops; reads as zeros.
+
+  Metadata `kernel_shape`, `kernel_dtype`: the kernel of one op (one layer
+  of a stack); `ref_ndim`: the rank of the first frozen array per op.
+  """
+
+  def get_value(self, *, index=variablelib.MISSING):
+    v = _zeros(
+      self.get_raw_value(),
+      self.get_metadata('kernel_shape'),
+      self.get_metadata('kernel_dtype'),
+      self.get_metadata('ref_ndim'),
+    )
+    return v if index is variablelib.MISSING else v[index]
+
+  def entries(self) -> dict:
+    """{op key: {entry name: {'rhs': parts}}}."""
+    return self.get_raw_value()
+
+
+class FrozenBox(struct.PyTreeNode, meta.AxisMetadata):
+  """linen: the frozen entries of a parameter's ops; unboxes to zeros.
+
+  Attributes:
+    frozen: {op key: {entry name: {'rhs': parts}}}.
+    shape, dtype: of the kernel of one op (one layer of a stack).
+    ref_ndim: the rank of the first frozen array per op.
+  """
+
+  frozen: Any = None
+  shape: tuple[int, ...] = struct.field(pytree_node=False, default=())
+  dtype: Any = struct.field(pytree_node=False, default=jnp.float32)
+  ref_ndim: int = struct.field(pytree_node=False, default=0)
+
+  def unbox(self) -> jax.Array:
+    return _zeros(self.frozen, self.shape, self.dtype, self.ref_ndim)
+
+  def replace_boxed(self, val):
+    return val
+
+  def add_axis(self, index, params):
+    return self
+
+  def remove_axis(self, index, params):
+    return self
+
+  def entries(self) -> dict:
+    """{op key: {entry name: {'rhs': parts}}}."""
+    return self.frozen
+
+
+def holder_entries(value) -> dict | None:
+  """The entries of a FrozenKernel / FrozenBox, else None."""
+  if isinstance(value, FrozenKernel | FrozenBox):
+    return value.entries()
+  return None
+
+
+def kernel_bytes(value) -> int:
+  """Bytes of the float kernel a holder stands for (stacked axes counted)."""
+  z = jax.eval_shape(
+    value.get_value if isinstance(value, FrozenKernel) else value.unbox
+  )
+  return z.size * jnp.dtype(z.dtype).itemsize
+
+
+__all__ = ['FrozenBox', 'FrozenKernel', 'holder_entries', 'kernel_bytes']

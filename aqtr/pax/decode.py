@@ -1,0 +1,337 @@
+"""Autoregressive decoding of a `TransformerLm` through a fixed-size cache.
+
+`Decoder(lm, length=S, kv=KVCacheConfig(...))` runs the model's own
+layers (`TransformerLm.extend`) under `jit`, with any variables the model
+was built for: float training params, or a SERVE model's frozen int8/fp8
+weights (`aqtr.train.models.serving_template`).
+
+  prefill   one pass over the left-padded prompts, filling slots 0..P-1
+  step      one token per sequence, reading the cache, writing slot index
+  generate  prefill, then a `lax.while_loop` of steps (greedy, temperature
+            and top-k sampling with a seed); stops when the cache is full
+  logits    teacher-forced logits of whole windows through the cache
+
+A batch of prompts of different lengths is left-padded to the longest:
+all sequences write each new token at the same slot, sequence i reads
+slots start[i]..p, and its positions count from start[i], so every
+sequence decodes as it would alone (to float rounding).
+
+Example:
+  >>> import fiddle as fdl, jax
+  >>> from aqtr.pax import decode, kv_cache, templates
+  >>> lm = fdl.build(templates.transformer_lm(
+  ...   vocab_size=16, d_model=8, num_layers=1, num_heads=2, hidden_dim=16,
+  ...   max_len=8))
+  >>> params = lm.init(jax.random.key(0), jax.numpy.zeros((1, 8), int))
+  >>> dec = decode.Decoder(lm, kv=kv_cache.KVCacheConfig(numerics='int8'))
+  >>> out = dec.generate(params, [[1, 2, 3], [4]], max_new=3)
+  >>> [len(t) for t in out.tokens], out.stopped
+  ([3, 3], None)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from aqtr.pax import kv_cache
+from aqtr.pax.kv_cache import Cache, KVCacheConfig
+
+__all__ = ['Decoder', 'Generation', 'Sampling', 'sample']
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Sampling:
+  """How the next token is picked from its logits.
+
+  Attributes:
+    temperature: 0 greedy (argmax), else sample softmax(logits / T).
+    top_k: sample among the k largest logits only (0: all).
+    seed: the PRNG seed of the sampling.
+  """
+
+  temperature: float = 0.0
+  top_k: int = 0
+  seed: int = 0
+
+  def __post_init__(self):
+    t = self.temperature
+    if not (isinstance(t, int | float) and math.isfinite(t) and t >= 0):
+      raise ValueError(
+        f'Sampling.temperature must be a finite number >= 0, got {t!r}.'
+      )
+    for name in ('top_k', 'seed'):
+      v = getattr(self, name)
+      if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise ValueError(f'Sampling.{name} must be an int >= 0, got {v!r}.')
+
+
+def sample(logits: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Array:
+  """Next tokens [b] (int32) of logits [b, V].
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> sample(jnp.array([[0., 3., 1.]]), jax.random.key(0), Sampling())
+    Array([1], dtype=int32)
+  """
+  logits = logits.astype(jnp.float32)
+  if sampling.temperature == 0:
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  logits = logits / sampling.temperature
+  if sampling.top_k:
+    kth = lax.top_k(logits, sampling.top_k)[0][..., -1:]
+    logits = jnp.where(logits < kth, -jnp.inf, logits)
+  return jax.random.categorical(key, logits).astype(jnp.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Generation:
+  """What `Decoder.generate` returns.
+
+  Attributes:
+    tokens: the new tokens of each prompt.
+    stopped: why fewer than max_new tokens came (the cache is full), or
+      None.
+    compile_s: seconds compiling (0 when compiled by an earlier call).
+    prefill_s: seconds of the prefill (and the first token).
+    decode_s: seconds of the decode loop (the other tokens).
+    kv_bytes: bytes of the cache.
+  """
+
+  tokens: list[list[int]]
+  stopped: str | None
+  compile_s: float
+  prefill_s: float
+  decode_s: float
+  kv_bytes: int
+
+  @property
+  def tokens_per_s(self) -> float:
+    """Decode-loop throughput: tokens (all sequences) per second."""
+    n = sum(len(t) for t in self.tokens) - len(self.tokens)
+    return n / self.decode_s if self.decode_s > 0 else float('nan')
+
+
+def _attentions(lm: nn.Module) -> list[Any]:
+  return [layer.attention for layer in lm.layers]
+
+
+def _vocab(lm: nn.Module) -> int:
+  e = lm.embedding
+  return getattr(e, 'num_classes', None) or e.num_embeddings
+
+
+class Decoder:
+  """Prefill, decode steps and generation of one LM with one cache config.
+
+  Args:
+    lm: a built `aqtr.pax.TransformerLm` (any op configs or modes).
+    length: cache slots S (prompt + new tokens); default and at most
+      `lm.max_len` (the learned positions).
+    kv: how the cache stores keys and values.
+  """
+
+  def __init__(
+    self,
+    lm: nn.Module,
+    *,
+    length: int | None = None,
+    kv: KVCacheConfig | None = None,
+  ):
+    kv = KVCacheConfig() if kv is None else kv
+    if not isinstance(kv, KVCacheConfig):
+      raise ValueError(f'kv must be a KVCacheConfig, got {kv!r}.')
+    length = lm.max_len if length is None else length
+    if isinstance(length, bool) or not isinstance(length, int) or length < 1:
+      raise ValueError(f'length must be an int >= 1, got {length!r}.')
+    if length > lm.max_len:
+      raise ValueError(
+        f"length={length} exceeds the model's max_len={lm.max_len} "
+        '(its learned positions); use a shorter cache.'
+      )
+    self.lm, self.length, self.kv = lm, length, kv
+    self.vocab = _vocab(lm)
+    self.init(1, np.zeros(1, np.int32))  # Checks the cache shape early.
+    extend = functools.partial(lm.apply, method='extend')
+    self._extend = jax.jit(lambda v, ids, c: extend(v, ids, c, kv))
+    self._first = jax.jit(self._first_impl, static_argnames='sampling')
+    self._loop = jax.jit(self._loop_impl, static_argnames='sampling')
+    self._compiled = {}
+
+  def init(self, batch: int, start: Any) -> Cache:
+    """An empty cache for `batch` sequences starting at slots `start`."""
+    layers = []
+    for att in _attentions(self.lm):
+      inner = att.q_proj.features
+      layers.append(
+        kv_cache.init_layer(
+          self.kv,
+          batch=batch,
+          length=self.length,
+          num_heads=att.num_heads,
+          head_dim=inner // att.num_heads,
+        )
+      )
+    return Cache(
+      tuple(layers), jnp.zeros((), jnp.int32), jnp.asarray(start, jnp.int32)
+    )
+
+  def pad(self, prompts: Sequence[Sequence[int]]) -> tuple[np.ndarray, ...]:
+    """Left-pads token prompts: (ids [b, P] int32, start [b] int32).
+
+    Raises:
+      ValueError: no prompt, an empty prompt, a prompt longer than the
+        cache, or a token outside the vocabulary.
+    """
+    prompts = [list(p) for p in prompts]
+    if not prompts:
+      raise ValueError('prompts: give at least one prompt.')
+    for i, p in enumerate(prompts):
+      if not p:
+        raise ValueError(f'prompt {i} is empty; give at least one token.')
+      if len(p) > self.length:
+        raise ValueError(
+          f'prompt {i} has {len(p)} tokens; the cache holds {self.length} '
+          '(shorten the prompt or use a longer cache).'
+        )
+      bad = [t for t in p if not 0 <= int(t) < self.vocab]
+      if bad:
+        raise ValueError(
+          f'prompt {i}: token {bad[0]} is outside the vocabulary '
+          f'[0, {self.vocab}).'
+        )
+    width = max(len(p) for p in prompts)
+    ids = np.zeros((len(prompts), width), np.int32)
+    start = np.zeros(len(prompts), np.int32)
+    for i, p in enumerate(prompts):
+      ids[i, width - len(p) :] = p
+      start[i] = width - len(p)
+    return ids, start
+
+  def prefill(self, variables: Any, ids: Any, start: Any) -> tuple:
+    """(logits [b, P, V], cache) of left-padded prompts (see `pad`)."""
+    cache = self.init(len(ids), start)
+    return self._extend(variables, jnp.asarray(ids, jnp.int32), cache)
+
+  def step(self, variables: Any, tokens: Any, cache: Cache) -> tuple:
+    """(logits [b, V], cache) of one new token per sequence."""
+    logits, cache = self._extend(
+      variables, jnp.asarray(tokens, jnp.int32)[:, None], cache
+    )
+    return logits[:, 0], cache
+
+  def logits(self, variables: Any, ids: Any) -> jax.Array:
+    """Teacher-forced logits [b, T, V] of windows `ids` through the cache.
+
+    Every query reads the keys and values as the cache stores them.
+    """
+    return self.prefill(variables, ids, np.zeros(len(ids), np.int32))[0]
+
+  def _first_impl(self, variables, ids, start, key, *, sampling):
+    cache = self.init(ids.shape[0], start)
+    logits, cache = self.lm.apply(
+      variables, ids, cache, self.kv, method='extend'
+    )
+    key, sub = jax.random.split(key)
+    return sample(logits[:, -1], sub, sampling), cache, key
+
+  def _loop_impl(self, variables, token, cache, key, n_new, *, sampling):
+    b = token.shape[0]
+    out = jnp.zeros((b, self.length + 1), jnp.int32).at[:, 0].set(token)
+
+    def cond(c):
+      i, _, cache, _, _ = c
+      return (i < n_new) & (cache.index < self.length)
+
+    def body(c):
+      i, token, cache, out, key = c
+      logits, cache = self.lm.apply(
+        variables, token[:, None], cache, self.kv, method='extend'
+      )
+      key, sub = jax.random.split(key)
+      token = sample(logits[:, 0], sub, sampling)
+      out = lax.dynamic_update_slice(out, token[:, None], (0, i))
+      return i + 1, token, cache, out, key
+
+    init = (jnp.ones((), jnp.int32), token, cache, out, key)
+    i, _, cache, out, _ = lax.while_loop(cond, body, init)
+    return out, i, cache
+
+  def _compile(self, args: tuple, sampling: Sampling) -> tuple:
+    """The compiled prefill and loop for these shapes (cached)."""
+    spec = jax.tree.map(lambda x: (x.shape, x.dtype), args[1:3])
+    key = (str(spec), str(jax.tree.structure(args[0])), sampling)
+    if key not in self._compiled:
+      lowered = self._first.lower(*args, sampling=sampling)
+      first, shapes = lowered.compile(), lowered.out_info
+      n = jax.ShapeDtypeStruct((), jnp.int32)
+      loop = self._loop.lower(args[0], *shapes, n, sampling=sampling)
+      self._compiled[key] = (first, loop.compile())
+    return self._compiled[key]
+
+  def generate(
+    self,
+    variables: Any,
+    prompts: Sequence[Sequence[int]],
+    max_new: int,
+    sampling: Sampling | None = None,
+  ) -> Generation:
+    """New tokens of each prompt: prefill, then decode steps in a loop.
+
+    Args:
+      variables: the model's variables.
+      prompts: token lists (different lengths allowed).
+      max_new: new tokens per prompt (>= 1); fewer when the cache fills,
+        with `Generation.stopped` saying so.
+      sampling: greedy by default.
+
+    Returns:
+      A `Generation`.
+    """
+    sampling = Sampling() if sampling is None else sampling
+    if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 1:
+      raise ValueError(f'max_new must be an int >= 1, got {max_new!r}.')
+    if sampling.top_k > self.vocab:
+      raise ValueError(
+        f'top_k={sampling.top_k} exceeds the vocabulary size {self.vocab}.'
+      )
+    ids, start = self.pad(prompts)
+    room = self.length - ids.shape[1] + 1
+    n_new, stopped = max_new, None
+    if max_new > room:
+      n_new = room
+      stopped = (
+        f'the cache is full ({self.length} slots) after {room} new token(s) '
+        f'of the {max_new} asked; generation stopped.'
+      )
+    key = jax.random.key(sampling.seed)
+    sampling = dataclasses.replace(sampling, seed=0)  # Static: one compile.
+    args = (variables, jnp.asarray(ids), jnp.asarray(start), key)
+    t0 = time.perf_counter()
+    first, loop = self._compile(args, sampling)
+    t1 = time.perf_counter()
+    token, cache, key = first(*args)
+    token.block_until_ready()
+    t2 = time.perf_counter()
+    out, n, cache = loop(variables, token, cache, key, jnp.int32(n_new))
+    out = np.asarray(out)
+    t3 = time.perf_counter()
+    n = int(n)
+    return Generation(
+      tokens=[row[:n].tolist() for row in out],
+      stopped=stopped,
+      compile_s=t1 - t0,
+      prefill_s=t2 - t1,
+      decode_s=t3 - t2,
+      kv_bytes=kv_cache.nbytes(cache.layers),
+    )

@@ -1,0 +1,208 @@
+"""aqtr.pax.kv_cache: the config, codes + scales, int4 packing, reads."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from aqtr.pax import kv_cache
+from aqtr.pax.kv_cache import KVCacheConfig
+
+
+@pytest.mark.parametrize(
+  'kwargs, match',
+  [
+    ({'numerics': 'int3'}, r'KVCacheConfig.numerics must be one of'),
+    ({'scales': 'row'}, r'KVCacheConfig.scales must be one of'),
+    ({'calibration': 'mse'}, r'KVCacheConfig.calibration must be one of'),
+    ({'read': 'fast'}, r'KVCacheConfig.read must be one of'),
+    ({'block_size': 0}, r'KVCacheConfig.block_size must be an int >= 1'),
+    ({'block_size': True}, r'KVCacheConfig.block_size must be an int >= 1'),
+    ({'calibration': 'static'}, r'KVCacheConfig.bound must be a finite'),
+    (
+      {'calibration': 'static', 'bound': float('inf')},
+      r'KVCacheConfig.bound must be a finite',
+    ),
+    (
+      {'numerics': 'int4', 'read': 'int8_dots'},
+      r"read='int8_dots' needs numerics='int8'",
+    ),
+  ],
+)
+def test_bad_config_is_one_clear_line(kwargs, match):
+  with pytest.raises(ValueError, match=match) as e:
+    KVCacheConfig(**kwargs)
+  assert '\n' not in str(e.value)
+
+
+def test_config_is_hashable_and_names_registry_numerics():
+  cfg = KVCacheConfig(numerics='fp8')
+  assert hash(cfg) == hash(KVCacheConfig(numerics='fp8'))
+  assert cfg.numerics_of().max_value == 448.0
+  assert KVCacheConfig(numerics='int4').numerics_of().max_value == 7.0
+  assert not KVCacheConfig().quantized
+
+
+@pytest.mark.parametrize(
+  'kwargs, length, head_dim, match',
+  [
+    ({'numerics': 'int4'}, 8, 3, 'head_dim, which must be even'),
+    ({'numerics': 'int8', 'scales': 'block'}, 10, 4, 'multiple of'),
+  ],
+)
+def test_bad_cache_shape(kwargs, length, head_dim, match):
+  with pytest.raises(ValueError, match=match):
+    kv_cache.init_layer(
+      KVCacheConfig(**kwargs),
+      batch=1,
+      length=length,
+      num_heads=1,
+      head_dim=head_dim,
+    )
+
+
+def _roundtrip(cfg, x, index=0, length=8):
+  b, _, n, h = x.shape
+  layer = kv_cache.init_layer(
+    cfg, batch=b, length=length, num_heads=n, head_dim=h
+  )
+  layer = kv_cache.write(cfg, layer, x, x, jnp.int32(index))
+  return layer, jnp.swapaxes(kv_cache.read(cfg, layer.k), 1, 2)  # [b,S,n,h]
+
+
+def test_int4_codes_pack_two_per_byte_and_unpack_exactly():
+  codes = np.arange(-7, 8, dtype=np.float32)  # 15 codes, scale 1 below.
+  x = np.concatenate([codes, [7.0]]).reshape(1, 1, 1, 16)
+  cfg = KVCacheConfig(numerics='int4')
+  layer, back = _roundtrip(cfg, jnp.asarray(x), length=1)
+  assert layer.k.codes.shape == (1, 1, 1, 8)  # [b, n, S, h/2]
+  assert layer.k.codes.dtype == jnp.int8
+  np.testing.assert_array_equal(np.asarray(back), x)
+
+
+@pytest.mark.parametrize(
+  'numerics, rtol', [('int8', 1 / 254), ('int4', 1 / 14)]
+)
+def test_token_scales_round_to_half_a_step(numerics, rtol):
+  x = jax.random.normal(jax.random.key(0), (2, 3, 2, 8))
+  cfg = KVCacheConfig(numerics=numerics)
+  layer, back = _roundtrip(cfg, x, index=2)
+  bound = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
+  err = jnp.abs(back[:, 2:5] - x)
+  assert bool(jnp.all(err <= bound * rtol * 1.0001))
+  assert float(jnp.abs(back[:, :2]).max()) == 0.0  # Untouched slots.
+  np.testing.assert_allclose(
+    layer.k.scale[:, :, 2:5],
+    jnp.swapaxes(bound[..., 0], 1, 2) / cfg.numerics_of().max_value,
+  )
+
+
+def test_fp8_codes_are_e4m3():
+  x = jax.random.normal(jax.random.key(1), (1, 4, 2, 8))
+  layer, back = _roundtrip(KVCacheConfig(numerics='fp8'), x)
+  assert layer.k.codes.dtype == jnp.float8_e4m3fn
+  np.testing.assert_allclose(back[:, :4], x, rtol=2**-4, atol=1e-6)
+
+
+def test_block_scales_follow_the_blocks_absmax_as_tokens_arrive():
+  cfg = KVCacheConfig(numerics='int8', scales='block', block_size=4)
+  x = jax.random.normal(jax.random.key(2), (1, 8, 2, 8))
+  layer = kv_cache.init_layer(cfg, batch=1, length=8, num_heads=2, head_dim=8)
+  for i in range(6):  # One token at a time, requantizing its block.
+    layer = kv_cache.write(
+      cfg, layer, x[:, i : i + 1], x[:, i : i + 1], jnp.int32(i)
+    )
+  assert layer.k.scale.shape == (1, 2, 2)  # [b, n, blocks]
+  bound0 = jnp.max(jnp.abs(x[:, :4]), axis=(1, 3))
+  bound1 = jnp.max(jnp.abs(x[:, 4:6]), axis=(1, 3))
+  np.testing.assert_allclose(layer.k.scale[..., 0], bound0 / 127, rtol=1e-5)
+  np.testing.assert_allclose(layer.k.scale[..., 1], bound1 / 127, rtol=1e-5)
+  back = jnp.swapaxes(kv_cache.read(cfg, layer.k), 1, 2)
+  # Requantization may round a token twice: within one step of its block.
+  step = jnp.repeat(jnp.swapaxes(layer.k.scale, 1, 2), 4, axis=1)[..., None]
+  assert bool(jnp.all(jnp.abs(back[:, :6] - x[:, :6]) <= step[:, :6]))
+  assert float(jnp.abs(back[:, 6:]).max()) == 0.0
+
+
+def test_block_prefill_equals_blockwise_absmax():
+  cfg = KVCacheConfig(numerics='int8', scales='block', block_size=4)
+  x = jax.random.normal(jax.random.key(3), (2, 8, 1, 4))
+  layer, back = _roundtrip(cfg, x)
+  bound = jnp.max(jnp.abs(x.reshape(2, 2, 4, 1, 4)), axis=(2, 4))
+  scale = jnp.swapaxes(layer.k.scale, 1, 2)  # [b, blocks, n]
+  np.testing.assert_allclose(scale, bound / 127, rtol=1e-6)
+  step = jnp.repeat(scale, 4, axis=1)[..., None] / 2
+  assert bool(jnp.all(jnp.abs(back - x) <= step * 1.0001))
+
+
+def test_static_bound_clips_and_keeps_one_scale():
+  cfg = KVCacheConfig(numerics='int8', calibration='static', bound=2.0)
+  x = jnp.array([0.5, -1.0, 3.0, -4.0]).reshape(1, 1, 1, 4)
+  layer, back = _roundtrip(cfg, x, length=1)
+  np.testing.assert_allclose(layer.k.scale, 2.0 / 127)
+  np.testing.assert_allclose(back[0, 0, 0], [0.5, -1.0, 2.0, -2.0], atol=0.01)
+
+
+def _attention_inputs(seed=4, t=2, s=8):
+  k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
+  q = jax.random.normal(k1, (2, t, 2, 8)) * 8**-0.5
+  k = jax.random.normal(k2, (2, s, 2, 8))
+  v = jax.random.normal(k3, (2, s, 2, 8))
+  mask = jnp.tril(jnp.ones((t, s), bool), s - t)[None, None]
+  return q, k, v, jnp.broadcast_to(mask, (2, 1, t, s))
+
+
+def _attend(cfg, q, k, v, mask):
+  layer = kv_cache.init_layer(
+    cfg, batch=2, length=k.shape[1], num_heads=2, head_dim=8
+  )
+  layer = kv_cache.write(cfg, layer, k, v, jnp.int32(0))
+  return kv_cache.attend(cfg, layer, q, mask)
+
+
+def test_int8_dots_are_integer_and_close_to_dequantizing():
+  q, k, v, mask = _attention_inputs()
+  dots = KVCacheConfig(numerics='int8', read='int8_dots')
+  deq = KVCacheConfig(numerics='int8')
+  ref = _attend(KVCacheConfig(), q, k, v, mask)
+  a, b = _attend(dots, q, k, v, mask), _attend(deq, q, k, v, mask)
+  assert float(jnp.abs(a - ref).max()) < 0.05
+  assert float(jnp.abs(a - b).max()) < 0.05
+  jaxpr = str(jax.make_jaxpr(lambda *a: _attend(dots, *a))(q, k, v, mask))
+  assert jaxpr.count('preferred_element_type=int32') == 2, jaxpr
+  assert jaxpr.count('i32[2,2,2,8] = dot_general') >= 1, jaxpr  # QK^T
+
+
+def test_float_cache_attention_equals_plain_attention():
+  q, k, v, mask = _attention_inputs(t=8)
+  got = _attend(KVCacheConfig(), q, k, v, mask)
+  logits = jnp.einsum('btnh,bsnh->bnts', q, k)  # The full forward's.
+  logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
+  want = jnp.einsum('bnts,bsnh->btnh', jax.nn.softmax(logits, -1), v)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+  'kwargs, ratio',
+  [
+    ({'numerics': 'int8'}, (64 + 4) / 256),
+    ({'numerics': 'int4'}, (32 + 4) / 256),
+    ({'numerics': 'fp8'}, (64 + 4) / 256),
+    (
+      {'numerics': 'int8', 'scales': 'block', 'block_size': 16},
+      0.25 + 1 / 1024,
+    ),
+    (
+      {'numerics': 'int4', 'scales': 'block', 'block_size': 16},
+      0.125 + 1 / 1024,
+    ),
+  ],
+)
+def test_bytes_per_token_against_float32(kwargs, ratio):
+  def size(cfg):
+    layer = kv_cache.init_layer(
+      cfg, batch=2, length=32, num_heads=4, head_dim=64
+    )
+    return kv_cache.nbytes(layer)
+
+  assert size(KVCacheConfig(**kwargs)) / size(KVCacheConfig()) == ratio
