@@ -19,6 +19,7 @@ from aqtr import (
   state,
   tags,
   tilings,
+  transforms,
   validation,
 )
 from aqtr.core.config import DotGeneralConfig, DotGeneralRaw, TensorConfig
@@ -64,5 +65,6 @@ __all__ = [
   'state',
   'tags',
   'tilings',
+  'transforms',
   'validation',
 ]

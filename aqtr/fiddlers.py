@@ -29,7 +29,15 @@ from typing import Any
 
 import fiddle as fdl
 
-from aqtr import calibrations, freezers, numerics, sparsity, tags, tilings
+from aqtr import (
+  calibrations,
+  freezers,
+  numerics,
+  sparsity,
+  tags,
+  tilings,
+  transforms,
+)
 from aqtr.core.config import TensorConfig
 from aqtr.core.registry import Registry
 from aqtr.core.rounding import NearestEven, Rounding, Stochastic
@@ -46,6 +54,7 @@ __all__ = [
   'use_rounding',
   'use_sparsity',
   'use_tiling',
+  'use_transform',
 ]
 
 # Rounding modes are not a registry family; they get names here.
@@ -60,6 +69,7 @@ _FAMILIES: dict[str, Registry] = {
   'sparsity': sparsity.registry,
   'rounding': roundings,
   'freezer': freezers.registry,
+  'transform': transforms.registry,
 }
 
 
@@ -69,8 +79,8 @@ def use(cfg: Any, path: str, field: str, name: str, /, **fields: Any) -> None:
   Args:
     cfg: a Fiddle config tree holding TensorConfigs (edited in place).
     path: regex fully matched against the operands' dotted paths.
-    field: 'numerics', 'calibration', 'tiling', 'sparsity', 'rounding' or
-      'freezer'.
+    field: 'numerics', 'calibration', 'tiling', 'sparsity', 'rounding',
+      'transform' or 'freezer'.
     name: a name of that family's registry (e.g. 'constant').
     **fields: fields of the new class; the others take their defaults.
 
@@ -159,6 +169,22 @@ def use_rounding(cfg: Any, path: str, name: str, /, **fields: Any) -> None:
     Stochastic(noise_sharing_axes=())
   """
   use(cfg, path, 'rounding', name, **fields)
+
+
+def use_transform(cfg: Any, path: str, name: str, /, **fields: Any) -> None:
+  """`use(cfg, path, 'transform', name, **fields)`; transforms.names().
+
+  Both operands of a pass take the same transform (backward passes).
+
+  Example:
+    >>> import aqtr
+    >>> cfg = aqtr.fiddle.config('int8')
+    >>> set_fields(cfg, r'drhs', use_fwd_quant=False)
+    >>> use_transform(cfg, r'drhs\\..*', 'hadamard', block_size=16)
+    >>> aqtr.fiddle.build(cfg).drhs.rhs.transform.block_size
+    16
+  """
+  use(cfg, path, 'transform', name, **fields)
 
 
 def use_freezer(cfg: Any, path: str, name: str, /, **fields: Any) -> None:

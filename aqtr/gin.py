@@ -6,7 +6,8 @@ gin):
   aqtr.DotGeneralConfig, aqtr.DotGeneralRaw, aqtr.TensorConfig,
   aqtr.NearestEven, aqtr.Stochastic
   aqtr.<family>.<name> for every registered name, family in numerics,
-    calibrations, tilings, sparsity, freezers: `aqtr.calibrations.absmax`,
+    calibrations, tilings, sparsity, freezers, transforms:
+    `aqtr.calibrations.absmax`,
     `aqtr.numerics.int_symmetric`, ... (gin also accepts a unique suffix
     such as `calibrations.absmax`).
 
@@ -44,7 +45,14 @@ try:
 except ImportError as e:
   raise extras.missing('gin', 'aqtr.gin', e) from e
 
-from aqtr import calibrations, freezers, numerics, sparsity, tilings
+from aqtr import (
+  calibrations,
+  freezers,
+  numerics,
+  sparsity,
+  tilings,
+  transforms,
+)
 from aqtr.core.config import DotGeneralConfig, DotGeneralRaw, TensorConfig
 from aqtr.core.rounding import NearestEven, Stochastic
 
@@ -56,6 +64,7 @@ _FAMILIES = {
   'aqtr.tilings': tilings.registry,
   'aqtr.sparsity': sparsity.registry,
   'aqtr.freezers': freezers.registry,
+  'aqtr.transforms': transforms.registry,
 }
 _CLASSES = (
   DotGeneralConfig,

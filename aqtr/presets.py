@@ -30,9 +30,13 @@ from aqtr.sparsity.base import Sparsity
 from aqtr.sparsity.n_m import NM
 from aqtr.sparsity.none import NoSparsity
 from aqtr.tilings.base import Tiling
+from aqtr.tilings.block2d import Block2d
 from aqtr.tilings.per_channel import PerChannel
 from aqtr.tilings.per_tensor import PerTensor
 from aqtr.tilings.subchannel import SubChannel
+from aqtr.transforms.base import Transform
+from aqtr.transforms.hadamard import Hadamard
+from aqtr.transforms.none import NoTransform
 
 __all__ = [
   'aqt_v4',
@@ -48,9 +52,11 @@ __all__ = [
   'int8_fwd',
   'int8_sparse_2_4',
   'int8_weight_only',
+  'mxfp4_training',
   'mxfp4_weight_only',
   'mxfp8',
   'nvfp4',
+  'nvfp4_training',
   'switchback',
 ]
 
@@ -62,6 +68,7 @@ def _t(
   tiling: Tiling | None = None,
   calibration: Calibration | None = None,
   sparsity: Sparsity | None = None,
+  transform: Transform | None = None,
 ) -> TensorConfig:
   if tiling is None:
     block = numerics.block_size
@@ -72,6 +79,7 @@ def _t(
     tiling=tiling,
     sparsity=sparsity or NoSparsity(),
     rounding=rounding or NearestEven(),
+    transform=transform or NoTransform(),
     freezer=NoFreezer(),
   )
 
@@ -324,6 +332,69 @@ def nvfp4() -> DotGeneralConfig:
     dlhs=_raw(_none(), f, True),
     drhs=_raw(_none(), f, True),
   )
+
+
+def nvfp4_training(
+  rht: bool = True,
+  stochastic_rounding: bool = True,
+  weight_blocks_2d: bool = True,
+) -> DotGeneralConfig:
+  """NVIDIA's NVFP4 pretraining recipe (arXiv 2509.25149), per dot.
+
+  Every GEMM in NVFP4 (E2M1, 16-element blocks, e4m3 x f32 scales):
+    fwd   x: 1x16 blocks along K; w: 16x16 blocks (`Block2d`); nearest.
+    dlhs  g: 1x16 along N, stochastic; w requantized along N, 16x16
+          blocks: the same values as in fwd (2-D blocks are transpose
+          invariant).
+    drhs  g and x along the M tokens (1x16), both rotated by a random
+          Hadamard transform (RHT-16, fixed signs), g stochastic.
+  The paper keeps a few sensitive layers (mostly the last blocks) in
+  BF16: leave those to rules (`aqtr.pax` injection, Flax rules) with
+  `aqtr.presets.float()`. Every contraction (K, N, M) must be a multiple
+  of 16. The call needs `key=` (stochastic rounding).
+
+  Args:
+    rht: RHT-16 on the wgrad (drhs) inputs.
+    stochastic_rounding: stochastic rounding on the gradients.
+    weight_blocks_2d: 16x16 weight blocks (else 1x16 along each pass's
+      contraction, so forward and dlhs see different weights).
+  """
+  nv = NvFp4(scale_mode='nearest', clip_gradient=False)
+  sr = Stochastic(noise_sharing_axes=()) if stochastic_rounding else None
+  w = (
+    _t(nv, tiling=Block2d(tile_size=16, free_size=16))
+    if (weight_blocks_2d)
+    else _t(nv)
+  )
+  h = Hadamard(block_size=16, signs='seed', seed=0, method='auto')
+  t = h if rht else None
+  return DotGeneralConfig(
+    fwd=_raw(_t(nv), w, False),
+    dlhs=_raw(_t(nv, sr), w, False),
+    drhs=_raw(_t(nv, sr, transform=t), _t(nv, transform=t), False),
+  )
+
+
+def mxfp4_training(hadamard: bool = True) -> DotGeneralConfig:
+  """A Quartet-style MXFP4 recipe (Castro et al. 2025, arXiv 2505.14669).
+
+  Every GEMM in MXFP4 (E2M1 in 32-element blocks, E8M0 `rceil` scales,
+  which never clamp): forward nearest; both backward passes quantize the
+  gradient stochastically and requantize their residual, and with
+  `hadamard` rotate both operands by a 32-wide random Hadamard transform
+  (fixed signs) along their contraction. Unlike Quartet the forward pass
+  is not rotated (aqtr rotates backward passes only) and uses no QuEST
+  clipping. Contractions must be multiples of 32; the call needs `key=`.
+
+  Args:
+    hadamard: RHT-32 on the dlhs and drhs operands.
+  """
+  mx = Mx(element='fp4_e2m1', scale_mode='rceil', clip_gradient=False)
+  sr = Stochastic(noise_sharing_axes=())
+  t = Hadamard(block_size=32, signs='seed', seed=0, method='auto')
+  t = t if hadamard else None
+  bwd = _raw(_t(mx, sr, transform=t), _t(mx, transform=t), False)
+  return DotGeneralConfig(fwd=_raw(_t(mx), _t(mx), False), dlhs=bwd, drhs=bwd)
 
 
 def int4_asym_weight_only(group: int = 128) -> DotGeneralConfig:

@@ -24,6 +24,7 @@ LAYERS = {
   'numerics': 2,
   'tilings': 2,
   'sparsity': 2,
+  'transforms': 2,
   'freezers': 2,
   'presets': 3,
   'validation': 3,
@@ -55,7 +56,13 @@ CORE_BASE = {
   'aqtr.core.registry',
   'aqtr.core.rounding',
 }
-QUANTIZER_FAMILIES = ('calibrations', 'numerics', 'tilings', 'sparsity')
+QUANTIZER_FAMILIES = (
+  'calibrations',
+  'numerics',
+  'tilings',
+  'sparsity',
+  'transforms',
+)
 
 
 def _module_name(path: pathlib.Path) -> str:

@@ -173,7 +173,7 @@ FOUR_BITS = (
 
 # Both operands in 4 bits, at the calibration's initial state (LSQ's
 # 2 mean|x| / sqrt(7) step: measured 0.246).
-BOTH_FOUR_BITS = ('int4_lsq',)
+BOTH_FOUR_BITS = ('int4_lsq', 'mxfp4_training', 'nvfp4_training')
 
 
 def test_every_preset_runs_forward_and_backward():
@@ -229,6 +229,9 @@ DOTS = {
   'int4_asym_weight_only': {(F32, F32): 3},
   # fp4 values are stored in (and contracted as) float8_e4m3fn.
   'nvfp4': {(E4, E4): 1, (F32, F32): 2},
+  # + the f32 n x n products of the RHT ('matmul'), one per rotated operand.
+  'nvfp4_training': {(E4, E4): 3, (F32, F32): 2},
+  'mxfp4_training': {(E4, E4): 3, (F32, F32): 4},
 }
 
 

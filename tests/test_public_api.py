@@ -37,6 +37,7 @@ PUBLIC = {
   'state',
   'tags',
   'tilings',
+  'transforms',
   'validation',
 }
 
@@ -54,9 +55,11 @@ PRESETS = {
   'int8_fwd',
   'int8_sparse_2_4',
   'int8_weight_only',
+  'mxfp4_training',
   'mxfp4_weight_only',
   'mxfp8',
   'nvfp4',
+  'nvfp4_training',
   'switchback',
 }
 
@@ -86,6 +89,7 @@ def test_registry_modules_share_one_interface():
     aqtr.tilings,
     aqtr.sparsity,
     aqtr.freezers,
+    aqtr.transforms,
   )
   for family in families:
     for name in ('register', 'get', 'names', 'registry'):

@@ -37,11 +37,13 @@ from aqtr.core.passes import (
   canonical_noise,
   flip,
   fold_scale,
+  k_axis,
   merge_tiles,
   qdot,
   repeat_tiles,
   residual_key,
   rounding_noise,
+  transform_key,
 )
 from aqtr.core.plan import Plan
 from aqtr.core.residuals import Residuals
@@ -76,7 +78,8 @@ def operand_gradient(plan: Plan, side: Side, res: Residuals, g, gst):
   pass_ = side.grad_pass
   raw = getattr(plan.config, pass_.value)
   y, y_res = plan.partner(side), res.side(side.other)
-  if not raw.quantized:
+  t = raw.transform
+  if not (raw.quantized or t.transforms):
     yv = y_res.x
     if y_res.q is not None:
       yv = y_res.q.dequantized(y.layout, y.dtype)
@@ -89,15 +92,23 @@ def operand_gradient(plan: Plan, side: Side, res: Residuals, g, gst):
   g_form = 'fk' if side is Side.LHS else 'kf'  # F_Y last / first.
   fy_axis = 2 if side is Side.LHS else 1
   n = plan.grad_copies(side)
-  if y_res.q is not None:  # Reuse: (g * s_Y) . q_Y, per tile of Y.
+  reuse = plan.reuses(side)
+  y_x = y_res.x
+  if y_res.q is not None and not reuse:
+    # A stored (frozen) Y in a rotating pass: rotate its dequantized values.
+    y_x = y_res.q.dequantized(y.layout, y.dtype)
+  if reuse:  # (g * s_Y) . q_Y, per tile of Y.
     g_s, _ = fold_scale(g3, y_res.q, fy_axis)
     a = Operand(g_s, g_form, raw.lhs, repeat_tiles(noise, n), state=gst)
     b = y_res.q.as_partner()
   else:  # Requantize Y, contracting its free axis.
     ynoise = canonical_noise(raw.rhs, residual_key(key), y.layout, y.form)
-    b = Operand(
-      y.layout.to_canonical(y_res.x, y.form), flip(y.form), raw.rhs, ynoise
-    )
+    y3 = y.layout.to_canonical(y_x, y.form)
+    if t.transforms:  # The same R on both, along this pass's contraction.
+      tkey = transform_key(key)
+      g3 = t.apply(g3, k_axis(g_form), tkey, f'{pass_.value}.lhs')
+      y3 = t.apply(y3, k_axis(flip(y.form)), tkey, f'{pass_.value}.rhs')
+    b = Operand(y3, flip(y.form), raw.rhs, ynoise)
     a = Operand(g3, g_form, raw.lhs, noise, state=gst)
   emit = plan.grad_form(side)
   tile = plan.tile(pass_)
@@ -105,7 +116,7 @@ def operand_gradient(plan: Plan, side: Side, res: Residuals, g, gst):
     out, st, _ = qdot(a, b, raw, plan.precision, tile)
   else:
     out, _, st = qdot(b, a, raw, plan.precision, tile)
-  z = None if y_res.q is None else y_res.q.partner_zero_point()
+  z = y_res.q.partner_zero_point() if reuse else None
   if z is not None:
     out = out - reuse_term(a.x, z, fy_axis, emit)
   out = merge_tiles(out, n, emit)

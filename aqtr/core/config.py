@@ -5,7 +5,8 @@
     dlhs: DotGeneralRaw   d lhs  = g . rhs_residual   (its lhs operand is g)
     drhs: DotGeneralRaw   d rhs  = g . lhs_residual   (its lhs operand is g)
   DotGeneralRaw:  lhs, rhs: TensorConfig; use_fwd_quant; accumulator
-  TensorConfig:   numerics, calibration, tiling, sparsity, rounding
+  TensorConfig:   numerics, calibration, tiling, sparsity, rounding,
+                  transform
 
 Every node is a frozen kw-only dataclass with defaults, hence hashable: a
 config is a static argument of `jit` and of the engine's VJP. The
@@ -55,6 +56,12 @@ class TensorConfig:
     sparsity: which elements are kept (zeroed before quantization; 'none'
       keeps all). Forward operands only, see `DotGeneralConfig`.
     rounding: NearestEven() or Stochastic(...) (needs a key at call time).
+    transform: an `aqtr.transforms.Transform` ('none' by default): an
+      orthogonal R applied along the contraction of this operand's pass
+      before quantization, to both operands of the pass (so both sides of
+      a pass must name the same transform); backward passes only, with
+      their residual requantized (`use_fwd_quant=False`). The NVFP4
+      recipe rotates the wgrad GEMM's inputs: `drhs.lhs` and `drhs.rhs`.
     freezer: an `aqtr.freezers.Freezer`: what a model stores of this
       operand for serving (only config.fwd operands are frozen).
     quantized_gather: forward operands under explicit mesh axes: quantize
@@ -79,6 +86,9 @@ class TensorConfig:
   rounding: Annotated[Rounding, markers.Rounding] = dataclasses.field(
     default_factory=NearestEven
   )
+  transform: object = dataclasses.field(
+    default_factory=factory('transforms', 'none')
+  )
   freezer: object = dataclasses.field(
     default_factory=factory('freezers', 'none')
   )
@@ -95,6 +105,8 @@ class TensorConfig:
     _check_type('TensorConfig', 'tiling', self.tiling, Tiling)
     _check_type('TensorConfig', 'sparsity', self.sparsity, Sparsity)
     _check_type('TensorConfig', 'rounding', self.rounding, Rounding)
+    transform_base = family('transforms').base
+    _check_type('TensorConfig', 'transform', self.transform, transform_base)
     freezer_base = family('freezers').base
     _check_type('TensorConfig', 'freezer', self.freezer, freezer_base)
     if self.numerics.quantizes:
@@ -109,6 +121,11 @@ class TensorConfig:
   def sparse(self) -> bool:
     """Whether the sparsity prunes (anything but 'none')."""
     return self.sparsity.prunes
+
+  @property
+  def rotated(self) -> bool:
+    """Whether the transform rotates (anything but 'none')."""
+    return self.transform.transforms
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -161,6 +178,11 @@ class DotGeneralRaw:
   def quantized(self) -> bool:
     return self.lhs.quantized or (self.rhs.quantized and not self.use_fwd_quant)
 
+  @property
+  def transform(self):
+    """The pass's transform (both operands name the same one)."""
+    return self.lhs.transform
+
 
 def _float_raw(**kw) -> DotGeneralRaw:
   t = TensorConfig(numerics=factory('numerics', 'none')())
@@ -206,13 +228,15 @@ class DotGeneralConfig:
           "'none' numerics there."
         )
     _check_sparsity(self)
+    _check_transforms(self)
     _check_gather(self)
 
   @property
   def needs_key(self) -> bool:
-    """True when some quantized operand rounds stochastically."""
+    """True when some quantized operand rounds stochastically, or a
+    transform draws its rotation from the key."""
     return any(
-      t.quantized and t.rounding.stochastic
+      (t.quantized and t.rounding.stochastic) or t.transform.needs_key
       for raw in (self.fwd, self.dlhs, self.drhs)
       for t in (raw.lhs, raw.rhs)
     )
@@ -222,7 +246,10 @@ class DotGeneralConfig:
     """True when no pass quantizes or prunes (the config equals lax)."""
     fwd_q = self.fwd.lhs.quantized or self.fwd.rhs.quantized
     sparse = self.fwd.lhs.sparse or self.fwd.rhs.sparse
-    return not (fwd_q or sparse or self.dlhs.quantized or self.drhs.quantized)
+    rotated = self.dlhs.lhs.rotated or self.drhs.lhs.rotated
+    return not (
+      fwd_q or sparse or rotated or self.dlhs.quantized or self.drhs.quantized
+    )
 
 
 # The residual operand of each backward pass -> the forward operand it is.
@@ -254,6 +281,39 @@ def _check_sparsity(cfg: DotGeneralConfig) -> None:
         f'DotGeneralConfig.{path}.sparsity: {s!r} differs from '
         f'{fwd_path}.sparsity {f!r}; the residual is the pruned forward '
         f"operand: allowed: NoSparsity() ('none') or the same as {fwd_path}."
+      )
+
+
+def _check_transforms(cfg: DotGeneralConfig) -> None:
+  """Transforms: backward passes, one R per pass, residual requantized.
+
+  A pass rotates both of its operands by the same R along its
+  contraction, so that the float product is unchanged; the residual is
+  then rotated and quantized afresh (a reused forward quantization was
+  made without R).
+  """
+  for side in ('lhs', 'rhs'):
+    t = getattr(cfg.fwd, side).transform
+    if t.transforms:
+      raise ValueError(
+        f'DotGeneralConfig.fwd.{side}.transform: {t!r} on the forward pass '
+        'is not supported (the forward quantization is reused, frozen and '
+        "served); allowed: 'none'. Rotate the backward passes (dlhs, drhs)."
+      )
+  for name in ('dlhs', 'drhs'):
+    raw = getattr(cfg, name)
+    lt, rt = raw.lhs.transform, raw.rhs.transform
+    if lt != rt:
+      raise ValueError(
+        f'DotGeneralConfig.{name}.rhs.transform: {rt!r} differs from '
+        f'{name}.lhs.transform {lt!r}; both operands of a dot must be '
+        'rotated by the same R: allowed: the same transform on both.'
+      )
+    if lt.transforms and raw.use_fwd_quant:
+      raise ValueError(
+        f'DotGeneralConfig.{name}.use_fwd_quant: {name} rotates its '
+        f'operands ({lt!r}), so its residual must be rotated and quantized '
+        f"afresh; allowed: False, or {name} transforms 'none'."
       )
 
 

@@ -172,10 +172,12 @@ def dot_general(
   plan = Plan.create(
     lhs, rhs, dimension_numbers, config, precision, preferred_element_type
   )
+  plan.check_transforms()
   if config.needs_key and key is None:
     raise ValueError(
-      'config uses stochastic rounding and needs a PRNG key: pass '
-      'key=jax.random.key(seed) (a raw jax.random.PRNGKey works too).'
+      "config uses stochastic rounding (or a transform with signs='key') "
+      'and needs a PRNG key: pass key=jax.random.key(seed) (a raw '
+      'jax.random.PRNGKey works too).'
     )
   key = key if config.needs_key else None
   check_operands(lhs, rhs, plan)

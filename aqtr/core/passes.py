@@ -13,8 +13,8 @@ is the dtype dispatch, shared with `ragged.py`) and applies both scales:
 Internal API (used by `forward.py`, `backward.py` and `ragged.py`):
 `Operand`, `QuantizedOperand`, `quantize_tiled`, `contract`, `qdot`,
 `low_precision`, `fold_scale`, `repeat_tiles`, `merge_tiles`,
-`with_transposed_copy`, `flip`, `rounding_noise`, `canonical_noise`,
-`residual_key`, `slot_keys`.
+`with_transposed_copy`, `flip`, `k_axis`, `rounding_noise`,
+`canonical_noise`, `residual_key`, `transform_key`, `slot_keys`.
 """
 
 from __future__ import annotations
@@ -42,6 +42,11 @@ from aqtr.core.zero_point import (
 def flip(form: str) -> str:
   """'fk' <-> 'kf'."""
   return 'kf' if form == 'fk' else 'fk'
+
+
+def k_axis(form: str) -> int:
+  """The contraction axis of a canonical 3-D operand in `form`."""
+  return 2 if form == 'fk' else 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,6 +230,12 @@ def slot_keys(key: jax.Array | None) -> dict:
 def residual_key(key: jax.Array | None) -> jax.Array | None:
   """The key of a backward pass's residual operand (its g uses `key`)."""
   return None if key is None else jax.random.split(key, 2)[1]
+
+
+def transform_key(key: jax.Array | None) -> jax.Array | None:
+  """The key a backward pass's transform draws its R from (one for both
+  operands; independent of their rounding noise)."""
+  return None if key is None else jax.random.fold_in(key, 1)
 
 
 def rounding_noise(cfg: TensorConfig, key, shape) -> jax.Array | None:

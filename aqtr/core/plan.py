@@ -242,7 +242,7 @@ class Plan:
     side = Side.LHS if pass_ is Pass.DLHS else Side.RHS
     y = self.partner(side)
     raw = getattr(self.config, pass_.value)
-    cfgs = [raw.lhs, None if y.reused else raw.rhs]
+    cfgs = [raw.lhs, None if self.reuses(side) else raw.rhs]
     names = [Slot.of(pass_, s).path for s in SIDES]
     axis = 'N' if pass_ is Pass.DLHS else 'M'
     k = y.layout.f
@@ -268,9 +268,27 @@ class Plan:
     """Copies of g the pass differentiating `side` runs on: one per tile
     of the reused partner (its scales differ per tile), else 1."""
     y = self.partner(side)
-    if not y.reused:
+    if not self.reuses(side):
       return 1
     return y.layout.k // (self.fwd_tile or y.layout.k)
+
+  def check_transforms(self) -> None:
+    """Raises naming the slot when a backward pass's transform does not
+    fit its contraction (dlhs: N, drhs: M)."""
+    for side in SIDES:
+      pass_ = side.grad_pass
+      t = getattr(self.config, pass_.value).transform
+      t.check_size(
+        self.partner(side).layout.f, f'config.{pass_.value}.lhs.transform'
+      )
+
+  def reuses(self, side: Side) -> bool:
+    """Whether the pass differentiating `side` contracts the partner's
+    forward quantization as it is (reused or stored, and not rotated: a
+    rotating pass requantizes the rotated partner, a stored one from its
+    dequantized values)."""
+    raw = getattr(self.config, side.grad_pass.value)
+    return self.partner(side).reused and not raw.transform.transforms
 
   def canonical_shape(self, slot: Slot) -> tuple[int, int, int]:
     """The canonical 3-D shape of the operand in `slot`."""

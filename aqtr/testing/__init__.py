@@ -1,7 +1,7 @@
 """Contract checks for your own registered algorithms.
 
 Every registry (`calibrations`, `numerics`, `tilings`, `sparsity`,
-`freezers`) has a
+`freezers`, `transforms`) has a
 contract: what any class registered in it must do for the engine and the
 adapters to work with it. aqtr's own tests run these checks on every
 registered name; call them on yours:
@@ -27,6 +27,7 @@ from aqtr.testing.freezers import check_freezer
 from aqtr.testing.numerics import check_numerics
 from aqtr.testing.sparsity import check_sparsity
 from aqtr.testing.tilings import check_tiling
+from aqtr.testing.transforms import check_transform
 
 __all__ = [
   'ContractError',
@@ -36,4 +37,5 @@ __all__ = [
   'check_registry',
   'check_sparsity',
   'check_tiling',
+  'check_transform',
 ]

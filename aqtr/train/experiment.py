@@ -89,6 +89,14 @@ RUNS: dict[str, Callable[[], aqtr.DotGeneralConfig]] = (
     'int8_sparse_2_4_warm': functools.partial(
       aqtr.presets.int8_sparse_2_4, start_step=50, update_step=10
     ),
+    # NVFP4 everywhere without the recipe's ingredients (no RHT, no SR, 1x16
+    # weight blocks): the baseline of `nvfp4_training`.
+    'nvfp4_naive': functools.partial(
+      aqtr.presets.nvfp4_training,
+      rht=False,
+      stochastic_rounding=False,
+      weight_blocks_2d=False,
+    ),
   }
 )
 

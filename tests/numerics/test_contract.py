@@ -51,11 +51,12 @@ BAD_FIELDS = {
   'mx': [
     {'element': 'fp8'},
     {'element': 'int4'},
+    {'scale_mode': 'even'},
     {'clip_gradient': 'yes'},
   ],
   'nf4': [],
   'none': [],
-  'nvfp4': [{'clip_gradient': 0}],
+  'nvfp4': [{'clip_gradient': 0}, {'scale_mode': 'rceil'}],
   'ternary': [
     {'clip_gradient': 1},
     {'clip_gradient': 'yes'},

@@ -113,7 +113,7 @@ def test_tiling_and_contraction_are_validated():
     )
 
 
-def test_stochastic_rounding_is_rejected():
+def test_stochastic_rounding_with_floor_scales_is_rejected():
   with pytest.raises(ValueError, match=r'TensorConfig.rounding.*Mx'):
     aqtr.TensorConfig(
       numerics=Mx(),

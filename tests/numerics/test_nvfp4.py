@@ -38,10 +38,12 @@ def test_block_scales_are_e4m3_times_the_tensor_scale():
   rng = np.random.default_rng(0)
   x = rng.standard_normal((8, 64)).astype(np.float32) * 3
   qt = jax.jit(lambda x: aqtr.quantize(x, _T))(jnp.asarray(x))
-  s_t = np.abs(x).max() / (448 * 6)
+  # s_t = amax / 2688 rounded up to 18 significant bits: s / s_t is exact.
+  m, e = np.frexp(np.abs(x).max() / np.float32(448 * 6))
+  s_t = np.ldexp(np.ceil(m * 2.0**18) / 2.0**18, e)
   d = np.asarray(qt.scale, np.float64).ravel() / s_t
-  np.testing.assert_allclose(
-    d, d.astype(ml_dtypes.float8_e4m3fn).astype(np.float64), rtol=1e-6
+  np.testing.assert_array_equal(
+    d, d.astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
   )
   assert d.max() == pytest.approx(448.0, rel=1e-6)
   assert qt.qvalue.dtype == jnp.float8_e4m3fn
