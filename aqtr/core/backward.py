@@ -106,8 +106,10 @@ def operand_gradient(plan: Plan, side: Side, res: Residuals, g, gst):
     y3 = y.layout.to_canonical(y_x, y.form)
     if t.transforms:  # The same R on both, along this pass's contraction.
       tkey = transform_key(key)
-      g3 = t.apply(g3, k_axis(g_form), tkey, f'{pass_.value}.lhs')
-      y3 = t.apply(y3, k_axis(flip(y.form)), tkey, f'{pass_.value}.rhs')
+      g3 = t.apply(g3, k_axis(g_form), tkey, Slot.of(pass_, Side.LHS).path)
+      y3 = t.apply(
+        y3, k_axis(flip(y.form)), tkey, Slot.of(pass_, Side.RHS).path
+      )
     b = Operand(y3, flip(y.form), raw.rhs, ynoise)
     a = Operand(g3, g_form, raw.lhs, noise, state=gst)
   emit = plan.grad_form(side)

@@ -279,7 +279,8 @@ class Plan:
       pass_ = side.grad_pass
       t = getattr(self.config, pass_.value).transform
       t.check_size(
-        self.partner(side).layout.f, f'config.{pass_.value}.lhs.transform'
+        self.partner(side).layout.f,
+        f'config.{Slot.of(pass_, Side.LHS).path}.transform',
       )
 
   def reuses(self, side: Side) -> bool:
