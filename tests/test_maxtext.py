@@ -82,6 +82,10 @@ def test_names_build_their_presets_and_the_generic_form_agrees():
   assert maxtext.config('nanoo_fp8') == presets.fp8_nanoo()
   # A preset shows by name in the report; fp8_full's static bounds apply.
   assert maxtext.rules('int8')[0].config == 'int8'
+  # weight=None widens activation-quantizing names to every op, not
+  # weight-only ones (a weight-only config has no activation to quantize).
+  assert maxtext.rules('int8', weight=None)[0].weight is None
+  assert maxtext.rules('int8w', weight=None)[0].weight is True
   (r,) = maxtext.rules('fp8_full', constant_bound_config=(1, 2, 3, 4, 5, 6))
   assert r.config.drhs.rhs.calibration == calibrations.Constant(bound=6.0)
   assert r.config.fwd.lhs.tiling == tilings.PerTensor()
