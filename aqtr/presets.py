@@ -11,8 +11,11 @@ Example:
 
 from __future__ import annotations
 
+import builtins
+
 from aqtr.calibrations.absmax import AbsMax
 from aqtr.calibrations.base import Calibration
+from aqtr.calibrations.constant import Constant
 from aqtr.calibrations.delayed_scaling import DelayedScaling
 from aqtr.calibrations.lsq import Lsq
 from aqtr.calibrations.minmax import MinMax
@@ -43,6 +46,7 @@ __all__ = [
   'float',
   'fp8',
   'fp8_delayed',
+  'fp8_full',
   'fp8_nanoo',
   'fully_quantized',
   'int4_asym_weight_only',
@@ -261,6 +265,38 @@ def fp8_nanoo() -> DotGeneralConfig:
     fwd=_raw(e4, e4, False),
     dlhs=_raw(e5, e4, True),
     drhs=_raw(e5, e4, True),
+  )
+
+
+def fp8_full(constant_bounds=None) -> DotGeneralConfig:
+  """MaxText's fp8_full: all six operands fp8, per tensor, static bounds.
+
+  fwd e4m3 x e4m3; dlhs and drhs requantize both operands to e5m2 (FP8
+  formats: Micikevicius et al. 2022, arXiv 2209.05433). Scale s = bound /
+  max_value per tensor; bound = the absmax, or the static bound (`Constant`,
+  values beyond clip) of `constant_bounds`: None or 6 in MaxText's order
+  fwd lhs, fwd rhs, dlhs lhs, dlhs rhs, drhs lhs, drhs rhs (None: absmax).
+  """
+  b = (None,) * 6 if constant_bounds is None else constant_bounds
+  if not (isinstance(b, tuple | list) and len(b) == 6) or any(
+    v is not None and (type(v) not in (int, builtins.float) or v <= 0)
+    for v in b
+  ):
+    raise ValueError(
+      'presets.fp8_full: constant_bounds must be None or 6 bounds (> 0 or '
+      f'None), got {constant_bounds!r}.'
+    )
+
+  def t(dtype_name: str, bound) -> TensorConfig:
+    cal = None if bound is None else Constant(bound=builtins.float(bound))
+    fp = Fp8(dtype_name=dtype_name, clip_gradient=False)
+    return _t(fp, tiling=PerTensor(), calibration=cal)
+
+  e4, e5 = 'float8_e4m3fn', 'float8_e5m2'
+  return DotGeneralConfig(
+    fwd=_raw(t(e4, b[0]), t(e4, b[1]), False),
+    dlhs=_raw(t(e5, b[2]), t(e5, b[3]), False),
+    drhs=_raw(t(e5, b[4]), t(e5, b[5]), False),
   )
 
 

@@ -230,6 +230,7 @@ _PRESETS = (
   'int8_weight_only',
   'int4_weight_only',
   'fp8',
+  'fp8_full',
   'float',
 )
 

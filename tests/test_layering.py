@@ -33,6 +33,7 @@ LAYERS = {
   'fiddlers': 3,
   'selectors': 3,
   'rules': 3,
+  'maxtext': 3,
   'state': 3,
   'gin': 3,
   'flags': 3,

@@ -129,6 +129,9 @@ def test_bits_out_of_range_raise(kwargs):
     ('fully_quantized', dict(stochastic_rounding='no'), 'stochastic_rounding'),
     ('int8_sparse_2_4', dict(start_step=-1), 'start_step'),
     ('int8_sparse_2_4', dict(update_step=0), 'update_step'),
+    ('fp8_full', dict(constant_bounds=(1.0,) * 5), 'constant_bounds'),
+    ('fp8_full', dict(constant_bounds=(0.0,) * 6), 'constant_bounds'),
+    ('fp8_full', dict(constant_bounds=(True,) * 6), 'constant_bounds'),
   ],
 )
 def test_bad_preset_arguments_name_the_argument(name, kwargs, arg):
@@ -222,6 +225,8 @@ DOTS = {
   'switchback': {(I8, I8): 2, (F32, F32): 1},
   'aqt_v4': {(I8, I8): 2, (F32, F32): 1},
   'fp8_nanoo': {(E4Z, E4Z): 1, (E5Z, E4Z): 1, (E4Z, E5Z): 1},
+  # Both backward operands requantized to e5m2 (no forward reuse).
+  'fp8_full': {(E4, E4): 1, (E5, E5): 2},
   'mxfp8': {(E4, E4): 1, (E5, E4): 1, (E4, E5): 1},
   # Weight-only: float activations, so float dots (the weights pass through
   # their stored dtype).
@@ -287,3 +292,31 @@ def test_catalogue_presets_mean_what_they_say():
   assert w4.calibration == calibrations.MinMax()
   assert w4.tiling == tilings.SubChannel(tile_size=64)
   assert not presets.int4_asym_weight_only().fwd.lhs.quantized
+
+
+def test_fp8_full_static_bounds_set_per_tensor_scales():
+  dyn = presets.fp8_full()
+  for p in PASSES:
+    for side in ('lhs', 'rhs'):
+      t = getattr(getattr(dyn, p), side)
+      assert t.tiling == tilings.PerTensor()
+      assert t.calibration == calibrations.AbsMax()
+    assert not getattr(dyn, p).use_fwd_quant
+  bounds = (2.0, 0.5, 3.0, 4.0, 5.0, 6)
+  cfg = presets.fp8_full(constant_bounds=bounds)
+  sides = [(p, s) for p in PASSES for s in ('lhs', 'rhs')]
+  for (p, side), b in zip(sides, bounds, strict=True):
+    t = getattr(getattr(cfg, p), side)
+    assert t.calibration == calibrations.Constant(bound=float(b))
+    x = jnp.arange(24.0).reshape(4, 6) - 9.0  # absmax 14, not the bound
+    q = aqtr.quantize(x, t, contracting_axes=(1,))
+    scale = np.asarray(q.scale).ravel()  # one value, held per row
+    np.testing.assert_allclose(scale, b / t.numerics.max_value, rtol=1e-6)
+  # Half static: only the forward weight keeps a fixed range.
+  half = presets.fp8_full(constant_bounds=(None, 1.0, None, None, None, None))
+  assert half.fwd.rhs.calibration == calibrations.Constant(bound=1.0)
+  assert half.fwd.lhs.calibration == calibrations.AbsMax()
+  dn = (((1,), (0,)), ((), ()))
+  x, w = jnp.full((4, 8), 3.0), jnp.full((8, 2), 3.0)
+  y = aqtr.dot_general(x, w, dn, half)
+  np.testing.assert_allclose(np.asarray(y), 8 * 3.0 * 1.0, rtol=1e-5)  # w: 1

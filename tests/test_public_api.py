@@ -47,6 +47,7 @@ PRESETS = {
   'fp8',
   'fp8_nanoo',
   'fp8_delayed',
+  'fp8_full',
   'fully_quantized',
   'int4_asym_weight_only',
   'int4_lsq',
