@@ -74,7 +74,7 @@ def rope(x: jax.Array, base: float = 10000.0) -> jax.Array:
   """
   t, d = x.shape[1], x.shape[-1]
   freq = base ** (-jnp.arange(0, d // 2, dtype=jnp.float32) * 2 / d)
-  angle = jnp.arange(t, dtype=jnp.float32)[:, None] * freq
+  angle = jnp.arange(t, dtype=jnp.float32)[:, None] * freq[None, :]
   shape = (1, t) + (1,) * (x.ndim - 3) + (d // 2,)
   cos, sin = jnp.cos(angle).reshape(shape), jnp.sin(angle).reshape(shape)
   a, b = jnp.split(x, 2, axis=-1)
