@@ -62,7 +62,7 @@ class CommandLineError(ValueError):
 
 def fiddler_names() -> tuple[str, ...]:
   """The bare names `--config=fiddler:NAME(...)` accepts."""
-  return ('custom', 'stock_rule', *fiddlers.__all__)
+  return ('custom', *fiddlers.__all__, 'stock_rule')
 
 
 def _namespace() -> types.ModuleType:
