@@ -302,8 +302,8 @@ def serve(r: loop.RunResult, task: Task) -> dict[str, Any]:
 
   Returns:
     {'serving_bytes', 'float_bytes', 'kernel_ratio', 'serve_equal' (bit for
-    bit on every validation batch), 'max_abs_diff', 'checkpoint' ('-':
-    kept in memory)}.
+    bit on every validation batch), 'max_abs_diff', 'checkpoint' ('in
+    memory': not saved)}.
   """
   model = r.injected
   served = aqtr.flax.convert(model, jnp.asarray(task.eval_set[0][0]), keep=KEEP)
@@ -322,5 +322,5 @@ def serve(r: loop.RunResult, task: Task) -> dict[str, Any]:
     'kernel_ratio': sizes.kernel_ratio,
     'serve_equal': equal,
     'max_abs_diff': diff,
-    'checkpoint': '-',
+    'checkpoint': 'in memory',
   }

@@ -120,3 +120,11 @@ def test_stock_rules_must_be_rules():
 def test_unknown_fiddler_lists_stock_rule():
   with pytest.raises(cli.CommandLineError, match='stock_rule'):
     cli.config_from_directives(['config:tiny', 'fiddler:stock_rulez()'])
+
+
+def test_attention_einsums_of_the_job_model_are_intercepted():
+  # The stock model lives in aqtr/train: its raw einsums are user code.
+  model = stock_lm.StockLm(32, 16, 1, 4, rngs=nnx.Rngs(0))
+  q = aqtr.flax.quantize(model, [Rule('int8_fwd', weight=False)])
+  rep = aqtr.flax.report(q, jnp.zeros((2, 8), int))
+  assert rep.quantized_paths() == ['blocks/0/einsum0', 'blocks/0/einsum1']
