@@ -1,9 +1,10 @@
 """The stock-model runs: a Llama-style nnx decoder quantized by rules.
 
 `StockLm` is written with stock Flax nnx only (nothing aqtr in it):
-RMSNorm, rotary position embeddings, grouped-query attention with raw
-`jnp.einsum`, a SwiGLU MLP of `nnx.Linear`s and a tied embedding (the
-logits are `nnx.Embed.attend`). A run quantizes it without editing its
+RMSNorm, rotary position embeddings (arXiv 2104.09864), grouped-query
+attention (arXiv 2305.13245) with raw `jnp.einsum`, a SwiGLU MLP (arXiv
+2002.05202) of `nnx.Linear`s and a tied embedding (the logits are
+`nnx.Embed.attend`). A run quantizes it without editing its
 code, by rules (`aqtr.flax.quantize`, `aqtr.rules.Rule`), trains it on the
 job's data with the job's optimizer, then converts it (`aqtr.flax.convert`:
 frozen int8 kernels) and checks that serving gives the training logits bit
