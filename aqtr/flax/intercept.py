@@ -70,8 +70,10 @@ _TARGETS = (
   ('jax.lax', 'ragged_dot', 'lax.ragged_dot'),
 )
 
-# aqtr's source directory: calls from files under it are aqtr's own.
+# aqtr's source directory: calls from files under it are aqtr's own,
+# except the job's models (`aqtr.train`: a stock model, user code).
 _AQTR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_USER = _AQTR + 'train' + os.sep
 _local = threading.local()
 _lock = threading.Lock()
 _installed = [0]  # how many `active` blocks are open, all threads
@@ -246,7 +248,10 @@ def _from_aqtr(frame) -> bool:
   """Whether the wrapper's caller is aqtr's own code (e.g. the engine's
   backward pass, traced after the op returned): never intercepted."""
   caller = frame.f_back if frame is not None else None
-  return caller is not None and caller.f_code.co_filename.startswith(_AQTR)
+  if caller is None:
+    return False
+  name = caller.f_code.co_filename
+  return name.startswith(_AQTR) and not name.startswith(_USER)
 
 
 @contextlib.contextmanager

@@ -4,7 +4,8 @@
 so that a mistake is reported as one line naming the directive and the
 valid choices (`CommandLineError`), never as a traceback. Named configs are
 `aqtr.train.experiment.CONFIGS`; fiddlers are `custom` and the
-registry-name fiddlers of `aqtr.fiddlers`; dotted names are imported.
+registry-name fiddlers of `aqtr.fiddlers` (and `stock_rule`, the rules of
+the stock-model run); dotted names are imported.
 
 Without `--out_dir` every job writes to a fresh folder
 `aqtr_train_out/<config>-<YYYYmmdd-HHMMSS>` (`default_out_dir`); an
@@ -61,7 +62,7 @@ class CommandLineError(ValueError):
 
 def fiddler_names() -> tuple[str, ...]:
   """The bare names `--config=fiddler:NAME(...)` accepts."""
-  return ('custom', *fiddlers.__all__)
+  return ('custom', *fiddlers.__all__, 'stock_rule')
 
 
 def _namespace() -> types.ModuleType:
@@ -70,6 +71,7 @@ def _namespace() -> types.ModuleType:
   for name, fn in experiment.CONFIGS.items():
     setattr(names, name, fn)
   names.custom = experiment.custom
+  names.stock_rule = experiment.stock_rule
   for name in fiddlers.__all__:
     setattr(names, name, getattr(fiddlers, name))
   return names

@@ -54,6 +54,7 @@ from aqtr.fiddlers import (  # noqa: F401
   use_sparsity,
   use_tiling,
 )
+from aqtr.rules import Rule
 from aqtr.train import mesh as mesh_lib
 from aqtr.train import models, qt_runs
 
@@ -70,6 +71,7 @@ __all__ = [
   'long',
   'run_config',
   'split',
+  'stock_rule',
   'tiny',
 ]
 
@@ -97,6 +99,12 @@ RUNS: dict[str, Callable[[], aqtr.DotGeneralConfig]] = (
       stochastic_rounding=False,
       weight_blocks_2d=False,
     ),
+  }
+  | {
+    # A stock nnx Llama-style LM quantized by rules (`stock_lm.RULES`;
+    # the config shown is its weight ops' config).
+    'stock_float': aqtr.presets.float,
+    'stock_int8': aqtr.presets.int8,
   }
 )
 
@@ -157,7 +165,9 @@ class Experiment:
     runs: names of `RUNS` to run, in order ('float' first gives the speed
       baseline): the presets of `aqtr.presets` and the quantized-training
       runs of `qt_runs` ('qt_int8', 'qt_int8_w8a8', 'float_adam8bit'),
-      and 'int8_sparse_2_4_warm' (2:4 weights after 50 dense int8 steps).
+      'int8_sparse_2_4_warm' (2:4 weights after 50 dense int8 steps),
+      and the stock nnx LM runs 'stock_float', 'stock_int8' (task 'lm';
+      `aqtr.train.stock_lm`).
     custom: a user-chosen DotGeneralConfig (Fiddle tree), run last under
       the name 'custom'; None: no custom run.
     steps: optimizer steps per run.
@@ -181,6 +191,10 @@ class Experiment:
       device count (checked when the run starts).
     distributed: call `jax.distributed.initialize()` first (multi-host;
       the coordinator comes from JAX's environment variables).
+    stock_rules: `aqtr.rules.Rule`s quantizing the stock nnx LM
+      (`aqtr.train.stock_lm`), run under the name 'stock_custom' (after
+      the runs, before 'custom'); (): no such run. Add them with
+      --config="fiddler:stock_rule('int4_weight_only', path='.*mlp.*')".
   """
 
   task: str = 'lm'
@@ -203,6 +217,7 @@ class Experiment:
   sample_tokens: int = 48
   mesh: tuple[int, ...] = ()
   distributed: bool = False
+  stock_rules: tuple[Rule, ...] = ()
 
   def __post_init__(self):
     if self.task not in TASKS:
@@ -236,7 +251,22 @@ class Experiment:
         'custom must be a DotGeneralConfig or None (set it with '
         f'--config="fiddler:custom(\'int8\')"), got {self.custom!r}.'
       )
-    if not self.runs and self.custom is None:
+    rules = self.stock_rules
+    if isinstance(rules, list):
+      object.__setattr__(self, 'stock_rules', tuple(rules))
+    if not isinstance(self.stock_rules, tuple) or not all(
+      isinstance(r, Rule) for r in self.stock_rules
+    ):
+      raise ValueError(
+        'stock_rules must be a tuple of aqtr.rules.Rule (add one with '
+        f'--config="fiddler:stock_rule(\'int8\')"), got {rules!r}.'
+      )
+    stock = [n for n in self.run_names if n.startswith('stock_')]
+    if stock and self.task != 'lm':
+      raise ValueError(
+        f"runs: {', '.join(stock)} need task 'lm', got {self.task!r}."
+      )
+    if not self.runs and self.custom is None and not self.stock_rules:
       raise ValueError('nothing to run: runs is empty and custom is None.')
     for name in _RANGES:
       check_field(name, getattr(self, name))
@@ -254,8 +284,12 @@ class Experiment:
 
   @property
   def run_names(self) -> tuple[str, ...]:
-    """Names of the runs in order, 'custom' last when set."""
-    return self.runs + (('custom',) if self.custom is not None else ())
+    """Names of the runs in order; 'stock_custom', 'custom' last if set."""
+    return (
+      self.runs
+      + (('stock_custom',) if self.stock_rules else ())
+      + (('custom',) if self.custom is not None else ())
+    )
 
 
 def _lm(**model: Any) -> fdl.Config:
@@ -339,7 +373,12 @@ CONFIGS: dict[str, Callable[[], fdl.Config]] = {
 def run_config(
   name: str, custom: aqtr.DotGeneralConfig | None = None
 ) -> aqtr.DotGeneralConfig:
-  """The DotGeneralConfig of the run `name` ('custom': `custom`)."""
+  """The DotGeneralConfig of the run `name` ('custom': `custom`).
+
+  'stock_custom' (rules, not one config) shows as float here.
+  """
+  if name == 'stock_custom':
+    return aqtr.presets.float()
   return custom if name == 'custom' else RUNS[name]()
 
 
@@ -358,6 +397,23 @@ def custom(
     4
   """
   cfg.custom = aqtr_fiddle.config(preset, *args, **kwargs)
+
+
+def stock_rule(cfg: fdl.Config, config: Any = 'int8', **criteria: Any) -> None:
+  """Fiddler: appends `Rule(config, **criteria)` to `stock_rules`.
+
+  The rules (first match wins) quantize the stock nnx LM of the run
+  'stock_custom' (`aqtr.train.stock_lm`); criteria are `aqtr.rules.Rule`'s
+  (path, layer, op, weight).
+
+  Example:
+    >>> cfg = tiny()
+    >>> stock_rule(cfg, 'int4_weight_only', path='.*(gate|up|down)')
+    >>> stock_rule(cfg, 'int8', weight=True)
+    >>> [r.config for r in cfg.stock_rules]
+    ['int4_weight_only', 'int8']
+  """
+  cfg.stock_rules = (*cfg.stock_rules, fdl.Config(Rule, config, **criteria))
 
 
 def split(cfg: fdl.Config) -> tuple[Experiment, Any, Any]:

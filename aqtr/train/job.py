@@ -37,6 +37,7 @@ from aqtr.train import (
   qt_runs,
   report,
   serving,
+  stock_lm,
   tasks,
 )
 from aqtr.train import mesh as mesh_lib
@@ -140,16 +141,10 @@ def _row(
 def _serve(
   r: loop.RunResult, task, run_dir: pathlib.Path, say, template
 ) -> dict:
-  serve = serving.check(
-    r.injected,
-    r.params,
-    r.config,
-    r.logits_fn,
-    task.eval_set,
-    run_dir / 'serving',
-    r.collections,
-    model=template if task.name == 'lm' else None,
-  )
+  if r.name.startswith('stock_'):
+    serve = stock_lm.serve(r, task)
+  else:
+    serve = _serve_pax(r, task, run_dir, template)
   (run_dir / 'serving.json').write_text(json.dumps(serve, indent=1))
   say(
     f'  {r.name}: serving checkpoint {serve["checkpoint"]}: '
@@ -160,10 +155,25 @@ def _serve(
   return serve
 
 
+def _serve_pax(r: loop.RunResult, task, run_dir: pathlib.Path, template):
+  return serving.check(
+    r.injected,
+    r.params,
+    r.config,
+    r.logits_fn,
+    task.eval_set,
+    run_dir / 'serving',
+    r.collections,
+    model=template if task.name == 'lm' else None,
+  )
+
+
 def _samples(r, exp, run_dir: pathlib.Path, served: bool) -> list | None:
   """The run's generated samples (from its serving checkpoint if any)."""
   if exp.task != 'lm' or not exp.sample_tokens or r.diverged:
     return None
+  if not isinstance(r.injected, fdl.Buildable):
+    return None  # A stock nnx model: no decoding path.
   if fdl.get_callable(r.injected) is not aqtr.pax.TransformerLm:
     return None  # A custom model: no decoding path.
   if not served and aqtr.pax.needs_key(r.config):
@@ -260,27 +270,36 @@ def run(
         run_dir = out / name
         run_dir.mkdir()
         marker = report.mark_incomplete(run_dir, f'run {name!r}')
-        r = loop.train(
-          name,
-          config,
-          exp,
-          task,
-          template,
-          params=params,
-          on_record=on_record,
-          show_progress=show_progress,
-          spec=qt_runs.SPECS.get(name),
-        )
+        stock = name.startswith('stock_')
+        if stock:
+          r = stock_lm.train(name, exp, task, template, on_record=on_record)
+        else:
+          r = loop.train(
+            name,
+            config,
+            exp,
+            task,
+            template,
+            params=params,
+            on_record=on_record,
+            show_progress=show_progress,
+            spec=qt_runs.SPECS.get(name),
+          )
         (run_dir / 'injection.txt').write_text(str(r.report) + '\n')
         serve = None
         if r.diverged:
           say(f'  {name}: DIVERGED ({r.diverged}); the other runs go on.')
-        elif models.has_frozen_weights(r.injected):
+        elif (
+          stock_lm.rules_of(name, exp) is not None
+          if stock
+          else models.has_frozen_weights(r.injected)
+        ):
           serve = _serve(r, task, run_dir, say, template)
         samples += _samples(r, exp, run_dir, serve is not None) or []
         if name == 'float' and not r.diverged:
           base = r
-        rows.append(_row(r, task.metric, base, serve, float_bytes))
+        own = stock_lm.float_bytes(r) if stock else float_bytes
+        rows.append(_row(r, task.metric, base, serve, own))
         metrics.write({'run': name, 'summary': rows[-1]})
         marker.unlink()
   except KeyboardInterrupt:

@@ -1,0 +1,327 @@
+"""The stock-model runs: a Llama-style nnx decoder quantized by rules.
+
+`StockLm` is written with stock Flax nnx only (nothing aqtr in it):
+RMSNorm, rotary position embeddings (arXiv 2104.09864), grouped-query
+attention (arXiv 2305.13245) with raw `jnp.einsum`, a SwiGLU MLP (arXiv
+2002.05202) of `nnx.Linear`s and a tied embedding (the logits are
+`nnx.Embed.attend`). A run quantizes it without editing its
+code, by rules (`aqtr.flax.quantize`, `aqtr.rules.Rule`), trains it on the
+job's data with the job's optimizer, then converts it (`aqtr.flax.convert`:
+frozen int8 kernels) and checks that serving gives the training logits bit
+for bit on the validation set.
+
+Runs (`RULES`; `Experiment.stock_rules` adds 'stock_custom'):
+
+  stock_float   the float model (no rules)
+  stock_int8    int8 forward and gradients on every weight op; attention's
+                activation x activation einsums stay float
+  stock_custom  the experiment's `stock_rules` (fiddler `stock_rule`)
+
+The tied table is read by the lookup too, so `convert` keeps it float
+(`keep`): its logits op quantizes it on the fly in SERVE.
+
+Example:
+  >>> import jax.numpy as jnp
+  >>> from flax import nnx
+  >>> m = StockLm(vocab_size=16, d_model=8, num_layers=1, num_heads=2,
+  ...             rngs=nnx.Rngs(0))
+  >>> m(jnp.zeros((1, 4), int)).shape
+  (1, 4, 16)
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+import aqtr
+import aqtr.flax
+from aqtr.rules import Rule
+from aqtr.train import loop
+from aqtr.train.tasks import Task, cross_entropy, evaluate_logits
+
+__all__ = [
+  'KEEP',
+  'RULES',
+  'StockLm',
+  'float_bytes',
+  'rope',
+  'rules_of',
+  'serve',
+  'train',
+]
+
+# Parameters `convert` keeps float: the tied table (also looked up).
+KEEP = 'embed/embedding'
+
+# The fixed stock runs: name -> rules (None: the float model).
+RULES: dict[str, tuple[Rule, ...] | None] = {
+  'stock_float': None,
+  'stock_int8': (Rule('int8', weight=True),),
+}
+
+
+def rope(x: jax.Array, base: float = 10000.0) -> jax.Array:
+  """Rotary position embedding of `x` [batch, time, ..., head_dim].
+
+  Pairs (x_i, x_{i+d/2}) rotate by angle t * base^(-2i/d) (arXiv
+  2104.09864).
+  """
+  t, d = x.shape[1], x.shape[-1]
+  freq = base ** (-jnp.arange(0, d // 2, dtype=jnp.float32) * 2 / d)
+  angle = jnp.arange(t, dtype=jnp.float32)[:, None] * freq[None, :]
+  shape = (1, t) + (1,) * (x.ndim - 3) + (d // 2,)
+  cos, sin = jnp.cos(angle).reshape(shape), jnp.sin(angle).reshape(shape)
+  a, b = jnp.split(x, 2, axis=-1)
+  return jnp.concatenate([a * cos - b * sin, a * sin + b * cos], -1)
+
+
+class Block(nnx.Module):
+  """Pre-norm decoder block: grouped-query attention and SwiGLU."""
+
+  def __init__(self, d_model, num_heads, kv_heads, hidden, *, rngs):
+    self.heads, self.kv_heads = num_heads, kv_heads
+    self.head_dim = d_model // num_heads
+    kv = kv_heads * self.head_dim
+    lin = dict(use_bias=False, rngs=rngs)
+    self.attn_norm = nnx.RMSNorm(d_model, rngs=rngs)
+    self.q = nnx.Linear(d_model, d_model, **lin)
+    self.k = nnx.Linear(d_model, kv, **lin)
+    self.v = nnx.Linear(d_model, kv, **lin)
+    self.o = nnx.Linear(d_model, d_model, **lin)
+    self.mlp_norm = nnx.RMSNorm(d_model, rngs=rngs)
+    self.gate = nnx.Linear(d_model, hidden, **lin)
+    self.up = nnx.Linear(d_model, hidden, **lin)
+    self.down = nnx.Linear(hidden, d_model, **lin)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    b, t, _ = x.shape
+    g, hd = self.heads // self.kv_heads, self.head_dim
+    h = self.attn_norm(x)
+    q = rope(self.q(h).reshape(b, t, self.kv_heads, g, hd))
+    k = rope(self.k(h).reshape(b, t, self.kv_heads, hd))
+    v = self.v(h).reshape(b, t, self.kv_heads, hd)
+    s = jnp.einsum('bqkgd,bskd->bkgqs', q, k) / hd**0.5
+    s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, -1e9)
+    a = jnp.einsum('bkgqs,bskd->bqkgd', jax.nn.softmax(s), v)
+    x = x + self.o(a.reshape(b, t, -1))
+    h = self.mlp_norm(x)
+    return x + self.down(jax.nn.silu(self.gate(h)) * self.up(h))
+
+
+class StockLm(nnx.Module):
+  """Llama-style decoder LM of stock nnx layers; tied embedding.
+
+  Args:
+    vocab_size: tokens.
+    d_model: width (a multiple of `num_heads`, head size even).
+    num_layers: blocks.
+    num_heads: query heads.
+    kv_heads: key/value heads (grouped-query attention); None: half of
+      `num_heads` (at least 1).
+    mlp_ratio: SwiGLU hidden size / d_model.
+    rngs: parameter initialisation.
+  """
+
+  def __init__(
+    self,
+    vocab_size: int,
+    d_model: int,
+    num_layers: int,
+    num_heads: int,
+    kv_heads: int | None = None,
+    mlp_ratio: int = 4,
+    *,
+    rngs: nnx.Rngs,
+  ):
+    kv_heads = kv_heads or max(num_heads // 2, 1)
+    if d_model % num_heads or num_heads % kv_heads:
+      raise ValueError(
+        f'StockLm: d_model ({d_model}) must divide by num_heads '
+        f'({num_heads}), which must divide by kv_heads ({kv_heads}).'
+      )
+    self.embed = nnx.Embed(vocab_size, d_model, rngs=rngs)
+    self.blocks = nnx.List(
+      Block(d_model, num_heads, kv_heads, mlp_ratio * d_model, rngs=rngs)
+      for _ in range(num_layers)
+    )
+    self.norm = nnx.RMSNorm(d_model, rngs=rngs)
+
+  def __call__(self, ids: jax.Array) -> jax.Array:
+    x = self.embed(ids)
+    for block in self.blocks:
+      x = block(x)
+    return self.embed.attend(self.norm(x))
+
+
+def rules_of(name: str, exp: Any) -> tuple[Rule, ...] | None:
+  """The rules of the stock run `name` (None: float)."""
+  if name == 'stock_custom':
+    return tuple(exp.stock_rules)
+  return RULES[name]
+
+
+def _sizes(template: Any) -> dict[str, int]:
+  """The Pax LM template's sizes, for a stock model of the same shape."""
+  try:
+    emb, layers = template.embedding, template.layers
+    return dict(
+      vocab_size=emb.num_embeddings,
+      d_model=emb.features,
+      num_layers=len(layers),
+      num_heads=layers[0].attention.num_heads,
+    )
+  except (AttributeError, IndexError, TypeError) as e:
+    raise ValueError(
+      'runs: the stock runs take their sizes from the LM template '
+      f'(aqtr.train.models.lm); got {type(template).__name__}: {e}.'
+    ) from e
+
+
+def train(
+  name: str,
+  exp: Any,
+  task: Task,
+  template: Any,
+  *,
+  on_record=None,
+) -> loop.RunResult:
+  """Trains the stock model of run `name` (its rules) on the job's data.
+
+  Args:
+    name: a stock run ('stock_float', 'stock_int8', 'stock_custom').
+    exp: the experiment (steps, optimizer, evaluation, `stock_rules`).
+    task: the 'lm' task.
+    template: the job's LM template (sizes: vocab, width, layers, heads).
+    on_record: called with each metrics record.
+
+  Returns:
+    A `loop.RunResult`; `injected` is the trained nnx model (quantized,
+    Mode.TRAIN), `report` its `aqtr.rules.Report` (or 'float').
+  """
+  if task.name != 'lm':
+    raise ValueError(f"runs: {name!r} needs task 'lm', got {task.name!r}.")
+  emit = on_record or (lambda r: None)
+  model = StockLm(**_sizes(template), rngs=nnx.Rngs(exp.seed))
+  x0 = jnp.asarray(next(task.batches())[0])
+  rules = rules_of(name, exp)
+  report: Any = 'float (no rules)'
+  if rules is not None:
+    model = aqtr.flax.quantize(model, rules)
+    report = aqtr.flax.report(model, x0)
+  graphdef, params = nnx.split(model)
+  tx = loop.optimizer(exp)
+  opt_state = tx.init(params)
+
+  def loss_fn(p, x, y):
+    return cross_entropy(nnx.merge(graphdef, p)(x), y)
+
+  def step_fn(p, o, x, y):
+    loss, grads = jax.value_and_grad(loss_fn)(p, x, y)
+    updates, o = tx.update(grads, o, p)
+    return optax.apply_updates(p, updates), o, loss
+
+  def logits_fn(p, x):
+    return nnx.merge(graphdef, p)(x)
+
+  t0 = time.perf_counter()
+  step_c = jax.jit(step_fn, donate_argnums=(0, 1)).lower(
+    params, opt_state, x0, x0
+  )
+  step_c = step_c.compile()
+  eval_c = jax.jit(logits_fn).lower(params, task.eval_set[0][0]).compile()
+  compile_s = time.perf_counter() - t0
+  history, losses, window, train_s = [], [], [], 0.0
+
+  def evaluate(step):
+    rec = evaluate_logits(
+      lambda x: eval_c(params, x), task.eval_set, task.metric
+    )
+    rec = {'run': name, 'step': step, **rec}
+    history.append(rec)
+    emit(rec)
+    return rec
+
+  final = evaluate(0)
+  batches = task.batches()
+  t = time.perf_counter()
+  for i in range(1, exp.steps + 1):
+    loop.check_stop()
+    x, y = next(batches)
+    params, opt_state, loss = step_c(params, opt_state, x, y)
+    window.append(loss)
+    log = i % exp.log_every == 0 or i == exp.steps
+    ev = i % exp.eval_every == 0 or i == exp.steps
+    if not (log or ev):
+      continue
+    losses.append(float(np.mean(jax.device_get(window))))
+    window = []
+    train_s += time.perf_counter() - t
+    if log:
+      rec = {'run': name, 'step': i, 'train_loss': losses[-1]}
+      rec |= {'steps_per_s': i / train_s, 'time_s': train_s}
+      history.append(rec)
+      emit(rec)
+    if ev:
+      final = evaluate(i)
+    t = time.perf_counter()
+  return loop.RunResult(
+    name=name,
+    config=aqtr.presets.float(),
+    injected=nnx.merge(graphdef, params),
+    report=report,
+    params=params,
+    step=exp.steps,
+    train_loss=losses[-1],
+    final=final,
+    history=history,
+    steps_per_s=exp.steps / max(train_s, 1e-9),
+    compile_s=compile_s,
+    train_s=train_s,
+    logits_fn=lambda p, x: eval_c(p, x),
+    param_opt_bytes=_nbytes(params) + _nbytes(opt_state),
+  )
+
+
+def _nbytes(tree: Any) -> int:
+  return sum(x.nbytes for x in jax.tree.leaves(tree) if hasattr(x, 'nbytes'))
+
+
+def float_bytes(r: loop.RunResult) -> int:
+  """Bytes of the run's float parameters."""
+  return _nbytes(r.params)
+
+
+def serve(r: loop.RunResult, task: Task) -> dict[str, Any]:
+  """Converts the trained run and compares serving with training logits.
+
+  Returns:
+    {'serving_bytes', 'float_bytes', 'kernel_ratio', 'serve_equal' (bit for
+    bit on every validation batch), 'max_abs_diff', 'checkpoint' ('in
+    memory': not saved)}.
+  """
+  model = r.injected
+  served = aqtr.flax.convert(model, jnp.asarray(task.eval_set[0][0]), keep=KEEP)
+  sizes = aqtr.flax.sizes(served)
+  graphdef, state = nnx.split(served)
+  serve_c = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x))
+  diff, equal = 0.0, True
+  for x, _ in task.eval_set:
+    a = np.asarray(r.logits_fn(r.params, x))
+    b = np.asarray(serve_c(state, x))
+    equal &= bool(np.array_equal(a, b))
+    diff = max(diff, float(np.max(np.abs(a - b))))
+  return {
+    'serving_bytes': sizes.serving_bytes,
+    'float_bytes': float_bytes(r),
+    'kernel_ratio': sizes.kernel_ratio,
+    'serve_equal': equal,
+    'max_abs_diff': diff,
+    'checkpoint': 'in memory',
+  }
