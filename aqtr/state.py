@@ -7,7 +7,7 @@ A config whose calibrations keep state (`delayed_scaling`, `ema_stats`,
 ('fwd.lhs', 'fwd.rhs', 'dlhs.lhs', 'drhs.lhs') that need it. Differentiate
 the loss w.r.t. the state too: its "gradient" carries the backward passes'
 new stats and the learned parameters' true gradient (the mechanism and its
-reasons: `aqtr.core.stateful`).
+reasons: `aqtr.core.slot_state`).
 
 Example:
   >>> import jax, jax.numpy as jnp, aqtr
@@ -34,7 +34,7 @@ from aqtr.core import slot_state
 from aqtr.core.config import DotGeneralConfig
 from aqtr.core.plan import Plan
 from aqtr.core.qtensor import to_view
-from aqtr.core.slots import GRADIENT_SLOTS, Slot
+from aqtr.core.slots import GRADIENT_SLOTS, Side, Slot
 
 __all__ = [
   'init',
@@ -76,12 +76,12 @@ def init(lhs, rhs, dimension_numbers, config: DotGeneralConfig) -> dict:
     x = None
     if slot.is_forward:
       op = plan.operand(slot.side)
-      v = lhs if slot.side.value == 'lhs' else rhs
+      v = lhs if slot.side is Side.LHS else rhs
       x3 = op.layout.to_canonical(v.astype(jnp.float32), op.form)
       x = to_view(x3, op.form, plan.fwd_tile)
     state[slot] = slot_state.expected(plan, slot, x)
   for slot in scheduled:
-    x = lhs if slot.side.value == 'lhs' else rhs
+    x = lhs if slot.side is Side.LHS else rhs
     st = state.get(slot, slot_state.SlotState())
     state[slot] = st._replace(schedule=slot_state.schedule_init(x))
   return slot_state.to_tree(state)

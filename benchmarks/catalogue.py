@@ -32,12 +32,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import platform
-import subprocess
 import time
 from collections.abc import Iterator
 from typing import Any
 
+import host
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -284,17 +283,6 @@ def ptq_table(steps: int) -> list[str]:
   return lines
 
 
-def cpu_model() -> str:
-  try:
-    out = subprocess.run(['lscpu'], capture_output=True, text=True).stdout
-    for line in out.splitlines():
-      if line.startswith('Model name'):
-        return line.split(':', 1)[1].strip()
-  except OSError:
-    pass
-  return platform.processor() or 'unknown CPU'
-
-
 def main() -> None:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument('--lm-steps', type=int, default=150)
@@ -307,7 +295,7 @@ def main() -> None:
     choices=['sqnr', 'time', 'ptq'],
   )
   args = p.parse_args()
-  print(f'CPU: {cpu_model()}; jax {jax.__version__}; {jax.devices()[0]}')
+  print(f'CPU: {host.cpu_model()}; jax {jax.__version__}; {jax.devices()[0]}')
   if 'sqnr' in args.tables:
     rng = np.random.default_rng(0)
     shape = (256, 1024)

@@ -43,11 +43,10 @@ Run: python benchmarks/compile_time.py [--rows mlp lm pax] [--rounds 3]
 from __future__ import annotations
 
 import argparse
-import platform
-import subprocess
 import time
 from collections.abc import Callable
 
+import host
 import jax
 import jax.numpy as jnp
 import optax
@@ -55,22 +54,6 @@ import train_step as ts
 from jax.extend import core as jex_core
 
 ROWS = ('mlp', 'lm', 'pax')
-
-
-def cpu_model() -> str:
-  """The host CPU model as `lscpu` names it (with its family)."""
-  try:
-    out = subprocess.run(['lscpu'], capture_output=True, text=True).stdout
-  except OSError:
-    return platform.processor() or 'unknown CPU'
-  info = {}
-  for line in out.splitlines():
-    k, _, v = line.partition(':')
-    info[k.strip()] = v.strip()
-  name = info.get('Model name', platform.processor() or 'unknown CPU')
-  if 'CPU family' in info:
-    name += f' (family {info["CPU family"]}, model {info.get("Model", "?")})'
-  return f'{name}, {info.get("CPU(s)", "?")} CPUs'
 
 
 def _sub_jaxprs(value):
@@ -313,7 +296,7 @@ def main(argv=None) -> None:
   step = 'loss + gradient' + (' + Adam update' if a.adam else '')
   print(
     f'jax {jax.__version__}, {jax.devices()[0].device_kind}, host CPU: '
-    f'{cpu_model()}; step: {step}; min of {a.rounds} rounds, fresh step '
+    f'{host.cpu_model()}; step: {step}; min of {a.rounds} rounds, fresh step '
     'functions'
   )
   print(header())

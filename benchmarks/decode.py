@@ -26,9 +26,8 @@ Run: python benchmarks/decode.py [--rounds 3] [--steps 32]
 from __future__ import annotations
 
 import argparse
-import platform
-import subprocess
 
+import host
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -40,17 +39,6 @@ from aqtr.freezers import Mode
 from aqtr.pax import decode
 from aqtr.pax.kv_cache import KVCacheConfig
 from aqtr.train import models
-
-
-def cpu_model() -> str:
-  try:
-    out = subprocess.run(['lscpu'], capture_output=True, text=True).stdout
-    for line in out.splitlines():
-      if line.startswith('Model name'):
-        return line.split(':', 1)[1].strip()
-  except OSError:
-    pass
-  return platform.processor() or 'unknown CPU'
 
 
 def _models(max_len: int, d_model: int, layers: int, heads: int):
@@ -94,7 +82,7 @@ def main() -> None:
   p.add_argument('--layers', type=int, default=4)
   p.add_argument('--heads', type=int, default=8)
   args = p.parse_args()
-  print(f'CPU: {cpu_model()}; jax {jax.__version__}; {jax.devices()[0]}')
+  print(f'CPU: {host.cpu_model()}; jax {jax.__version__}; {jax.devices()[0]}')
   (flm, fvars), (qlm, qvars) = _models(
     max(args.contexts), args.d_model, args.layers, args.heads
   )

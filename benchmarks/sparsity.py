@@ -22,27 +22,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import platform
-import subprocess
 import time
 
+import host
 import jax
 import numpy as np
 
 import aqtr
 import aqtr.flax.linen as ql
 from aqtr.train import experiment, loop, models, tasks
-
-
-def _cpu() -> str:
-  try:
-    out = subprocess.run(['lscpu'], capture_output=True, text=True).stdout
-  except OSError:
-    return platform.processor()
-  for line in out.splitlines():
-    if line.startswith('Model name'):
-      return line.split(':', 1)[1].strip()
-  return platform.processor()
 
 
 def _setup(steps: int):
@@ -136,7 +124,9 @@ def main(argv=None) -> None:
   p.add_argument('--steps', type=int, default=150)
   p.add_argument('--bytes-only', action='store_true')
   args = p.parse_args(argv)
-  print(f'# host: {_cpu()}, jax {jax.__version__}, {jax.devices()[0]}')
+  print(
+    f'# host: {host.cpu_model()}, jax {jax.__version__}, {jax.devices()[0]}'
+  )
   exp, template, task = _setup(args.steps)
   params = loop.init_params(template, task, exp.seed)
   print('\n'.join(bytes_table(template, task, params)))

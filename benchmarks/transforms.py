@@ -26,28 +26,15 @@ the transform alone) with and without its RHT-16 on the wgrad inputs.
 from __future__ import annotations
 
 import argparse
-import platform
-import subprocess
 import time
 
+import host
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import aqtr
 from aqtr import numerics, tilings, transforms
-
-
-def _cpu() -> str:
-  try:
-    out = subprocess.run(['lscpu'], capture_output=True, text=True).stdout
-  except OSError:
-    return platform.processor()
-  for line in out.splitlines():
-    if line.startswith('Model name'):
-      return line.split(':', 1)[1].strip()
-  return platform.processor()
-
 
 _NV = aqtr.TensorConfig(
   numerics=numerics.NvFp4(), tiling=tilings.SubChannel(tile_size=16)
@@ -182,7 +169,7 @@ def main(argv=None) -> None:
   p.add_argument('--rounds', type=int, default=11)
   p.add_argument('--gemm-only', action='store_true')
   a = p.parse_args(argv)
-  print(f'Host: {_cpu()}, jax {jax.__version__}')
+  print(f'Host: {host.cpu_model()}, jax {jax.__version__}')
   if not a.gemm_only:
     print(f'\nTransform alone, [{a.size}, {a.size}] f32:\n')
     print('\n'.join(transform_table(a.size, a.rounds)))

@@ -20,7 +20,7 @@ numerics' clip_gradient; no gradient reaches the scales, except through a
 learned calibration (LSQ, PACT), whose own rule replaces the straight
 through one.
 
-State (`aqtr.core.stateful`): with `state=`, the call returns
+State (`aqtr.core.slot_state`): with `state=`, the call returns
 (out, new_state); the state is a differentiable input of this VJP, whose
 cotangent carries the backward operands' new state and the learned
 parameters' gradients.
@@ -30,7 +30,7 @@ last axis (MK.KN, MK.NK). The forward dot is MK.NK or MK.KN, dlhs is MK.KN
 or MK.NK, and drhs emits dR directly in the weight's layout: [N, K] weights
 get q_g^T[N, M] . q_L[M, K]; [K, N] weights get q_L^T[K, M] . q_g[M, N],
 with q_L^T written by the forward pass. A transposed operand is quantized
-as it lies and its int8 values copied transposed (`passes.quantized_dot`,
+as it lies and its int8 values copied transposed (`passes.qdot`,
 `QuantizedOperand.with_transposed`): XLA:CPU quantizes a transposed float
 array several times slower.
 """
@@ -122,7 +122,7 @@ def dot_general(
     out_sharding: as in `lax.dot_general` (a NamedSharding or
       PartitionSpec of the output); under auto axes a sharding constraint.
     state: the calibration state tree (`aqtr.state.init`) when the config
-      has stateful or learned calibrations; see `aqtr.core.stateful`.
+      has stateful or learned calibrations; see `aqtr.core.slot_state`.
 
   Returns:
     [batch..., lhs free..., rhs free...] in `preferred_element_type` or the

@@ -1,0 +1,26 @@
+"""The host a benchmark ran on, as every table names it.
+
+Run as scripts (`python benchmarks/x.py`), the benchmarks import this as
+`import host`.
+"""
+
+from __future__ import annotations
+
+import platform
+import subprocess
+
+
+def cpu_model() -> str:
+  """The host CPU model as `lscpu` names it (family, model, CPU count)."""
+  try:
+    out = subprocess.run(['lscpu'], capture_output=True, text=True).stdout
+  except OSError:
+    return platform.processor() or 'unknown CPU'
+  info = {}
+  for line in out.splitlines():
+    k, _, v = line.partition(':')
+    info[k.strip()] = v.strip()
+  name = info.get('Model name', platform.processor() or 'unknown CPU')
+  if 'CPU family' in info:
+    name += f' (family {info["CPU family"]}, model {info.get("Model", "?")})'
+  return f'{name}, {info.get("CPU(s)", "?")} CPUs'
