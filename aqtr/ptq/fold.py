@@ -1,0 +1,437 @@
+"""Fold maps: the exact float rewrite that moves per-channel input scales.
+
+A weight op reading `x` computes `x W`. For any positive `s` over x's
+channels, `(x / s) (diag(s) W) = x W`. AWQ (arXiv 2306.00978) and
+SmoothQuant (arXiv 2211.10438) pick `s` to make `diag(s) W` (and `x / s`)
+easier to quantize; the float model stays the same when `1 / s` is folded
+into the op that produces `x`:
+
+  a norm       y = n(x) * scale (+ bias): divide scale (and bias) by s
+  a linear     y = h V (+ b), feeding x through a channel-wise map (the
+               attention's probs . v, SwiGLU's silu(g) * up): divide V's
+               output columns (and b) by s
+
+A `FoldGroup` names the source parameters and axes (divided by s) and the
+consumer weights and their input axes (multiplied by s): every weight op
+reading the same input shares one s (q/k/v after one norm; gate/up after
+one norm). A consumer axis may hold each group channel `repeat` times
+(grouped-query attention: the output projection reads kv_heads x groups x
+head_dim channels made from kv_heads x head_dim values of `v`): its
+entries are [outer, repeat, inner] over the group's [outer, inner].
+
+`FoldMap` lists the groups and the weight ops left without one (e.g. the
+projection after a GELU, the tied logits table). Maps of the project's two
+LMs: `stock_lm` (the nnx Llama-style `StockLm`) and `pax_lm` (the Pax-style
+linen `TransformerLm`); `detect` picks one from the parameter tree. Paths
+are '/'-joined keys of the nested parameter dict (`nnx.to_pure_dict`
+trees, with integer list keys written as digits, or linen variables).
+
+Example:
+  >>> import jax.numpy as jnp
+  >>> p = {'n': {'scale': jnp.ones(2)}, 'w': {'kernel': jnp.ones((2, 3))}}
+  >>> g = FoldGroup(name='n', sources=(Axis(path='n/scale'),),
+  ...               consumers=(Axis(path='w/kernel'),))
+  >>> q = apply(p, g, jnp.array([2.0, 4.0]))
+  >>> q['n']['scale'].tolist(), q['w']['kernel'][:, 0].tolist()
+  ([0.5, 0.25], [2.0, 4.0])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from aqtr.ptq.stats import LayerStats
+
+__all__ = [
+  'Axis',
+  'FoldGroup',
+  'FoldMap',
+  'apply',
+  'check',
+  'detect',
+  'expand',
+  'get',
+  'pax_lm',
+  'reduce',
+  'replace',
+  'scale_stats',
+  'stock_lm',
+]
+
+KINDS = ('norm', 'linear')
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Axis:
+  """One parameter's axis whose entries line up with a group's channels.
+
+  Attributes:
+    path: '/'-joined keys of the parameter in the nested params dict.
+    axis: the axis (a source's output channels, a consumer's input rows).
+    repeat: each group channel appears `repeat` times along the axis,
+      laid out [outer, repeat, inner] over the group's [outer, inner].
+    inner: the `inner` size of that layout (used when repeat > 1).
+  """
+
+  path: str = ''
+  axis: int = 0
+  repeat: int = 1
+  inner: int = 1
+
+  def __post_init__(self):
+    if not isinstance(self.path, str) or not self.path:
+      raise ValueError(f'Axis.path must be a non-empty str, got {self.path!r}.')
+    for name in ('repeat', 'inner'):
+      v = getattr(self, name)
+      if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise ValueError(f'Axis.{name} must be an int >= 1, got {v!r}.')
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FoldGroup:
+  """Consumers sharing one input and the sources that produce it.
+
+  Attributes:
+    name: label of the group (reports, errors).
+    sources: parameters divided by s along their axis.
+    consumers: weights multiplied by s along their input axis.
+    kind: 'norm' (the sources are a norm's scale/bias) or 'linear' (a
+      previous linear's output columns/bias).
+  """
+
+  name: str = ''
+  sources: tuple[Axis, ...] = ()
+  consumers: tuple[Axis, ...] = ()
+  kind: str = 'norm'
+
+  def __post_init__(self):
+    if not self.sources or not self.consumers:
+      raise ValueError(
+        f'FoldGroup {self.name!r}: sources and consumers must each name at '
+        'least one Axis.'
+      )
+    if self.kind not in KINDS:
+      raise ValueError(
+        f'FoldGroup.kind must be one of {KINDS}, got {self.kind!r}.'
+      )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FoldMap:
+  """The fold groups of a model and the weight ops left without one.
+
+  Attributes:
+    groups: applied in order (a later group may scale a parameter an
+      earlier one scaled along another axis).
+    unfolded: weight parameters with no fold, input axis 0 (unsmoothed;
+      AWQ still searches their clip).
+    keep: parameters no solver may change (a tied embedding table, read
+      by the lookup as well as by the logits op).
+  """
+
+  groups: tuple[FoldGroup, ...] = ()
+  unfolded: tuple[str, ...] = ()
+  keep: tuple[str, ...] = ()
+
+  def __post_init__(self):
+    names = [g.name for g in self.groups]
+    if len(set(names)) != len(names):
+      raise ValueError(f'FoldMap.groups: duplicate group names in {names}.')
+
+
+def _key(tree: Mapping, part: str) -> Any:
+  if part in tree:
+    return part
+  if part.isdigit() and int(part) in tree:
+    return int(part)
+  return None
+
+
+def get(params: Mapping, path: str) -> jax.Array:
+  """The leaf of `params` at the '/'-joined `path` (one-line KeyError)."""
+  node = params
+  for i, part in enumerate(path.split('/')):
+    key = _key(node, part) if isinstance(node, Mapping) else None
+    if key is None:
+      have = sorted(map(str, node)) if isinstance(node, Mapping) else []
+      where = '/'.join(path.split('/')[:i]) or '<root>'
+      raise KeyError(
+        f'parameter {path!r} does not exist: {where!r} has no {part!r} '
+        f'(it has: {", ".join(have[:12]) or "no keys"}).'
+      )
+    node = node[key]
+  return node
+
+
+def replace(params: Mapping, path: str, value: jax.Array) -> dict:
+  """A copy of `params` with the leaf at `path` replaced (others shared)."""
+  part, _, rest = path.partition('/')
+  key = _key(params, part)
+  if key is None:
+    get(params, path)  # Raises the one-line error.
+  out = dict(params)
+  out[key] = replace(params[key], rest, value) if rest else value
+  return out
+
+
+def _size(params: Mapping, group: FoldGroup, ax: Axis) -> int:
+  w = get(params, ax.path)
+  if not -w.ndim <= ax.axis < w.ndim:
+    raise ValueError(
+      f'fold group {group.name!r}: {ax.path!r} has shape {w.shape}, no axis '
+      f'{ax.axis}.'
+    )
+  return w.shape[ax.axis]
+
+
+def check(params: Mapping, fold_map: FoldMap) -> dict[str, int]:
+  """Checks every path and size of `fold_map`; returns channels per group.
+
+  Raises:
+    KeyError / ValueError: one line naming the group, the parameter and
+      the size it should have.
+  """
+  out = {}
+  for g in fold_map.groups:
+    n = _size(params, g, g.sources[0])
+    for ax in g.sources + g.consumers:
+      size = _size(params, g, ax)
+      want = n * ax.repeat
+      if size != want or (ax.repeat > 1 and n % ax.inner):
+        raise ValueError(
+          f'fold group {g.name!r}: {ax.path!r} axis {ax.axis} has {size} '
+          f'entries, the group has {n} channels (from '
+          f'{g.sources[0].path!r}) x repeat {ax.repeat}.'
+        )
+    out[g.name] = n
+  for path in fold_map.unfolded + fold_map.keep:
+    get(params, path)
+  return out
+
+
+def expand(s: jax.Array, ax: Axis) -> jax.Array:
+  """Group channels [n] -> the axis' entries [n * repeat] (see `Axis`)."""
+  if ax.repeat == 1:
+    return s
+  s3 = s.reshape(-1, 1, ax.inner)
+  return jnp.broadcast_to(s3, (s3.shape[0], ax.repeat, ax.inner)).reshape(-1)
+
+
+def reduce(v: jax.Array, ax: Axis, how: str = 'max') -> jax.Array:
+  """The axis' entries [n * repeat] -> group channels [n] by max or mean."""
+  if ax.repeat == 1:
+    return v
+  v3 = v.reshape(-1, ax.repeat, ax.inner)
+  return (jnp.max if how == 'max' else jnp.mean)(v3, axis=1).reshape(-1)
+
+
+def _along(s: jax.Array, ndim: int, axis: int) -> jax.Array:
+  shape = [1] * ndim
+  shape[axis] = s.shape[0]
+  return s.reshape(shape)
+
+
+def apply(params: Mapping, group: FoldGroup, s: jax.Array) -> dict:
+  """Folds `s` [channels]: sources / s, consumers * s (float unchanged)."""
+  out = dict(params)
+  for ax, sign in [(a, -1) for a in group.sources] + [
+    (a, 1) for a in group.consumers
+  ]:
+    w = get(out, ax.path)
+    f = _along(expand(s, ax), w.ndim, ax.axis % w.ndim)
+    new = w / f.astype(w.dtype) if sign < 0 else w * f.astype(w.dtype)
+    out = replace(out, ax.path, new)
+  return out
+
+
+def scale_stats(stats: LayerStats, s: jax.Array) -> LayerStats:
+  """Stats of `x / s` from those of `x` (s over the op's d_in channels)."""
+  r = 1.0 / s.astype(jnp.float32)
+  return LayerStats(
+    stats.xtx * r[:, None] * r[None, :],
+    stats.absmax * r,
+    stats.abssum * r,
+    stats.count,
+  )
+
+
+def _children(tree: Mapping, prefix: str) -> list[str]:
+  rx = re.compile(re.escape(prefix) + r'(\d+)$')
+  found = [(int(m.group(1)), str(k)) for k in tree if (m := rx.match(str(k)))]
+  return [k for _, k in sorted(found)]
+
+
+def stock_lm(params: Mapping, *, num_heads: int | None = None) -> FoldMap:
+  """The fold map of `aqtr.train.stock_lm.StockLm` parameters.
+
+  Per block: attn_norm -> q, k, v; v -> o (grouped-query attention needs
+  `num_heads`: o reads each v channel `num_heads / kv_heads` times;
+  without it o is left unfolded); mlp_norm -> gate, up; up -> down
+  (SwiGLU: silu(gate) * up is linear in up). The final norm feeds the
+  tied embedding table (also the lookup): kept as is (`keep`).
+
+  Args:
+    params: the model's `nnx.to_pure_dict(nnx.state(model, nnx.Param))`.
+    num_heads: the query heads (needed when kv_heads < num_heads).
+  """
+  blocks = params.get('blocks')
+  if not isinstance(blocks, Mapping) or not blocks:
+    raise ValueError(
+      'fold.stock_lm: params have no "blocks" (expected the pure dict of a '
+      'StockLm: blocks/<i>/{attn_norm,q,k,v,o,mlp_norm,gate,up,down}).'
+    )
+  groups, unfolded = [], []
+  for i in sorted(blocks, key=int):
+    b = f'blocks/{i}'
+    k = lambda n, b=b: Axis(path=f'{b}/{n}/kernel')  # noqa: E731
+    groups.append(
+      FoldGroup(
+        name=f'{b}/attn_norm',
+        sources=(Axis(path=f'{b}/attn_norm/scale'),),
+        consumers=(k('q'), k('k'), k('v')),
+      )
+    )
+    d_q = get(params, f'{b}/q/kernel').shape[1]
+    d_kv = get(params, f'{b}/v/kernel').shape[1]
+    if d_q == d_kv:
+      o = Axis(path=f'{b}/o/kernel')
+    elif num_heads and d_q % num_heads == 0 and d_q % d_kv == 0:
+      o = Axis(path=f'{b}/o/kernel', repeat=d_q // d_kv, inner=d_q // num_heads)
+    else:
+      o = None
+      unfolded.append(f'{b}/o/kernel')
+    if o is not None:
+      groups.append(
+        FoldGroup(
+          name=f'{b}/v',
+          sources=(Axis(path=f'{b}/v/kernel', axis=1),),
+          consumers=(o,),
+          kind='linear',
+        )
+      )
+    groups.append(
+      FoldGroup(
+        name=f'{b}/mlp_norm',
+        sources=(Axis(path=f'{b}/mlp_norm/scale'),),
+        consumers=(k('gate'), k('up')),
+      )
+    )
+    groups.append(
+      FoldGroup(
+        name=f'{b}/up',
+        sources=(Axis(path=f'{b}/up/kernel', axis=1),),
+        consumers=(k('down'),),
+        kind='linear',
+      )
+    )
+  return FoldMap(
+    groups=tuple(groups), unfolded=tuple(unfolded), keep=('embed/embedding',)
+  )
+
+
+def _linear_sources(lin: str, params: Mapping) -> tuple[Axis, ...]:
+  out = [Axis(path=f'{lin}/kernel', axis=1)]
+  if 'bias' in get(params, lin):
+    out.append(Axis(path=f'{lin}/bias'))
+  return tuple(out)
+
+
+def _norm_sources(norm: str, params: Mapping) -> tuple[Axis, ...]:
+  node = get(params, norm)
+  return tuple(Axis(path=f'{norm}/{p}') for p in ('scale', 'bias') if p in node)
+
+
+def pax_lm(params: Mapping) -> FoldMap:
+  """The fold map of `aqtr.pax.TransformerLm` (`aqtr.train.models.lm`).
+
+  Per layer: attention_norm (scale and bias) -> q/k/v_proj; v_proj
+  (kernel columns and bias) -> o_proj; ffn_norm -> wi (and wi_gate);
+  gated: wi -> wo, plain: wo follows the activation (GELU), unfolded.
+  final_norm -> the untied `softmax` kernel (a tied table: `keep`).
+
+  Args:
+    params: the linen variables (`{'params': ...}`) or their 'params'.
+  """
+  root = 'params/' if 'params' in params else ''
+  top = get(params, root[:-1]) if root else params
+  layers = _children(top, 'layers_')
+  if not layers:
+    raise ValueError(
+      'fold.pax_lm: params have no "layers_<i>" (expected the variables of '
+      'an aqtr.pax.TransformerLm).'
+    )
+  groups, unfolded = [], []
+  for name in layers:
+    lay = f'{root}{name}'
+    att, ffn = f'{lay}/attention', f'{lay}/ffn'
+    proj = lambda n: Axis(path=f'{n}/kernel')  # noqa: E731
+    groups.append(
+      FoldGroup(
+        name=f'{lay}/attention_norm',
+        sources=_norm_sources(f'{lay}/attention_norm', params),
+        consumers=tuple(proj(f'{att}/{p}_proj') for p in 'qkv'),
+      )
+    )
+    groups.append(
+      FoldGroup(
+        name=f'{att}/v_proj',
+        sources=_linear_sources(f'{att}/v_proj', params),
+        consumers=(proj(f'{att}/o_proj'),),
+        kind='linear',
+      )
+    )
+    gated = 'wi_gate' in get(params, ffn)
+    ins = ('wi', 'wi_gate') if gated else ('wi',)
+    groups.append(
+      FoldGroup(
+        name=f'{lay}/ffn_norm',
+        sources=_norm_sources(f'{lay}/ffn_norm', params),
+        consumers=tuple(proj(f'{ffn}/{p}') for p in ins),
+      )
+    )
+    if gated:
+      groups.append(
+        FoldGroup(
+          name=f'{ffn}/wi',
+          sources=_linear_sources(f'{ffn}/wi', params),
+          consumers=(proj(f'{ffn}/wo'),),
+          kind='linear',
+        )
+      )
+    else:
+      unfolded.append(f'{ffn}/wo/kernel')
+  if 'softmax' in top:
+    groups.append(
+      FoldGroup(
+        name=f'{root}final_norm',
+        sources=_norm_sources(f'{root}final_norm', params),
+        consumers=(Axis(path=f'{root}softmax/kernel'),),
+      )
+    )
+    keep = ()
+  else:
+    keep = (f'{root}embedding/embedding',)
+  return FoldMap(groups=tuple(groups), unfolded=tuple(unfolded), keep=keep)
+
+
+def detect(params: Mapping, *, num_heads: int | None = None) -> FoldMap:
+  """The fold map of a known LM's parameters (`stock_lm` or `pax_lm`).
+
+  Raises:
+    ValueError: the tree is neither; pass your own `FoldMap`.
+  """
+  top = params.get('params', params)
+  if isinstance(top, Mapping) and _children(top, 'layers_'):
+    return pax_lm(params)
+  if 'blocks' in params:
+    return stock_lm(params, num_heads=num_heads)
+  raise ValueError(
+    'fold: no fold map known for these parameters (top-level keys: '
+    f'{", ".join(sorted(map(str, params))[:8])}); pass fold=FoldMap(...).'
+  )
