@@ -186,6 +186,9 @@ class Session:
     self.matched: list[tuple[int, ...]] = []
     self.count: dict[Any, collections.Counter] = {}
     self.alive: list[Any] = []
+    # Set by an observer (`aqtr.ptq`'s calibration pass): called with each
+    # WeightUse in TRAIN instead of the quantized dot; returns its output.
+    self.tap = None
     for observer in getattr(observers, 'stack', ()):
       observer.append(self)
 
@@ -300,18 +303,19 @@ class Session:
     if direct and mode is Mode.TRAIN and config.fwd.rhs.quantized:
       w = getattr(op, side)
       other = op.rhs if side == 'lhs' else op.lhs
-      self.uses.append(
-        WeightUse(
-          mpath,
-          param,
-          f'{op_id}_{side}',
-          op,
-          side,
-          config,
-          jax.ShapeDtypeStruct(jnp.shape(w), jnp.result_type(w)),
-          jax.ShapeDtypeStruct(jnp.shape(other), jnp.result_type(other)),
-        )
+      use = WeightUse(
+        mpath,
+        param,
+        f'{op_id}_{side}',
+        op,
+        side,
+        config,
+        jax.ShapeDtypeStruct(jnp.shape(w), jnp.result_type(w)),
+        jax.ShapeDtypeStruct(jnp.shape(other), jnp.result_type(other)),
       )
+      self.uses.append(use)
+      if self.tap is not None:
+        return self.tap(use)
     return op.run(run, op.lhs, op.rhs)
 
 

@@ -1,9 +1,21 @@
-"""Post-training quantization solvers (GPTQ, RTN; AWQ and SmoothQuant).
+"""Post-training quantization: calibrate, solve, serve (`aqtr.ptq`).
 
-`stats` holds the shared contract: the streaming `LayerStats` of a weight
-op's input and the weight-as-matrix view the solvers work on.
+`quantize(model, rules, calibration_batches, method=...)` runs the float
+model on calibration batches (`collect`: streaming `LayerStats` of every
+weight op's input), solves each weight on its rule's grid (`methods`:
+'rtn', 'gptq' (arXiv 2210.17323); more register into the same registry)
+and returns the ordinary serving tree CONVERT makes, holding the solved
+weights, plus a `PtqReport` (per layer: relative output error of RTN and
+of the method, seconds).
+
+`stats` holds the shared contract: `LayerStats`, and the weight-as-matrix
+view (`as_matrix` / `from_matrix`) the solvers work on.
 """
 
+from aqtr.ptq.api import LayerReport, PtqReport, quantize
+from aqtr.ptq.collect import Collected, FlaxTarget, PaxTarget, Site, collect
+from aqtr.ptq.grid import Grid
+from aqtr.ptq.methods import Gptq, Method, Rtn, register
 from aqtr.ptq.stats import (
   LayerStats,
   as_matrix,
@@ -14,10 +26,23 @@ from aqtr.ptq.stats import (
 )
 
 __all__ = [
+  'Collected',
+  'FlaxTarget',
+  'Gptq',
+  'Grid',
+  'LayerReport',
   'LayerStats',
+  'Method',
+  'PaxTarget',
+  'PtqReport',
+  'Rtn',
+  'Site',
   'as_matrix',
+  'collect',
   'from_matrix',
   'merge',
   'output_error',
+  'quantize',
+  'register',
   'relative_error',
 ]

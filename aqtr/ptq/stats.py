@@ -101,7 +101,7 @@ def merge(a: LayerStats, b: LayerStats) -> LayerStats:
 
 def _normalize(contracting: Sequence[int], ndim: int) -> tuple[int, ...]:
   ok = all(-ndim <= int(d) < ndim for d in contracting)
-  dims = tuple(int(d) % ndim for d in contracting) if ok else ()
+  dims = tuple(sorted(int(d) % ndim for d in contracting)) if ok else ()
   if not ok or len(set(dims)) != len(dims):
     raise ValueError(
       f'contracting dims {tuple(contracting)} are not distinct axes of a '
@@ -112,6 +112,9 @@ def _normalize(contracting: Sequence[int], ndim: int) -> tuple[int, ...]:
 
 def as_matrix(w: jax.Array, contracting: Sequence[int]) -> jax.Array:
   """The weight as [d_in, d_out]: contraction dims first, each group flat.
+
+  Both groups keep the weight's own axis order (the contraction dims are
+  sorted, whatever order the dot lists them in).
 
   Example:
     >>> as_matrix(jnp.zeros((2, 3, 4)), (2,)).shape

@@ -1,0 +1,253 @@
+"""`aqtr.ptq.quantize`: calibrate, solve every weight, write a serving tree.
+
+Pipeline: the calibration pass (`aqtr.ptq.collect`) streams the batches
+through the float model; the method's float rewrites run
+(`Method.rewrite`); round-to-nearest CONVERT builds the ordinary serving
+tree (`aqtr.flax.convert`, or the Pax model's serving template and
+`aqtr.flax.linen.convert`); then each weight op's frozen q-values are
+replaced by the method's solution on the same grid (same scales), so the
+tree is exactly the one CONVERT makes, SERVE runs it unchanged, and it
+serves the solved weights bit for bit (`Grid.dequant`).
+
+Example:
+  >>> import jax, jax.numpy as jnp, aqtr
+  >>> from flax import nnx
+  >>> model = nnx.Linear(16, 8, rngs=nnx.Rngs(0))
+  >>> xs = [jax.random.normal(jax.random.key(i), (32, 16)) for i in range(2)]
+  >>> rules = [aqtr.rules.Rule(aqtr.presets.int4_weight_only())]
+  >>> served, rep = quantize(model, rules, xs, method='gptq')
+  >>> served(xs[0]).shape, [r.path for r in rep.layers]
+  ((32, 8), ['dot_general0'])
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import time
+import warnings
+
+import fiddle as fdl
+import flax
+import flax.linen as nn
+import jax
+from flax import nnx
+
+import aqtr.flax.linen as aqtr_linen
+from aqtr import rules as rules_lib
+from aqtr.flax import common, quantized, serving
+from aqtr.freezers import Mode, lifecycle
+from aqtr.pax.inject import inject
+from aqtr.ptq import methods
+from aqtr.ptq.collect import FlaxTarget, PaxTarget, collect, weight_ops
+from aqtr.ptq.grid import Grid, weight_config
+from aqtr.ptq.stats import relative_error
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerReport:
+  """One solved weight op.
+
+  Attributes:
+    path: the op's path.
+    d_in, d_out: the weight as a matrix.
+    tokens: calibration tokens seen.
+    rtn_error: round to nearest's relative output error
+      `tr(dW^T X^T X dW) / tr(W^T X^T X W)`.
+    error: the method's.
+    seconds: the method's solve time (compile included).
+  """
+
+  path: str
+  d_in: int
+  d_out: int
+  tokens: int
+  rtn_error: float
+  error: float
+  seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
+class PtqReport:
+  """What `quantize` did, per layer (`layers`), and its method."""
+
+  method: methods.Method
+  layers: tuple[LayerReport, ...]
+
+  @property
+  def seconds(self) -> float:
+    return sum(r.seconds for r in self.layers)
+
+  def __str__(self) -> str:
+    head = (
+      f'{"layer":40s} {"d_in x d_out":>13s} {"rtn err":>9s} '
+      f'{self.method.name + " err":>10s} {"s":>6s}'
+    )
+    rows = [
+      f'{r.path:40s} {f"{r.d_in}x{r.d_out}":>13s} {r.rtn_error:9.2e} '
+      f'{r.error:10.2e} {r.seconds:6.2f}'
+      for r in self.layers
+    ]
+    return '\n'.join([head, *rows])
+
+
+def _target(model, rules, variables):
+  if isinstance(model, fdl.Buildable):
+    if variables is None:
+      raise TypeError('aqtr.ptq.quantize: a Pax template needs variables=.')
+    if rules is not None:
+      model, _ = inject(model, rules)
+    return PaxTarget(model, variables)
+  if not isinstance(model, nn.Module | nnx.Module):
+    raise TypeError(
+      'aqtr.ptq.quantize: model must be a flax linen / nnx Module or a '
+      f'Fiddle template of an aqtr.pax model, got {type(model).__name__}.'
+    )
+  if not hasattr(type(model), 'aqtr_spec'):
+    if rules is None:
+      raise TypeError('aqtr.ptq.quantize: give rules= for a float model.')
+    model = quantized.quantize(model, rules_lib.as_rules(rules, 'rules'))
+  elif rules is not None:
+    raise ValueError(
+      'aqtr.ptq.quantize: the model is already quantized by rules; pass '
+      'rules=None or the float model.'
+    )
+  return FlaxTarget(model, variables)
+
+
+def _pax_serving(template: fdl.Config, mode: Mode) -> fdl.Config:
+  """The template with its weight ops as frozen `aqtr.flax.linen.Einsum`."""
+  cfg = copy.deepcopy(template)
+  for node, config in weight_ops(cfg):
+    stream = node.__arguments__.get('rng_stream', 'quant')
+    fdl.update_callable(node, aqtr_linen.Einsum, drop_invalid_args=True)
+    node.config, node.mode, node.rng_name = weight_config(config), mode, stream
+  return cfg
+
+
+def _convert(target, args):
+  """RTN CONVERT: (what to return, a function placing solved parts)."""
+  if isinstance(target, PaxTarget):
+    conv = fdl.build(_pax_serving(target.template, Mode.CONVERT))
+    out = aqtr_linen.convert(conv, target.variables, *args)
+    out = flax.core.unfreeze(out)
+    frozen = out[common.FROZEN]
+
+    def place(site, parts):
+      node = frozen
+      for k in site.path.split('/'):
+        node = node[k]
+      node[_entry(site)]['rhs'] = parts
+
+    return (_pax_serving(target.template, Mode.SERVE), out), place
+  model, variables = target.model, target.variables
+  served = serving.convert(model, *args, variables=variables, check=False)
+  if isinstance(model, nnx.Module):
+    mods = dict(nnx.iter_modules(served))
+
+    def place(site, parts):
+      mpath, param, key = site.holder
+      holder = getattr(mods[mpath], param)
+      entries = jax.tree.map(lambda x: x, holder.entries())
+      entries[key][_entry(site)]['rhs'] = parts
+      holder.set_raw_value(entries)
+
+    return served, place
+  module, svars = served
+  svars = flax.core.unfreeze(svars)
+
+  def place(site, parts):
+    mpath, param, key = site.holder
+    node = svars['params']
+    for k in mpath:
+      node = node[k]
+    box = node[param]
+    entries = jax.tree.map(lambda x: x, box.entries())
+    entries[key][_entry(site)]['rhs'] = parts
+    node[param] = box.replace(frozen=entries)
+
+  return (module, svars), place
+
+
+def _entry(site) -> str:
+  return lifecycle.entry_name(weight_config(site.config))
+
+
+def quantize(
+  model,
+  rules,
+  calibration_batches,
+  *,
+  variables=None,
+  method='gptq',
+  **options,
+):
+  """Post-training quantization of a float model by rules.
+
+  Args:
+    model: a float flax linen / nnx Module (quantized here by `rules`
+      with `aqtr.flax.quantize`; or one already quantized, rules=None), or
+      a Fiddle template of an `aqtr.pax` model (injected here with
+      `aqtr.pax.inject(model, rules)`; or already injected, rules=None).
+    rules: `aqtr.rules.Rule`s in priority order; each matched weight op's
+      config sets the grid (numerics, calibration, tiling) it is solved on.
+    calibration_batches: an iterable of model inputs (an array, or a tuple
+      of positional inputs), all of the first one's shapes.
+    variables: linen and Pax: the float variables (nnx: None).
+    method: a registered name ('rtn', 'gptq', ...; `methods.names()`) or
+      a `methods.Method` instance.
+    **options: the method's fields when `method` is a name (e.g.
+      `act_order=True`).
+
+  Returns:
+    (served, report): `served` as the model kind's convert returns it
+    (nnx: the serving model; linen: (module, variables); Pax: (serving
+    template in Mode.SERVE, variables)), and a `PtqReport`.
+
+  Raises:
+    ValueError / TypeError: one line for a bad method, batch, rule config
+      the method cannot use, or a model with no matched weight op.
+  """
+  meth = methods.get(method, **options)
+  target = _target(model, rules, variables)
+  batches = list(calibration_batches)
+  got = collect(target, batches)
+  for site in got.sites.values():
+    meth.check(site)
+  target, got = meth.rewrite(target, got)
+  first = batches[0]
+  args = tuple(first) if isinstance(first, tuple | list) else (first,)
+  served, place = _convert(target, args)
+  layers = []
+  for path, site in got.sites.items():
+    stats = got.stats[path]
+    if _few(stats):
+      warnings.warn(
+        f'aqtr.ptq: {path}: {int(stats.count)} calibration tokens for '
+        f'd_in={stats.d_in}: H is singular; dampening (percdamp) keeps '
+        'it invertible, give more calibration tokens.',
+        UserWarning,
+        stacklevel=2,
+      )
+    grid = Grid.of(site, got.weights[path])
+    t0 = time.perf_counter()
+    q2 = jax.block_until_ready(meth.solve(site, grid, stats))
+    secs = time.perf_counter() - t0
+    parts = grid.parts(q2)
+    if not isinstance(meth, methods.Rtn):
+      place(site, parts)
+    w2 = grid.w2
+    rtn = relative_error(grid.dequant(grid.rtn) - w2, w2, stats.xtx)
+    err = relative_error(grid.dequant(parts) - w2, w2, stats.xtx)
+    d_in, d_out = w2.shape
+    layers.append(
+      LayerReport(path, d_in, d_out, int(stats.count), rtn, err, secs)
+    )
+  return served, PtqReport(meth, tuple(layers))
+
+
+def _few(stats) -> bool:
+  return bool(float(stats.count) < stats.d_in)
+
+
+__all__ = ['LayerReport', 'PtqReport', 'quantize']

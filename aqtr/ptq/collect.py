@@ -1,0 +1,366 @@
+"""The calibration pass: streaming input statistics of every weight op.
+
+`collect(target, batches)` runs the FLOAT model on each calibration batch
+(one jitted program per batch shape) and returns, per weight op a rule
+quantizes, the `LayerStats` of its activation operand: the program
+returns one batch's stats as its outputs and the host merges them
+(`stats.merge`); no activation is stored.
+
+The hook is where each adapter hands a weight op to the engine, with its
+activation, weight, dimension numbers and config in hand:
+
+  * models quantized by rules (`aqtr.flax.quantize`, linen and nnx): the
+    interception `Session` calls a tap with each `WeightUse` (the weights
+    `aqtr.flax.convert` freezes) instead of the quantized dot;
+  * Pax-style templates (`aqtr.pax` ops injected with `aqtr.pax.inject`):
+    every `EinsumOp` whose config quantizes its weight (rhs) is replaced
+    by `Probe`, the float einsum that records (the ops `serving` freezes).
+
+Both return the float op's output, so every op sees the float model's
+activations. Ops under `jax.lax.scan` (scanned layers) are not supported:
+the pass raises one line saying so.
+
+Example:
+  >>> import jax.numpy as jnp, aqtr
+  >>> from flax import nnx
+  >>> lin = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
+  >>> q = aqtr.flax.quantize(lin, [aqtr.rules.Rule('int8')])
+  >>> got = collect(FlaxTarget(q), [jnp.ones((2, 4))])
+  >>> list(got.stats), float(got.stats['dot_general0'].count)
+  (['dot_general0'], 2.0)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Iterable
+from typing import Any
+
+import fiddle as fdl
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from fiddle import selectors
+from flax import nnx
+
+import aqtr.pax
+from aqtr.core.config import DotGeneralConfig
+from aqtr.flax import common, intercept
+from aqtr.flax.quantized import WeightUse, observers, spec_of, swapped
+from aqtr.ptq.stats import LayerStats, merge
+
+_local = threading.local()
+
+
+@dataclasses.dataclass(frozen=True)
+class Site:
+  """One weight op the pass met (static; the weight is the dot's rhs).
+
+  Attributes:
+    path: the op's path ('dense/dot_general0'; a Pax op: its module path).
+    dimension_numbers: of the dot, weight on the rhs.
+    config: the op's DotGeneralConfig.
+    lhs: shape and dtype of the activation operand (one call).
+    rhs: shape and dtype of the weight operand.
+    holder: rules models: (module path, parameter, op key) of the frozen
+      entry `aqtr.flax.convert` writes; Pax: ().
+  """
+
+  path: str
+  dimension_numbers: Any
+  config: DotGeneralConfig
+  lhs: jax.ShapeDtypeStruct
+  rhs: jax.ShapeDtypeStruct
+  holder: tuple = ()
+
+  @property
+  def contracting(self) -> tuple[int, ...]:
+    """The weight's contraction dims."""
+    return tuple(self.dimension_numbers[0][1])
+
+
+@dataclasses.dataclass
+class Collected:
+  """What the pass found: {path: Site}, {path: LayerStats}, {path: W}."""
+
+  sites: dict
+  stats: dict
+  weights: dict
+
+
+def input_matrix(lhs: jax.Array, dn) -> jax.Array:
+  """The activation as [tokens, d_in], d_in ordered like `as_matrix`'s.
+
+  The weight's contraction dims are sorted (its own axis order); the
+  activation's contraction dims follow the pairing of `dn`.
+  """
+  (lc, rc), (lb, _) = dn
+  if lb:
+    raise ValueError(
+      f'aqtr.ptq: a weight op with batch dimensions ({dn}) is not supported '
+      '(each batch index is its own weight matrix); leave it out of the '
+      'rules.'
+    )
+  order = sorted(range(len(rc)), key=lambda i: rc[i])
+  kdims = [lc[i] for i in order]
+  rest = [d for d in range(jnp.ndim(lhs)) if d not in kdims]
+  x = jnp.transpose(lhs, rest + kdims)
+  d_in = 1
+  for d in kdims:
+    d_in *= jnp.shape(lhs)[d]
+  return x.reshape(-1, d_in)
+
+
+class _Recorder:
+  """Collects (site, stats tracer, weight tracer) while a program traces."""
+
+  def __init__(self):
+    self.sites: dict[str, Site] = {}
+    self.stats: dict[str, LayerStats] = {}
+    self.weights: dict[str, jax.Array] = {}
+
+  def record(self, site: Site, lhs, rhs) -> None:
+    s = LayerStats.from_activations(input_matrix(lhs, site.dimension_numbers))
+    old = self.stats.get(site.path)
+    self.stats[site.path] = s if old is None else merge(old, s)
+    self.sites.setdefault(site.path, site)
+    self.weights.setdefault(site.path, rhs)
+
+  def append(self, session) -> None:
+    """As an interception observer: tap each new Session."""
+    session.tap = lambda use: self.tap(use)
+
+  def tap(self, use: WeightUse):
+    """One weight op of a rules model: record, then run it in float."""
+    mpath = '/'.join(map(str, use.module_path))
+    op_id = use.key.rsplit('_', 1)[0]
+    path = f'{mpath}/{op_id}' if mpath else op_id
+
+    def dot(lhs, rhs, dn, precision, preferred):
+      site = Site(
+        path,
+        dn,
+        use.config,
+        jax.ShapeDtypeStruct(jnp.shape(lhs), jnp.result_type(lhs)),
+        jax.ShapeDtypeStruct(jnp.shape(rhs), jnp.result_type(rhs)),
+        (tuple(use.module_path), use.param, use.key),
+      )
+      self.record(site, lhs, rhs)
+      return jax.lax.dot_general(
+        lhs, rhs, dn, precision=precision, preferred_element_type=preferred
+      )
+
+    op = use.call
+    run = swapped(dot) if use.side == 'lhs' else dot
+    with intercept.quiet():
+      return op.run(run, op.lhs, op.rhs)
+
+
+class Probe(nn.Module):
+  """A Pax weight op in the calibration pass: float einsum + recording.
+
+  Attributes:
+    config: the op's config (the rule's), recorded with the op.
+  """
+
+  config: DotGeneralConfig | None = None
+
+  @nn.compact
+  def __call__(self, eqn: str, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
+    rec = getattr(_local, 'recorder', None)
+    if rec is not None and not self.is_initializing():
+      dn, _ = common.einsum_plan(eqn, jnp.ndim(lhs), jnp.ndim(rhs))
+      site = Site(
+        '/'.join(map(str, self.path)),
+        dn,
+        self.config,
+        jax.ShapeDtypeStruct(jnp.shape(lhs), jnp.result_type(lhs)),
+        jax.ShapeDtypeStruct(jnp.shape(rhs), jnp.result_type(rhs)),
+      )
+      rec.record(site, lhs, rhs)
+    return jnp.einsum(eqn, lhs, rhs)
+
+
+def weight_ops(template: fdl.Config) -> list:
+  """The `aqtr.pax.EinsumOp` nodes of `template` that quantize a weight."""
+  from aqtr import fiddle as aqtr_fiddle  # noqa: PLC0415 (Fiddle: lazy)
+
+  out = []
+  for node in selectors.select(template, aqtr.pax.EinsumOp):
+    cfg = node.__arguments__.get('config')
+    if isinstance(cfg, fdl.Buildable):
+      cfg = aqtr_fiddle.build(cfg)
+    if isinstance(cfg, DotGeneralConfig) and cfg.fwd.rhs.quantized:
+      out.append((node, cfg))
+  return out
+
+
+class FlaxTarget:
+  """A model quantized by rules (`aqtr.flax.quantize`), linen or nnx.
+
+  Attributes:
+    model: the quantized model (Mode.TRAIN).
+    variables: linen: its variables (nnx: None; the model holds them).
+  """
+
+  def __init__(self, model, variables=None):
+    spec_of(model)
+    if isinstance(model, nn.Module) and variables is None:
+      raise TypeError('aqtr.ptq: a linen model needs variables=.')
+    self.model, self.variables = model, variables
+
+  def program(self):
+    """(fn(state, *args), state): one float call of the model."""
+    if isinstance(self.model, nnx.Module):
+      graphdef, state = nnx.split(self.model)
+
+      def fn(state, *args):
+        return nnx.merge(graphdef, state)(*args)
+
+      return fn, state
+    return lambda v, *args: self.model.apply(v, *args), self.variables
+
+  def observe(self, recorder: _Recorder):
+    """Context: interception sessions tap into `recorder`."""
+    return _Observing(recorder)
+
+
+class _Observing:
+  def __init__(self, recorder):
+    self.recorder = recorder
+
+  def __enter__(self):
+    stack = getattr(observers, 'stack', None)
+    if stack is None:
+      stack = observers.stack = []
+    stack.append(self.recorder)
+
+  def __exit__(self, *exc):
+    observers.stack.remove(self.recorder)
+
+
+class PaxTarget:
+  """A Pax-style template whose weight ops carry configs (`aqtr.pax.inject`).
+
+  Attributes:
+    template: the injected template.
+    variables: the float model's variables ({'params': ...}).
+  """
+
+  def __init__(self, template: fdl.Config, variables):
+    import copy  # noqa: PLC0415
+
+    if not isinstance(template, fdl.Buildable):
+      raise TypeError(
+        f'aqtr.ptq: template must be a fiddle Config, got {template!r}.'
+      )
+    self.template, self.variables = template, variables
+    probe = copy.deepcopy(template)
+    for node, cfg in weight_ops(probe):
+      fdl.update_callable(node, Probe, drop_invalid_args=True)
+      node.config = cfg
+    self.module = fdl.build(probe)
+
+  def program(self):
+    return lambda v, *args: self.module.apply(v, *args), self.variables
+
+  def observe(self, recorder: _Recorder):
+    return _Local(recorder)
+
+
+class _Local:
+  def __init__(self, recorder):
+    self.recorder = recorder
+
+  def __enter__(self):
+    _local.recorder = self.recorder
+
+  def __exit__(self, *exc):
+    _local.recorder = None
+
+
+def _as_args(batch) -> tuple:
+  return tuple(batch) if isinstance(batch, tuple | list) else (batch,)
+
+
+def _shapes(args) -> tuple:
+  return tuple(
+    (tuple(jnp.shape(a)), str(jnp.result_type(a)))
+    for a in jax.tree.leaves(args)
+  )
+
+
+def collect(target, batches: Iterable) -> Collected:
+  """Streams the calibration batches through the float model.
+
+  Args:
+    target: a `FlaxTarget` or `PaxTarget`.
+    batches: the calibration inputs; each an array (the model's one
+      positional input) or a tuple of positional inputs. All batches have
+      the first one's shapes and dtypes.
+
+  Returns:
+    `Collected`: per weight op path its Site, merged LayerStats and the
+    weight as the op read it.
+
+  Raises:
+    ValueError: no batch, a batch of other shapes than the first, a batch
+      the model cannot run, no weight op matched, scanned layers.
+  """
+  fn, state = target.program()
+  meta: dict = {}
+
+  def program(state, args, first):
+    rec = _Recorder()
+    with target.observe(rec):
+      fn(state, *args)
+    meta['sites'] = rec.sites
+    return rec.stats, (rec.weights if first else {})
+
+  jitted = jax.jit(program, static_argnums=2)
+  total, weights, want = None, None, None
+  for i, batch in enumerate(batches):
+    args = _as_args(batch)
+    got = _shapes(args)
+    if want is None:
+      want = got
+    elif got != want:
+      raise ValueError(
+        f'aqtr.ptq: calibration batch {i} has shapes {got}, batch 0 has '
+        f'{want}; give every batch the same shapes.'
+      )
+    try:
+      stats, w = jitted(state, args, i == 0)
+    except jax.errors.UnexpectedTracerError:
+      raise ValueError(
+        'aqtr.ptq: a weight op ran inside a JAX transform (scan over '
+        'layers?); the calibration pass needs the layers unrolled.'
+      ) from None
+    except (TypeError, ValueError) as e:
+      if i or str(e).startswith('aqtr.ptq'):
+        raise
+      raise ValueError(
+        f'aqtr.ptq: calibration batch 0 (shapes {got}) does not run through '
+        f'the model: {e}'
+      ) from e
+    if i == 0:
+      weights = w
+    stats = {k: LayerStats(*v) for k, v in stats.items()}
+    total = (
+      stats
+      if total is None
+      else {k: merge(total[k], v) for k, v in stats.items()}
+    )
+  if want is None:
+    raise ValueError('aqtr.ptq: calibration_batches is empty; give >= 1.')
+  if not total:
+    raise ValueError(
+      'aqtr.ptq: no weight op of the model matched a rule that quantizes '
+      'its weight (rhs); check the rules (aqtr.flax.report / '
+      'aqtr.pax.inject report the matched ops).'
+    )
+  return Collected(meta['sites'], total, weights)
+
+
+__all__ = ['Collected', 'FlaxTarget', 'PaxTarget', 'Probe', 'Site', 'collect']

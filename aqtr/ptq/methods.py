@@ -1,0 +1,140 @@
+"""The `method` registry of `aqtr.ptq.quantize`: how each weight is solved.
+
+A method is a frozen kw-only dataclass with two steps:
+
+  rewrite(target, collected) -> (target, collected)
+      float rewrites before quantizing (AWQ / SmoothQuant scale and fold
+      weights; default: none);
+  solve(site, grid, stats) -> q-values [d_in, d_out]
+      the weight's q-values on its fixed grid (`aqtr.ptq.grid.Grid`).
+
+so a rewriting method can end with RTN's or GPTQ's `solve` (compose by
+holding a `then` method). Register a new one with `@register('name')`.
+
+Example:
+  >>> get('gptq')
+  Gptq(block_size=128, percdamp=0.01, act_order=False)
+  >>> get(Rtn())
+  Rtn()
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import ClassVar
+
+import jax
+
+from aqtr.ptq import gptq
+from aqtr.ptq.grid import Grid, check_config
+from aqtr.ptq.stats import LayerStats
+
+_METHODS: dict[str, type] = {}
+
+
+def register(name: str):
+  """Class decorator: `aqtr.ptq.quantize(..., method=name)` builds it."""
+
+  def deco(cls):
+    if name in _METHODS:
+      raise ValueError(f'aqtr.ptq: method {name!r} is already registered.')
+    cls.name = name
+    _METHODS[name] = cls
+    return cls
+
+  return deco
+
+
+def names() -> list[str]:
+  """The registered method names."""
+  return sorted(_METHODS)
+
+
+def get(method, **options) -> Method:
+  """A method instance from a name (with `options`) or an instance."""
+  if isinstance(method, Method):
+    if options:
+      raise TypeError(
+        f'aqtr.ptq: options {sorted(options)} given with a method instance; '
+        'set them on the instance.'
+      )
+    return method
+  if method not in _METHODS:
+    raise ValueError(
+      f'aqtr.ptq: method must be one of {names()} or a Method, got {method!r}.'
+    )
+  return _METHODS[method](**options)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Method:
+  """Base of the registry (see the module docstring)."""
+
+  name: ClassVar[str] = ''
+
+  def rewrite(self, target, collected):
+    """Float rewrites of the model and its stats (none by default)."""
+    return target, collected
+
+  def check(self, site) -> None:
+    """Raises one line when the method cannot solve `site`'s config."""
+    check_config(site.config, site.path, type(self).__name__)
+
+  def solve(self, site, grid: Grid, stats: LayerStats) -> jax.Array:
+    """The weight's q-values [d_in, d_out] on `grid`."""
+    raise NotImplementedError
+
+
+@register('rtn')
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Rtn(Method):
+  """Round to nearest: exactly what `aqtr.flax.convert` stores."""
+
+  def solve(self, site, grid: Grid, stats: LayerStats) -> jax.Array:
+    del site, stats
+    return grid.quantize(grid.w2)[0]
+
+
+@register('gptq')
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Gptq(Method):
+  """GPTQ (arXiv 2210.17323) on the rule's grid (`aqtr.ptq.gptq`).
+
+  Attributes:
+    block_size: rows per lazy block, >= 1 (the paper's 128).
+    percdamp: dampening as a fraction of mean(diag H), finite and >= 0.
+    act_order: process inputs by decreasing H_ii (un-permuted after).
+  """
+
+  block_size: int = 128
+  percdamp: float = 0.01
+  act_order: bool = False
+
+  def __post_init__(self):
+    b = self.block_size
+    if isinstance(b, bool) or not isinstance(b, int) or b < 1:
+      raise ValueError(f'Gptq.block_size must be an int >= 1, got {b!r}.')
+    p = self.percdamp
+    if isinstance(p, bool) or not isinstance(p, int | float):
+      raise TypeError(f'Gptq.percdamp must be a float, got {p!r}.')
+    if not (math.isfinite(p) and p >= 0):
+      raise ValueError(f'Gptq.percdamp must be finite and >= 0, got {p}.')
+    if not isinstance(self.act_order, bool):
+      raise TypeError(f'Gptq.act_order must be a bool, got {self.act_order!r}.')
+
+  def solve(self, site, grid: Grid, stats: LayerStats) -> jax.Array:
+    q, _ = gptq.solve(
+      grid.w2,
+      stats.hessian,
+      grid.scale2,
+      grid.zero2,
+      grid.numerics,
+      block_size=self.block_size,
+      act_order=self.act_order,
+      percdamp=self.percdamp,
+    )
+    return q
+
+
+__all__ = ['Gptq', 'Method', 'Rtn', 'get', 'names', 'register']
