@@ -12,10 +12,13 @@ of the method, seconds).
 view (`as_matrix` / `from_matrix`) the solvers work on.
 """
 
+from aqtr.ptq import awq, fold, outliers, smoothquant  # Registers the methods.
 from aqtr.ptq.api import LayerReport, PtqReport, quantize
+from aqtr.ptq.awq import Awq
 from aqtr.ptq.collect import Collected, FlaxTarget, PaxTarget, Site, collect
 from aqtr.ptq.grid import Grid
 from aqtr.ptq.methods import Gptq, Method, Rtn, register
+from aqtr.ptq.smoothquant import SmoothQuant
 from aqtr.ptq.stats import (
   LayerStats,
   as_matrix,
@@ -26,6 +29,7 @@ from aqtr.ptq.stats import (
 )
 
 __all__ = [
+  'Awq',
   'Collected',
   'FlaxTarget',
   'Gptq',
@@ -37,12 +41,17 @@ __all__ = [
   'PtqReport',
   'Rtn',
   'Site',
+  'SmoothQuant',
+  'awq',
   'as_matrix',
   'collect',
+  'fold',
   'from_matrix',
   'merge',
+  'outliers',
   'output_error',
   'quantize',
   'register',
   'relative_error',
+  'smoothquant',
 ]

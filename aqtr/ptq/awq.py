@@ -50,7 +50,8 @@ import jax.numpy as jnp
 
 from aqtr.core.config import TensorConfig
 from aqtr.core.quantizer import quantize
-from aqtr.ptq import fold
+from aqtr.ptq import fold, methods, rewrite
+from aqtr.ptq.grid import Grid
 from aqtr.ptq.stats import LayerStats, as_matrix, from_matrix, output_error
 
 __all__ = ['Awq', 'clip_search', 'rtn', 'scale_errors', 'scales', 'solve']
@@ -60,9 +61,14 @@ def _grid(n: int) -> tuple[float, ...]:
   return tuple(i / n for i in range(n))
 
 
+@methods.register('awq')
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Awq:
+class Awq(methods.Method):
   """AWQ (arXiv 2306.00978): scale search, then optional clip search.
+
+  As an `aqtr.ptq.quantize` method: `rewrite` folds the scales and clips
+  the weights (`solve` below), then each weight is rounded to nearest on
+  its rule's grid.
 
   Attributes:
     alphas: the exponents searched, each in [0, 1] (default 20 points in
@@ -112,6 +118,22 @@ class Awq:
         'Awq.fold_map must be an aqtr.ptq.fold.FoldMap or None, got '
         f'{type(fm).__name__}.'
       )
+
+  def rewrite(self, target, collected):
+    """Scales, folds and clips the target's weights (float rewrite)."""
+
+    def fn(params, stats, configs, contracting):
+      fm = rewrite.fold_map_of(self.fold_map, target, params)
+      fold.check_inputs(params, fm, contracting)
+      new, new_stats, _ = solve(params, fm, stats, configs, self)
+      return new, new_stats
+
+    return rewrite.apply(target, collected, fn)
+
+  def solve(self, site, grid: Grid, stats: LayerStats) -> jax.Array:
+    """Round to nearest of the rewritten weight on its grid."""
+    del site, stats
+    return grid.quantize(grid.w2)[0]
 
   @property
   def ratios(self) -> tuple[float, ...]:

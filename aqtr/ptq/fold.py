@@ -54,6 +54,7 @@ __all__ = [
   'FoldMap',
   'apply',
   'check',
+  'check_inputs',
   'detect',
   'expand',
   'get',
@@ -213,6 +214,30 @@ def check(params: Mapping, fold_map: FoldMap) -> dict[str, int]:
   for path in fold_map.unfolded + fold_map.keep:
     get(params, path)
   return out
+
+
+def check_inputs(
+  params: Mapping, fold_map: FoldMap, contracting: Mapping[str, tuple]
+) -> None:
+  """Checks that each consumer's op contracts exactly its `Axis.axis`.
+
+  Args:
+    params: the parameters.
+    fold_map: the map.
+    contracting: {weight parameter path: the op's contracting dims} of
+      the calibrated ops (consumers without an op are not checked).
+  """
+  for g in fold_map.groups:
+    for ax in g.consumers:
+      if ax.path not in contracting:
+        continue
+      ndim = get(params, ax.path).ndim
+      dims = tuple(sorted(int(d) % ndim for d in contracting[ax.path]))
+      if dims != (ax.axis % ndim,):
+        raise ValueError(
+          f'fold group {g.name!r}: the op reading {ax.path!r} contracts '
+          f'axes {dims}, the fold map says axis {ax.axis}; fix the map.'
+        )
 
 
 def expand(s: jax.Array, ax: Axis) -> jax.Array:

@@ -40,7 +40,8 @@ import jax.numpy as jnp
 
 from aqtr import presets
 from aqtr.core.config import DotGeneralConfig
-from aqtr.ptq import fold
+from aqtr.ptq import fold, methods, rewrite
+from aqtr.ptq.grid import Grid
 from aqtr.ptq.stats import LayerStats, as_matrix
 from aqtr.tilings.per_tensor import PerTensor
 
@@ -53,16 +54,6 @@ def _row_absmax(w: jax.Array, axis: int) -> jax.Array:
   return jnp.max(jnp.abs(as_matrix(w, (axis,))).astype(jnp.float32), axis=1)
 
 
-def _stats_of(stats: Mapping[str, LayerStats], g: fold.FoldGroup, ax):
-  if ax.path not in stats:
-    raise KeyError(
-      f'fold group {g.name!r}: no calibration stats for consumer '
-      f'{ax.path!r} (stats hold {len(stats)} ops, e.g. '
-      f'{", ".join(sorted(stats)[:3])}).'
-    )
-  return stats[ax.path]
-
-
 def group_scales(
   params: Mapping,
   group: fold.FoldGroup,
@@ -72,17 +63,22 @@ def group_scales(
   """SmoothQuant's s [channels] of one fold group (arXiv 2211.10438, eq. 4).
 
   `s_j = max|X_j|^alpha / max|W_j|^(1 - alpha)`, maxima over the group's
-  consumers (their stats' absmax; their rows). A channel with no
-  activation or no weight gets s_j = 1.
+  consumers (their stats' absmax: they share X; their rows). A channel
+  with no activation or no weight gets s_j = 1.
   """
   xmax = wmax = None
   for ax in group.consumers:
-    st = _stats_of(stats, group, ax)
     w = fold.get(params, ax.path)
-    x = fold.reduce(st.absmax, ax, 'max')
     r = fold.reduce(_row_absmax(w, ax.axis % w.ndim), ax, 'max')
-    xmax = x if xmax is None else jnp.maximum(xmax, x)
     wmax = r if wmax is None else jnp.maximum(wmax, r)
+    if ax.path in stats:  # The consumers share X: any one's stats do.
+      x = fold.reduce(stats[ax.path].absmax, ax, 'max')
+      xmax = x if xmax is None else jnp.maximum(xmax, x)
+  if xmax is None:
+    raise KeyError(
+      f'fold group {group.name!r}: no calibration stats for any of its '
+      f'consumers ({", ".join(a.path for a in group.consumers)}).'
+    )
   ok = (xmax > 0) & (wmax > 0)
   xs, ws = jnp.where(ok, xmax, 1.0), jnp.where(ok, wmax, 1.0)
   s = xs**alpha / ws ** (1.0 - alpha)
@@ -105,17 +101,22 @@ def smooth(
 
   Returns:
     (smoothed params, the stats of the consumers' smoothed inputs, per
-    group {'alpha', 'act_max_before', 'act_max_after', 's_min', 's_max'}).
+    group {'alpha', 'act_max_before', 'act_max_after', 's_min', 's_max'});
+    a group none of whose consumers has stats is left as is.
   """
   _check_alpha('smooth', alpha)
   fold.check(params, fold_map)
   out, new_stats, info = dict(params), dict(stats), {}
   for g in fold_map.groups:
+    if not any(a.path in stats for a in g.consumers):
+      continue  # No consumer calibrated (left float by the rules).
     s = group_scales(out, g, stats, alpha)
     out = fold.apply(out, g, s)
     before = after = 0.0
     for ax in g.consumers:
-      st = _stats_of(stats, g, ax)
+      if ax.path not in stats:
+        continue
+      st = stats[ax.path]
       new_stats[ax.path] = fold.scale_stats(st, fold.expand(s, ax))
       before = max(before, float(jnp.max(st.absmax)))
       after = max(after, float(jnp.max(new_stats[ax.path].absmax)))
@@ -156,9 +157,14 @@ def w8a8(activations: str = 'tensor') -> DotGeneralConfig:
   return dataclasses.replace(cfg, fwd=dataclasses.replace(cfg.fwd, lhs=lhs))
 
 
+@methods.register('smoothquant')
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class SmoothQuant:
+class SmoothQuant(methods.Method):
   """SmoothQuant (arXiv 2211.10438): smooth, then the rules' W8A8.
+
+  As an `aqtr.ptq.quantize` method: `rewrite` smooths the float model
+  (`smooth`), then each weight is rounded to nearest on its rule's grid;
+  the served model quantizes activations as its rules say (`w8a8()`).
 
   Attributes:
     alpha: migration strength in [0, 1] (0.5 in the paper).
@@ -181,3 +187,20 @@ class SmoothQuant:
         'SmoothQuant.fold_map must be an aqtr.ptq.fold.FoldMap or None, '
         f'got {type(fm).__name__}.'
       )
+
+  def rewrite(self, target, collected):
+    """Smooths the target's parameters (the float model is unchanged)."""
+
+    def fn(params, stats, configs, contracting):
+      del configs
+      fm = rewrite.fold_map_of(self.fold_map, target, params)
+      fold.check_inputs(params, fm, contracting)
+      new, new_stats, _ = smooth(params, fm, stats, self.alpha)
+      return new, new_stats
+
+    return rewrite.apply(target, collected, fn)
+
+  def solve(self, site, grid: Grid, stats: LayerStats) -> jax.Array:
+    """Round to nearest of the smoothed weight on its grid."""
+    del site, stats
+    return grid.quantize(grid.w2)[0]
