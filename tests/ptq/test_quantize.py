@@ -109,7 +109,7 @@ def test_linen_model():
   (module, sv), rep = ptq.quantize(model, INT4, xs, variables=v)
   (rmod, rv), _ = ptq.quantize(model, INT4, xs, variables=v, method='rtn')
   sol = _solution(model, INT4, xs, v)
-  for path, (site, g, (_, wq)) in sol.items():
+  for site, g, (_, wq) in sol.values():
     mpath, param, _ = site.holder
     box = sv['params'][mpath[0]][param]
     np.testing.assert_array_equal(g.dequant(_entry(box.entries(), site)), wq)
