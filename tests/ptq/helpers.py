@@ -4,13 +4,19 @@ from __future__ import annotations
 
 import dataclasses
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 import aqtr
+import aqtr.ptq as ptq
+from aqtr.ptq import gptq
 from aqtr.ptq.collect import Site
+from aqtr.ptq.grid import Grid, weight_config
 from aqtr.tilings.per_channel import PerChannel
 from aqtr.tilings.subchannel import SubChannel
+from aqtr.train import models
 
 DN = (((1,), (0,)), ((), ()))
 
@@ -60,3 +66,23 @@ def correlated(key, tokens, d_in) -> jax.Array:
   base = jax.random.normal(k1, (tokens, d_in // 4))
   mix = jax.random.normal(k2, (d_in // 4, d_in))
   return base @ mix + 0.1 * jax.random.normal(k3, (tokens, d_in))
+
+
+def solution(model, rules, xs, variables=None):
+  """{op path: (site, grid, gptq dequantized)} solved directly."""
+  if isinstance(model, nnx.Module | nn.Module):
+    target = ptq.FlaxTarget(aqtr.flax.quantize(model, rules), variables)
+  else:
+    target = ptq.PaxTarget(models.inject(model, rules)[0], variables)
+  got = ptq.collect(target, xs)
+  out = {}
+  for path, site in got.sites.items():
+    g = Grid.of(site, got.weights[path])
+    h = got.stats[path].hessian
+    out[path] = (site, g, gptq.solve(g.w2, h, g.scale2, g.zero2, g.numerics))
+  return out
+
+
+def ptq_entry(site):
+  """The frozen entry name of a weight op's config."""
+  return aqtr.freezers.lifecycle.entry_name(weight_config(site.config))

@@ -15,13 +15,10 @@ from flax import nnx
 import aqtr
 import aqtr.ptq as ptq
 from aqtr.core.qtensor import QTensor
-from aqtr.ptq import gptq
-from aqtr.ptq.grid import Grid, weight_config
 from aqtr.rules import Rule
 from aqtr.tilings.subchannel import SubChannel
-from aqtr.train import models
 
-from .helpers import correlated, weight_only
+from .helpers import correlated, ptq_entry, solution, weight_only
 
 INT4 = [Rule(aqtr.presets.int4_weight_only())]
 
@@ -45,28 +42,9 @@ def _batches(n=3, tokens=64, d=32):
   return [correlated(jax.random.key(i), tokens, d) for i in range(n)]
 
 
-def _solution(model, rules, xs, variables=None):
-  """{op path: (site, grid, gptq dequantized)} solved directly."""
-  if isinstance(model, nnx.Module | nn.Module):
-    target = ptq.FlaxTarget(aqtr.flax.quantize(model, rules), variables)
-  else:
-    target = ptq.PaxTarget(models.inject(model, rules)[0], variables)
-  got = ptq.collect(target, xs)
-  out = {}
-  for path, site in got.sites.items():
-    g = Grid.of(site, got.weights[path])
-    h = got.stats[path].hessian
-    out[path] = (site, g, gptq.solve(g.w2, h, g.scale2, g.zero2, g.numerics))
-  return out
-
-
 def _entry(holder_entries, site):
   key = site.holder[2]
   return holder_entries[key][ptq_entry(site)]['rhs']
-
-
-def ptq_entry(site):
-  return aqtr.freezers.lifecycle.entry_name(weight_config(site.config))
 
 
 def test_nnx_serves_the_solution_bit_for_bit():
@@ -74,7 +52,7 @@ def test_nnx_serves_the_solution_bit_for_bit():
   xs = _batches()
   served, rep = ptq.quantize(m, INT4, xs, method='gptq')
   rtn = aqtr.flax.convert(aqtr.flax.quantize(m, INT4), xs[0])
-  sol = _solution(m, INT4, xs)
+  sol = solution(m, INT4, xs)
   assert [r.path for r in rep.layers] == sorted(sol)
   for r in rep.layers:
     assert r.error < r.rtn_error and r.tokens == 192
@@ -108,7 +86,7 @@ def test_linen_model():
   v = model.init(jax.random.key(0), xs[0])
   (module, sv), rep = ptq.quantize(model, INT4, xs, variables=v)
   (rmod, rv), _ = ptq.quantize(model, INT4, xs, variables=v, method='rtn')
-  sol = _solution(model, INT4, xs, v)
+  sol = solution(model, INT4, xs, v)
   for site, g, (_, wq) in sol.values():
     mpath, param, _ = site.holder
     box = sv['params'][mpath[0]][param]
@@ -117,32 +95,6 @@ def test_linen_model():
   got = jax.jit(module.apply)(sv, xs[0])
   assert _float_error(got, want) < _float_error(rmod.apply(rv, xs[0]), want)
   assert all(r.error < r.rtn_error for r in rep.layers)
-
-
-def test_pax_lm_serves_the_solution():
-  t = models.lm(
-    vocab_size=64, seq_len=16, d_model=32, num_layers=1, num_heads=2
-  )
-  ids = [
-    jax.random.randint(jax.random.key(i), (4, 16), 0, 64) for i in range(3)
-  ]
-  v = models.build(t).init(jax.random.key(1), ids[0])
-  cfg = aqtr.presets.int4_weight_only()
-  rules = [aqtr.pax.Rule(cfg, tag=aqtr.pax.tags.WeightOp)]
-  (tmpl, sv), rep = ptq.quantize(t, rules, ids, variables=v, act_order=True)
-  assert len(rep.layers) == 7
-  assert np.mean([r.error / r.rtn_error for r in rep.layers]) < 0.9
-  sol = _solution(t, cfg, ids, v)
-  for path, (site, g, (_, wq)) in sol.items():
-    node = sv['aqtr']
-    for k in path.split('/'):
-      node = node[k]
-    parts = node[ptq_entry(site)]['rhs']
-    # act_order here, none in `sol`: same scales, close values.
-    assert float(jnp.mean(g.dequant(parts) == wq)) > 0.5
-  served = models.build(tmpl)
-  logits = jax.jit(served.apply)(sv, ids[0])
-  assert logits.shape == (4, 16, 64) and bool(jnp.isfinite(logits).all())
 
 
 def test_bad_input_is_one_line():
