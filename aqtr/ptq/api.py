@@ -229,7 +229,10 @@ def quantize(
         UserWarning,
         stacklevel=2,
       )
-    grid = Grid.of(site, got.weights[path])
+    try:
+      grid = Grid.of(site, got.weights[path])
+    except (ValueError, TypeError) as e:
+      raise type(e)(f'aqtr.ptq: {path}: {e}') from None
     t0 = time.perf_counter()
     q2 = jax.block_until_ready(meth.solve(site, grid, stats))
     secs = time.perf_counter() - t0
