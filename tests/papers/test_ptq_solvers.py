@@ -1,0 +1,60 @@
+"""papers/ptq_solvers at the reduced size: the claims' direction holds."""
+
+import pytest
+
+from papers.ptq_solvers import config, run, study
+
+
+@pytest.fixture(scope='module')
+def res(tmp_path_factory):
+  out = tmp_path_factory.mktemp('ptq')
+  r = run.run(config.small(), out, echo=False)
+  assert (out / 'results.md').exists() and (out / 'results.png').exists()
+  return r
+
+
+def _gap(res, grid, method):
+  rows = res['weights'] + res['formats']
+  return next(
+    r['gap'] for r in rows if (r['grid'], r['method']) == (grid, method)
+  )
+
+
+def test_gptq_and_awq_close_most_of_the_3_bit_gap(res):
+  rtn = _gap(res, 'w3g32', 'rtn')
+  assert rtn > 0.02, rtn  # 3 bits hurt the LM measurably
+  for method in ('gptq', 'awq'):
+    assert _gap(res, 'w3g32', method) < 0.5 * rtn, (method, res['weights'])
+
+
+def test_layer_error_below_rtn(res):
+  for r in res['weights']:
+    if r['method'] == 'gptq':
+      rtn = next(
+        x
+        for x in res['weights']
+        if (x['grid'], x['method']) == (r['grid'], 'rtn')
+      )
+      assert r['error'] < rtn['error'], (r, rtn)
+
+
+def test_outliers_are_exact_and_smoothing_helps(res):
+  sq = {r['run']: r['bpc'] for r in res['smoothquant']}
+  base = res['float'][0]['bpc']
+  assert sq['float, outliers injected'] == pytest.approx(base, abs=1e-4)
+  bad = sq['W8A8 per tensor, RTN'] - base
+  good = sq['W8A8 per tensor, SmoothQuant'] - base
+  assert abs(good) < bad, sq
+
+
+def test_bad_grid_is_one_line():
+  with pytest.raises(ValueError, match=r"Study.grids: unknown \['w5'\]"):
+    study.Study(grids=('w5',))
+
+
+@pytest.mark.slow
+def test_full_size_meets_the_targets(tmp_path):
+  r = run.run(config.full(), tmp_path, echo=False)
+  for method in ('gptq', 'awq'):
+    assert study.closed(r['weights'], 'w4g128', method) >= 0.5
+  assert _gap(r, 'w3g128', 'gptq') <= 0.5 * _gap(r, 'w3g128', 'rtn')
