@@ -66,16 +66,20 @@ def run(cfg: fdl.Config, out: pathlib.Path, echo: bool = True) -> dict:
   res = study.run(s, progress=print if echo else None)
   base = res['float'][0]['bpc']
   curve = ', '.join(f'{h["step"]}: {h["bpc"]:.4f}' for h in res['curve'])
-  text = '\n\n'.join(
-    [
-      f'Float LM validation bpc by step: {curve}',
-      '### Weight-only grids\n\n' + _weights_table(res['weights'], base),
+  parts = [
+    f'Float LM validation bpc by step: {curve}',
+    '### Weight-only grids\n\n' + _weights_table(res['weights'], base),
+  ]
+  if res['formats']:
+    parts.append(
       '### Other 4-bit formats (GPTQ vs RTN)\n\n'
-      + _weights_table(res['formats'], base),
-      '### SmoothQuant: W8A8 on the LM with injected activation outliers\n\n'
-      + report.table(res['smoothquant'], ('run', 'bpc', 'gap %'), FORMATS),
-    ]
+      + _weights_table(res['formats'], base)
+    )
+  parts.append(
+    '### SmoothQuant: W8A8 on the LM with injected activation outliers\n\n'
+    + report.table(res['smoothquant'], ('run', 'bpc', 'gap %'), FORMATS)
   )
+  text = '\n\n'.join(parts)
   claim.finish(out, cfg, text, echo=echo)
   _plot(res, pathlib.Path(out) / 'results.png', base)
   return res
