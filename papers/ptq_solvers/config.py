@@ -1,8 +1,9 @@
 """The experiment: the main job's byte LM in float, then every PTQ method.
 
 `full()`: the default `aqtr-train` LM (2 blocks, d_model 128, 16 x 64
-bytes per step) trained 1500 float Adam steps (validation loss flat:
-see results.md's curve), 16 calibration batches. `small()`: the toy LM
+bytes per step) trained 3000 float Adam steps (cosine decay to zero;
+validation bpc still falls 0.02 per 250 steps at the end: see
+results.md's curve), 16 calibration batches. `small()`: the toy LM
 of the tests.
 
 Example:
@@ -22,9 +23,9 @@ __all__ = ['full', 'small']
 
 
 def full() -> fdl.Config:
-  """The default LM, 1500 float steps; every grid, method and format."""
+  """The default LM, 3000 float steps; every grid, method and format."""
   lm = experiment.default()
-  lm.steps, lm.eval_every, lm.runs = 1500, 250, ('float',)
+  lm.steps, lm.eval_every, lm.runs = 3000, 250, ('float',)
   return fdl.Config(Study, lm=lm)
 
 
