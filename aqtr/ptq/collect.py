@@ -74,6 +74,11 @@ class Site:
   rhs: jax.ShapeDtypeStruct
   holder: tuple = ()
 
+  def __post_init__(self):  # Hashable: a static argument of jit.
+    (lc, rc), (lb, rb) = self.dimension_numbers
+    dn = ((tuple(lc), tuple(rc)), (tuple(lb), tuple(rb)))
+    object.__setattr__(self, 'dimension_numbers', dn)
+
   @property
   def contracting(self) -> tuple[int, ...]:
     """The weight's contraction dims."""
@@ -311,14 +316,14 @@ def collect(target, batches: Iterable) -> Collected:
   fn, state = target.program()
   meta: dict = {}
 
-  def program(state, args, first):
+  def program(state, args):
     rec = _Recorder()
     with target.observe(rec):
       fn(state, *args)
     meta['sites'] = rec.sites
-    return rec.stats, (rec.weights if first else {})
+    return rec.stats, rec.weights
 
-  jitted = jax.jit(program, static_argnums=2)
+  jitted = jax.jit(program)
   total, weights, want = None, None, None
   for i, batch in enumerate(batches):
     args = _as_args(batch)
@@ -331,7 +336,7 @@ def collect(target, batches: Iterable) -> Collected:
         f'{want}; give every batch the same shapes.'
       )
     try:
-      stats, w = jitted(state, args, i == 0)
+      stats, w = jitted(state, args)
     except jax.errors.UnexpectedTracerError:
       raise ValueError(
         'aqtr.ptq: a weight op ran inside a JAX transform (scan over '

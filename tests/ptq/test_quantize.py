@@ -119,7 +119,7 @@ def test_bad_input_is_one_line():
     aqtr.numerics.get('int_symmetric')(bits=4), SubChannel(tile_size=48)
   )
   with pytest.raises(
-    ValueError, match=r'dot_general0.*tile_size=48 does not divide'
+    ValueError, match=r'aqtr.ptq: dot_general0: .*tile_size=48 does not divide'
   ):
     ptq.quantize(m, [Rule(g48)], xs)
   with pytest.raises(ValueError, match='stateful calibration'):
