@@ -130,3 +130,8 @@ def test_bad_input_is_one_line():
     ptq.Gptq(percdamp=-1.0)
   with pytest.warns(UserWarning, match='dot_general0: 4 calibration tokens'):
     ptq.quantize(m, INT4, [xs[0][:4]])
+  twin = xs[0].at[:, 1].set(xs[0][:, 0])  # H exactly singular
+  with pytest.raises(
+    ValueError, match='dot_general0: gptq.solve: H is singular'
+  ):
+    ptq.quantize(m, INT4, [twin], percdamp=0.0)
