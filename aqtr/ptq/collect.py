@@ -32,6 +32,7 @@ Example:
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import threading
 from collections.abc import Iterable
@@ -45,6 +46,7 @@ from fiddle import selectors
 from flax import nnx
 
 import aqtr.pax
+from aqtr import fiddle as aqtr_fiddle
 from aqtr.core.config import DotGeneralConfig
 from aqtr.flax import common, intercept
 from aqtr.flax.quantized import WeightUse, observers, spec_of, swapped
@@ -189,8 +191,6 @@ class Probe(nn.Module):
 
 def weight_ops(template: fdl.Config) -> list:
   """The `aqtr.pax.EinsumOp` nodes of `template` that quantize a weight."""
-  from aqtr import fiddle as aqtr_fiddle  # noqa: PLC0415 (Fiddle: lazy)
-
   out = []
   for node in selectors.select(template, aqtr.pax.EinsumOp):
     cfg = node.__arguments__.get('config')
@@ -254,8 +254,6 @@ class PaxTarget:
   """
 
   def __init__(self, template: fdl.Config, variables):
-    import copy  # noqa: PLC0415
-
     if not isinstance(template, fdl.Buildable):
       raise TypeError(
         f'aqtr.ptq: template must be a fiddle Config, got {template!r}.'

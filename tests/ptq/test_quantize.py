@@ -135,3 +135,26 @@ def test_bad_input_is_one_line():
     ValueError, match='dot_general0: gptq.solve: H is singular'
   ):
     ptq.quantize(m, INT4, [twin], percdamp=0.0)
+
+
+def test_scanned_layers_are_one_line():
+  class Layer(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+      return nn.Dense(16)(x), None
+
+  class Stack(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      scan = nn.scan(
+        Layer,
+        variable_axes={'params': 0},
+        split_rngs={'params': True},
+        length=2,
+      )
+      return scan()(x, None)[0]
+
+  x = jnp.ones((4, 16))
+  v = Stack().init(jax.random.key(0), x)
+  with pytest.raises(ValueError, match='layers unrolled'):
+    ptq.quantize(Stack(), INT4, [x], variables=v)
