@@ -154,7 +154,7 @@ def main():
     args = (g.w2, s.hessian, g.scale2, g.zero2, g.numerics)
     jax.block_until_ready(gptq.solve(*args, block_size=128))  # compiled
     t0 = time.perf_counter()
-    _, wq = jax.block_until_ready(gptq.solve(*args, block_size=128))
+    wq = jax.block_until_ready(gptq.solve(*args, block_size=128)).wq
     warm = time.perf_counter() - t0
     rtn = relative_error(g.dequant(g.rtn) - g.w2, g.w2, s.xtx)
     err = relative_error(wq - g.w2, g.w2, s.xtx)
@@ -177,7 +177,7 @@ def main():
       gsize = d_in if group == 0 else group
       cfg = _qwix_grid(group)
       g = Grid.of(dataclasses.replace(site, config=cfg), w)
-      _, wq = gptq.solve(g.w2, s.hessian, g.scale2, g.zero2, g.numerics)
+      wq = gptq.solve(g.w2, s.hessian, g.scale2, g.zero2, g.numerics).wq
       q_rtn, q_wq = _qwix(g.w2, s.hessian, gsize)
       e = [
         relative_error(x - g.w2, g.w2, s.xtx)

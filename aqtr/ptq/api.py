@@ -242,9 +242,9 @@ def quantize(
       )
     grid = grids[path]
     t0 = time.perf_counter()
-    q2 = jax.block_until_ready(meth.solve(site, grid, stats))
+    sol = jax.block_until_ready(meth.solve(site, grid, stats))
     secs = time.perf_counter() - t0
-    parts = grid.parts(q2)
+    parts = grid.parts(sol.q, sol.scale, sol.zero)
     if not isinstance(meth, methods.Rtn):
       place(site, parts)
     w2 = grid.w2
