@@ -43,6 +43,7 @@ LAYERS = {
   'flax': 5,
   'pax': 5,
   'qt': 5,
+  'lora': 5,
   'train': 6,
   'data': 6,
   'demo': 6,

@@ -334,7 +334,9 @@ class LoraSession(Session):
           )
         )
         nl = jnp.ndim(lhs) - len(lc)
-        shape = (*(jnp.shape(lhs)[d] for d in range(nl + len(lc)) if d not in lc),)
+        shape = (
+          *(jnp.shape(lhs)[d] for d in range(nl + len(lc)) if d not in lc),
+        )
         return jnp.zeros((*shape, *b_shape[1:]), jnp.result_type(lhs))
       a, b = ab
       if tuple(a.shape) != a_shape or tuple(b.shape) != b_shape:
@@ -536,7 +538,9 @@ def attach(model, rules, *args, variables=None, seed: int = 0, **kwargs):
   if any(base_config(c.base) is not None for _, c in pairs):
     with warnings.catch_warnings():
       warnings.simplefilter('ignore', UserWarning)
-      got = serving.convert(q, *args, variables=variables, check=False, **kwargs)
+      got = serving.convert(
+        q, *args, variables=variables, check=False, **kwargs
+      )
     q, variables = got if linen else (got, None)
   lora = with_spec(q, lspec)
   found = sites(lora, *args, variables=variables, **kwargs)

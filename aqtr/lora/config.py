@@ -147,13 +147,13 @@ class LoraConfig:
         "round-to-nearest, stateless weight format such as 'nf4' or "
         "'int8_weight_only'."
       )
-    if self.double_quant not in (True, False):
+    if not isinstance(self.double_quant, bool):
       raise TypeError(
         f'LoraConfig.double_quant must be a bool, got {self.double_quant!r}.'
       )
     if self.double_quant and cfg is None:
       raise ValueError(
-        'LoraConfig.double_quant quantizes the base weights\' scales, but '
+        "LoraConfig.double_quant quantizes the base weights' scales, but "
         "base is float; set base='nf4' (or another quantized base)."
       )
     adapter_config(self)

@@ -139,7 +139,7 @@ def merge(model, *args, variables=None, adapters=None, **kwargs):
   found = adapters_lib.sites(model, *args, variables=variables, **kwargs)
   linen = isinstance(model, nn.Module)
   if adapters is not None and not isinstance(adapters, dict):
-    adapters = adapters.to_pure_dict()
+    adapters = nnx.to_pure_dict(adapters)
   if linen:
     params = flax.core.unfreeze(variables['params'])
   else:
@@ -241,23 +241,27 @@ def sizes(model, *args, variables=None, **kwargs) -> Bytes:
   bases = {(*s.module_path, s.param) for s in found}
   ad = base = base_float = other = 0
   if isinstance(model, nn.Module):
-    flat = traverse_util.flatten_dict(
-      flax.core.unfreeze(variables['params'])
-    )
+    flat = traverse_util.flatten_dict(flax.core.unfreeze(variables['params']))
     items = [(k, v, v) for k, v in flat.items()]
   else:
     items = [
       (tuple(p), v, v)
-      for p, v in nnx.state(model, nnx.Any(nnx.Param, FrozenKernel)).flat_state()
+      for p, v in nnx.to_flat_state(
+        nnx.state(model, nnx.Any(nnx.Param, FrozenKernel))
+      )
     ]
   for path, v, _ in items:
     if str(path[-1]).startswith((adapters_lib.A_PREFIX, adapters_lib.B_PREFIX)):
-      ad += lifecycle.nbytes(nn.meta.unbox(v) if not isinstance(
-        v, nnx.Variable) else v.get_value())
+      ad += lifecycle.nbytes(
+        nn.meta.unbox(v) if not isinstance(v, nnx.Variable) else v.get_value()
+      )
       continue
     if isinstance(v, FrozenKernel | FrozenBox):
-      stored = v.stored() if hasattr(v, 'stored') else (
-        v.get_raw_value() if isinstance(v, FrozenKernel) else v.frozen)
+      stored = (
+        v.stored()
+        if hasattr(v, 'stored')
+        else (v.get_raw_value() if isinstance(v, FrozenKernel) else v.frozen)
+      )
       base += lifecycle.nbytes(stored)
       base_float += kernel_bytes(v)
       continue

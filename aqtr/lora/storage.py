@@ -92,6 +92,15 @@ def _codes(q: jax.Array, table: tuple[float, ...]) -> jax.Array:
   return idx.astype(jnp.uint4)
 
 
+def _values(codes: jax.Array, table: tuple[float, ...]) -> jax.Array:
+  """`table[codes]` (elementwise selects: keeps any sharding of codes)."""
+  idx = codes.astype(jnp.int32)
+  out = jnp.zeros(codes.shape, jnp.float32)
+  for i, v in enumerate(np.asarray(table, np.float32)):
+    out = jnp.where(idx == i, v, out)
+  return out
+
+
 def encode(entries: dict, table, double_quant: bool, ref_ndim: int):
   """Converted entries -> (stored entries, static per-part shapes).
 
@@ -125,8 +134,7 @@ def decode(stored: dict, table, shapes: dict) -> dict:
     for name, sides in named.items():
       parts = dict(sides['rhs'])
       if table is not None:
-        t = jnp.asarray(table, jnp.float32)
-        parts['qvalue'] = t[parts['qvalue'].astype(jnp.int32)]
+        parts['qvalue'] = _values(parts['qvalue'], table)
       if 'scale8' in parts:
         parts['scale'] = decode_scale(
           parts.pop('scale8'), shapes[f'{op}/{name}']

@@ -51,16 +51,12 @@ def _key_name(k) -> str:
 
 
 def _is_adapter(path) -> bool:
-  return any(
-    _key_name(k).startswith((A_PREFIX, B_PREFIX)) for k in path[-1:]
-  )
+  return any(_key_name(k).startswith((A_PREFIX, B_PREFIX)) for k in path[-1:])
 
 
 def trainable(tree: Any) -> Any:
   """A mask of `tree`'s leaves: True exactly on the adapter matrices."""
-  return jax.tree_util.tree_map_with_path(
-    lambda p, _: _is_adapter(p), tree
-  )
+  return jax.tree_util.tree_map_with_path(lambda p, _: _is_adapter(p), tree)
 
 
 def _where(path) -> str:
@@ -113,9 +109,9 @@ def optimizer(tx: optax.GradientTransformation, mask: Any = None):
 def partition(params: Any) -> tuple[dict, dict]:
   """(adapters, frozen) nested dicts of a linen params tree."""
   flat = traverse_util.flatten_dict(params)
-  ad = {k: v for k, v in flat.items() if str(k[-1]).startswith(
-    (A_PREFIX, B_PREFIX)
-  )}
+  ad = {
+    k: v for k, v in flat.items() if str(k[-1]).startswith((A_PREFIX, B_PREFIX))
+  }
   rest = {k: v for k, v in flat.items() if k not in ad}
   if not ad:
     raise ValueError(
@@ -136,7 +132,7 @@ def check_nnx(model: nnx.Module, wrt: Any = Adapter) -> None:
   """Raises unless the nnx filter `wrt` selects adapters only."""
   state = nnx.state(model, wrt)
   n = 0
-  for path, v in state.flat_state():
+  for path, v in nnx.to_flat_state(state):
     if not isinstance(v, Adapter):
       raise ValueError(
         f'aqtr.lora: base weight {"/".join(map(str, path))!r} '

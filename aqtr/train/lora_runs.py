@@ -128,7 +128,8 @@ def bpc(model, data: np.ndarray, s: Settings) -> float:
   graphdef, state = nnx.split(model)
   f = jax.jit(lambda st, x, y: _loss(nnx.merge(graphdef, st), x, y))
   total = sum(
-    float(f(state, x[i : i + s.batch], y[i : i + s.batch])) * len(x[i : i + s.batch])
+    float(f(state, x[i : i + s.batch], y[i : i + s.batch]))
+    * len(x[i : i + s.batch])
     for i in range(0, n, s.batch)
   )
   return total / n / math.log(2)
@@ -208,8 +209,13 @@ def run(s: Settings) -> dict[str, Any]:
     lora.sizes(nodq, sample)
   )
   full, per = train(
-    nnx.clone(model), data['train'], s, s.finetune_steps, s.full_lr,
-    nnx.Param, 2,
+    nnx.clone(model),
+    data['train'],
+    s,
+    s.finetune_steps,
+    s.full_lr,
+    nnx.Param,
+    2,
   )
   out['bpc']['full'] = bpc(full, data['val'], s)
   out['step_s']['full'] = per
