@@ -122,7 +122,9 @@ def _given(adapters, site: adapters_lib.Site, names):
   return tuple(got)
 
 
-def merge(model, *args, variables=None, adapters=None, **kwargs):
+def merge(
+  model, *args, variables=None, adapters=None, requantize='base', **kwargs
+):
   """The adapters folded into re-quantized base weights, for serving.
 
   Args:
@@ -131,6 +133,10 @@ def merge(model, *args, variables=None, adapters=None, **kwargs):
     variables: linen: the LoRA variables.
     adapters: other adapters to merge instead of the model's (a nested
       dict as `aqtr.lora.partition` or `nnx.state(m, Adapter)` give).
+    requantize: the merged weights' format: 'base' (each rule's
+      `LoraConfig.base`), or one format for all (a `LoraConfig.base`
+      value: 'nf4', a preset name such as 'int8_weight_only', a
+      DotGeneralConfig, or None: float).
 
   Returns:
     nnx: the merged serving model. linen: (module, variables).
@@ -181,6 +187,9 @@ def merge(model, *args, variables=None, adapters=None, **kwargs):
     else:
       setattr(parent, site.param, nnx.Param(w))
   rules = adapters_lib.base_rules_of(lspec)
+  if not (isinstance(requantize, str) and requantize == 'base'):
+    fmt = base_config(requantize)
+    rules = [dataclasses.replace(r, config=fmt) for r in rules]
   quantized = any(r.config is not None for r in rules)
   base = type(model).aqtr_base
   if linen:

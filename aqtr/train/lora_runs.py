@@ -45,7 +45,15 @@ import aqtr.lora as lora
 from aqtr.data import stdlib
 from aqtr.train.stock_lm import StockLm
 
-__all__ = ['RUNS', 'Settings', 'corpora', 'run', 'table']
+__all__ = [
+  'RUNS',
+  'Settings',
+  'corpora',
+  'family_data',
+  'family_split',
+  'run',
+  'table',
+]
 
 RUNS = ('frozen', 'lora', 'qlora_nf4', 'full')
 
@@ -90,20 +98,27 @@ def _read(names: list[str], cap: int | None) -> np.ndarray:
   return np.frombuffer(b''.join(parts), np.uint8)
 
 
-def corpora(s: Settings) -> dict[str, np.ndarray]:
-  """'pretrain' (all but the family), 'train' / 'val' (the family)."""
-  names = stdlib.files()
-  fam = [n for n in names if n.startswith(s.family + '/')]
+def family_split(family: str) -> tuple[list[str], list[str]]:
+  """(train, validation) stdlib files of package `family` (by file)."""
+  fam = [n for n in stdlib.files() if n.startswith(family + '/')]
   if not fam:
-    raise ValueError(f'Settings.family: no stdlib package {s.family!r}.')
-  rest = [n for n in names if not n.startswith(s.family + '/')]
+    raise ValueError(f'finetune family: no stdlib package {family!r}.')
   train = [n for n in fam if not stdlib.is_validation(n, 20)]
   val = [n for n in fam if stdlib.is_validation(n, 20)]
-  return {
-    'pretrain': _read(rest, s.pretrain_bytes),
-    'train': _read(train, None),
-    'val': _read(val, None),
-  }
+  return train, val
+
+
+def family_data(family: str) -> tuple[np.ndarray, np.ndarray]:
+  """The (train, validation) bytes of package `family`."""
+  train, val = family_split(family)
+  return _read(train, None), _read(val, None)
+
+
+def corpora(s: Settings) -> dict[str, np.ndarray]:
+  """'pretrain' (all but the family), 'train' / 'val' (the family)."""
+  rest = [n for n in stdlib.files() if not n.startswith(s.family + '/')]
+  train, val = family_data(s.family)
+  return {'pretrain': _read(rest, s.pretrain_bytes), 'train': train, 'val': val}
 
 
 def _batches(data: np.ndarray, s: Settings, seed: int):
@@ -186,7 +201,9 @@ def run(s: Settings) -> dict[str, Any]:
     'step_s': {},
     'sizes': {},
     'merged_bpc': {},
+    'merged_int8_bpc': {},
   }
+  print(f'pretrained: {out["bpc"]["frozen"]:.4f} bpc', flush=True)
   sample = jnp.zeros((1, s.seq), jnp.int32)
   for name, base in (('lora', None), ('qlora_nf4', 'nf4')):
     cfg = lora.LoraConfig(
@@ -200,6 +217,11 @@ def run(s: Settings) -> dict[str, Any]:
     out['step_s'][name] = per
     out['sizes'][name] = dataclasses.asdict(lora.sizes(m, sample))
     out['merged_bpc'][name] = bpc(lora.merge(m, sample), data['val'], s)
+    int8 = lora.merge(m, sample, requantize='int8_weight_only')
+    out['merged_int8_bpc'][name] = bpc(int8, data['val'], s)
+    print(
+      f'{name}: {out["bpc"][name]:.4f} bpc, {per * 1e3:.0f} ms/step', flush=True
+    )
   nodq = lora.attach(
     model,
     {'.*blocks.*': lora.LoraConfig(rank=s.rank, alpha=s.alpha, base='nf4')},
@@ -228,18 +250,20 @@ def table(r: dict[str, Any]) -> str:
     f'Fine-tuning domain: stdlib `{r["settings"]["family"]}/` (validation '
     'files); bpc: bits per character.',
     '',
-    '| run | bpc | merged bpc | step ms | trainable B | optimizer B | '
-    'frozen base B | bits/base weight | bytes / full FT |',
-    '|---|---|---|---|---|---|---|---|---|',
+    '| run | bpc | merged bpc | merged int8 bpc | step ms | trainable B | '
+    'optimizer B | frozen base B | bits/base weight | bytes / full FT |',
+    '|---|---|---|---|---|---|---|---|---|---|',
   ]
   for name in RUNS:
     sz = r['sizes'].get(name)
     step = r['step_s'].get(name)
     merged = r['merged_bpc'].get(name)
+    m8 = r['merged_int8_bpc'].get(name)
     row = [
       name,
       f'{r["bpc"][name]:.4f}',
       f'{merged:.4f}' if merged is not None else '',
+      f'{m8:.4f}' if m8 is not None else '',
       f'{step * 1e3:.1f}' if step is not None else '',
     ]
     if sz is not None:
