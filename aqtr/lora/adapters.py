@@ -32,12 +32,10 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import inspect
 import math
-import threading
 import warnings
 from typing import Any
 
@@ -47,16 +45,27 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from aqtr.core.dot_general import dot_general as aqtr_dot_general
 from aqtr.flax import intercept, serving
 from aqtr.flax.frozen import FrozenBox, FrozenKernel
-from aqtr.flax.quantized import Session, quantize, spec_of, swapped
+from aqtr.flax.quantized import quantize, spec_of
 from aqtr.lora import storage
-from aqtr.lora.config import LoraConfig, adapter_config, base_config
+from aqtr.lora.config import LoraConfig, base_config
+from aqtr.lora.session import (
+  A_PREFIX,
+  B_PREFIX,
+  Adapter,
+  LoraSession,
+  LoraSpec,
+  Site,
+  dropout,
+  raw_entries,
+)
 from aqtr.numerics.codebook import Codebook
 from aqtr.rules import Rule
 
 __all__ = [
+  'A_PREFIX',
+  'B_PREFIX',
   'Adapter',
   'Site',
   'attach',
@@ -66,70 +75,6 @@ __all__ = [
   'sites',
   'spec',
 ]
-
-_local = threading.local()
-A_PREFIX, B_PREFIX = 'lora_a_', 'lora_b_'
-
-
-class Adapter(nnx.Param):
-  """nnx: a LoRA adapter matrix (the only trainable variables)."""
-
-
-@contextlib.contextmanager
-def dropout(key: jax.Array):
-  """Within: adapters apply their `LoraConfig.dropout` with PRNG `key`.
-
-  Each adapter op folds its index into `key` (inside a scan over layers
-  every layer draws the same mask). Outside this block: no dropout.
-  """
-  before = getattr(_local, 'key', None)
-  _local.key = key
-  try:
-    yield
-  finally:
-    _local.key = before
-
-
-@dataclasses.dataclass(frozen=True)
-class Site:
-  """One weight op with an adapter.
-
-  Attributes:
-    module_path: the module's path; op_id: '<kind><n>' within it.
-    side: which operand of the op is the weight ('lhs' / 'rhs').
-    param: the weight parameter's name.
-    rule: index of the LoRA rule that set it.
-    a_shape, b_shape: of one layer's A [d_in..., r] and B [r, d_out...].
-    dn: the dot's dimension numbers with the weight as rhs.
-    weight, other: shapes / dtypes of one layer's weight and input.
-  """
-
-  module_path: tuple
-  op_id: str
-  side: str
-  param: str
-  rule: int
-  a_shape: tuple[int, ...]
-  b_shape: tuple[int, ...]
-  dn: Any
-  weight: jax.ShapeDtypeStruct
-  other: jax.ShapeDtypeStruct
-
-  @property
-  def where(self) -> str:
-    return '/'.join(map(str, (*self.module_path, self.op_id)))
-
-  @property
-  def names(self) -> tuple[str, str]:
-    """The adapter parameters' names (A, B)."""
-    return A_PREFIX + self.op_id, B_PREFIX + self.op_id
-
-
-@dataclasses.dataclass(frozen=True)
-class _LoraSpec:
-  selectors: tuple[Rule, ...]
-  configs: tuple[LoraConfig, ...]
-  recording: bool = False
 
 
 def lora_rules(rules: Any) -> tuple[tuple[Rule, LoraConfig], ...]:
@@ -191,202 +136,9 @@ def _base_rules(pairs) -> list[Rule]:
   ]
 
 
-def base_rules_of(lspec: _LoraSpec) -> list[Rule]:
+def base_rules_of(lspec: LoraSpec) -> list[Rule]:
   """The `aqtr.flax.quantize` rules of the frozen bases of `lspec`."""
   return _base_rules(zip(lspec.selectors, lspec.configs, strict=True))
-
-
-def _path_of(module) -> tuple:
-  if isinstance(module, nn.Module):
-    return tuple(module.path)
-  return tuple(getattr(module, 'aqtr_path', ()))
-
-
-def _own(module) -> dict:
-  """{name: value} of the module's own parameters (holders as they are)."""
-  if isinstance(module, nn.Module):
-    params = module.variables.get('params', {})
-    return {
-      k: module.get_variable('params', k)
-      for k, v in params.items()
-      if not isinstance(v, dict)
-    }
-  out = {}
-  for k, v in vars(module).items():
-    if isinstance(v, FrozenKernel):
-      out[k] = v
-    elif isinstance(v, nnx.Param):
-      out[k] = v.get_value()
-  return out
-
-
-def _raw(holder) -> dict:
-  if isinstance(holder, FrozenKernel):
-    return holder.get_raw_value()
-  return holder.frozen
-
-
-@dataclasses.dataclass
-class _Where:
-  """What a rule sees of an op (`aqtr.rules.Rule.matches`)."""
-
-  path: str
-  prefixes: tuple[str, ...]
-  layers: tuple[type, ...]
-  op_cls: type
-  kind: str
-  weight: bool | None
-  tags: frozenset = frozenset()
-
-
-class LoraSession(Session):
-  """One call of a LoRA model: the base op, plus its adapter."""
-
-  def __init__(self, spec_, lspec: _LoraSpec):
-    super().__init__(spec_)
-    self.lspec = lspec
-    self.sites: list[Site] = []
-    self.activation_hits: set[int] = set()
-    self.n = 0
-
-  def __call__(self, op: intercept.OpCall):
-    stack = intercept.modules()
-    module = stack[0] if stack else None
-    out = super().__call__(op)
-    e = self.entries[-1]
-    if e.rule is None or module is None:
-      if e.weight is None and module is not None:
-        self._note_activation(op, stack, module)
-      return out
-    return self._adapt(op, module, e, out)
-
-  def _note_activation(self, op, stack, module) -> None:
-    mpath = _path_of(module)
-    where = _Where(
-      '/'.join(map(str, mpath)),
-      tuple('/'.join(map(str, mpath[:i])) for i in range(1, len(mpath))),
-      tuple(type(m) for m in stack),
-      type(module),
-      op.kind,
-      None,
-    )
-    for i, sel in enumerate(self.lspec.selectors):
-      if sel.matches(where):
-        self.activation_hits.add(i)
-
-  def _adapt(self, op, module, e, out):
-    side, op_id = e.weight, e.path.rsplit('/', 1)[-1]
-    label = f'aqtr.lora: {e.path} ({op.name} of shapes {e.shapes})'
-    if op.run is None:
-      raise ValueError(f'{label}: cannot take an adapter ({op.why}).')
-    own = _own(module)
-    key = f'{op_id}_{side}'
-    w = getattr(op, side)
-    param = next(
-      (
-        k
-        for k, v in own.items()
-        if (isinstance(v, FrozenKernel | FrozenBox) and key in _raw(v))
-        or w is nn.meta.unbox(v)
-      ),
-      None,
-    )
-    if param is None:
-      raise ValueError(
-        f'{label}: its weight operand is derived from a parameter (e.g. a '
-        'transpose), not the parameter itself; adapters need the '
-        'parameter: exclude this op from the LoRA rules.'
-      )
-    cfg = self.lspec.configs[e.rule]
-    names = A_PREFIX + op_id, B_PREFIX + op_id
-    ab = None if self.lspec.recording else _adapters(module, names, label)
-    mpath = _path_of(module)
-
-    def adapter_dot(lhs, rhs, dn, precision, preferred):
-      (lc, rc), (_, rb) = dn
-      if rb:
-        raise ValueError(
-          f'{label}: the weight has batch axes {rb}; adapters need a weight '
-          'of contracted and output axes only.'
-        )
-      free = [d for d in range(rhs.ndim) if d not in rc]
-      a_shape = (*(rhs.shape[d] for d in rc), cfg.rank)
-      b_shape = (cfg.rank, *(rhs.shape[d] for d in free))
-      d_in, d_out = math.prod(a_shape[:-1]), math.prod(b_shape[1:])
-      if cfg.rank > min(d_in, d_out):
-        raise ValueError(
-          f'{label}: LoraConfig.rank {cfg.rank} exceeds min(d_in, d_out) = '
-          f'min({d_in}, {d_out}); use rank <= {min(d_in, d_out)}.'
-        )
-      if ab is None:
-        self.sites.append(
-          Site(
-            mpath,
-            op_id,
-            side,
-            param,
-            e.rule,
-            a_shape,
-            b_shape,
-            dn,
-            jax.ShapeDtypeStruct(rhs.shape, rhs.dtype),
-            jax.ShapeDtypeStruct(jnp.shape(lhs), jnp.result_type(lhs)),
-          )
-        )
-        nl = jnp.ndim(lhs) - len(lc)
-        shape = (
-          *(jnp.shape(lhs)[d] for d in range(nl + len(lc)) if d not in lc),
-        )
-        return jnp.zeros((*shape, *b_shape[1:]), jnp.result_type(lhs))
-      a, b = ab
-      if tuple(a.shape) != a_shape or tuple(b.shape) != b_shape:
-        raise ValueError(
-          f'{label}: adapters of shapes {a.shape}, {b.shape} but the op '
-          f'needs {a_shape}, {b_shape} (rank {cfg.rank}).'
-        )
-      return self._low_rank(lhs, a, b, lc, cfg, precision)
-
-    run = swapped(adapter_dot) if side == 'lhs' else adapter_dot
-    delta = op.run(run, op.lhs, op.rhs)
-    return out + delta.astype(out.dtype)
-
-  def _low_rank(self, x, a, b, lc, cfg: LoraConfig, precision):
-    """dropout(x) A B * alpha / r, x's contracted axes `lc` against A's."""
-    key = getattr(_local, 'key', None)
-    if cfg.dropout and key is not None:
-      k = jax.random.fold_in(key, self.n)
-      keep = jax.random.bernoulli(k, 1.0 - cfg.dropout, jnp.shape(x))
-      x = jnp.where(keep, x / (1.0 - cfg.dropout), 0).astype(x.dtype)
-    self.n += 1
-    qc = adapter_config(cfg)
-    dot = (
-      jax.lax.dot_general
-      if qc is None
-      else functools.partial(aqtr_dot_general, config=qc)
-    )
-    x = x.astype(a.dtype)
-    dn_a = ((tuple(lc), tuple(range(len(lc)))), ((), ()))
-    xa = dot(x, a, dn_a, precision=precision)
-    dn_b = (((xa.ndim - 1,), (0,)), ((), ()))
-    return dot(xa, b, dn_b, precision=precision) * cfg.scale
-
-
-def _adapters(module, names, label):
-  """The module's (A, B) arrays; a clear error when they are missing."""
-  got = []
-  for name in names:
-    if isinstance(module, nn.Module):
-      v = module.get_variable('params', name)
-    else:
-      v = getattr(module, name, None)
-      v = v.get_value() if isinstance(v, nnx.Variable) else v
-    if v is None:
-      raise ValueError(
-        f'{label}: no adapter {name!r} in the module; build the model with '
-        'aqtr.lora.attach(model, rules, *sample_inputs).'
-      )
-    got.append(nn.meta.unbox(v))
-  return tuple(got)
 
 
 def _intercepting(method):
@@ -411,7 +163,7 @@ def _intercepting(method):
   return call
 
 
-def with_spec(model, lspec: _LoraSpec, spec_=None):
+def with_spec(model, lspec: LoraSpec, spec_=None):
   """A copy of a quantized `model` (nnx: in place) running LoRA sessions."""
   spec_ = spec_ or spec_of(model)
   base = type(model).aqtr_base
@@ -424,7 +176,7 @@ def with_spec(model, lspec: _LoraSpec, spec_=None):
   return model
 
 
-def spec(model) -> _LoraSpec:
+def spec(model) -> LoraSpec:
   """The LoRA rules of a model made by `attach` (a clear error if none)."""
   s = getattr(type(model), 'aqtr_lora', None)
   if s is None:
@@ -477,7 +229,7 @@ def _compact(holder, cfg: LoraConfig, ref_ndim: int, linen: bool):
   """A converted holder stored compactly (4-bit codes, 8-bit scales)."""
   table = _table(cfg)
   stored, shapes = storage.encode(
-    _raw(holder), table, cfg.double_quant, ref_ndim
+    raw_entries(holder), table, cfg.double_quant, ref_ndim
   )
   shapes = tuple(sorted(shapes.items()))
   if linen:
@@ -532,7 +284,7 @@ def attach(model, rules, *args, variables=None, seed: int = 0, **kwargs):
     raise TypeError('aqtr.lora.attach: a linen model needs variables=.')
   linen = isinstance(model, nn.Module)
   q = quantize(model, _base_rules(pairs))
-  lspec = _LoraSpec(
+  lspec = LoraSpec(
     tuple(s for s, _ in pairs), tuple(c for _, c in pairs), False
   )
   if any(base_config(c.base) is not None for _, c in pairs):

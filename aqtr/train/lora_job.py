@@ -5,8 +5,8 @@ Both fine-tune a float stock nnx LM (`aqtr.train.stock_lm.StockLm`): the
 fine-tuning family: `tasks.make` leaves `Experiment.finetune_family` out
 of the corpus), or the checkpoint `Experiment.init_from` names (a
 'stock_float' run folder's `float_params`, written when a job has LoRA
-runs). They fine-tune on the family's train files (`lora_runs.
-family_split`), the job's steps and optimizer, adapters r =
+runs). They fine-tune on the family's train files (`family_split`),
+the job's steps and optimizer, adapters r =
 `Experiment.lora_rank` (alpha 2r) on every block projection:
 
   lora        float base (LoRA, arXiv 2106.09685)
@@ -39,15 +39,50 @@ from flax import nnx
 import aqtr
 import aqtr.flax.checkpoint as ckpt
 from aqtr import lora
-from aqtr.data import loader
+from aqtr.data import loader, stdlib
 from aqtr.train import loop, stock_lm
-from aqtr.train.lora_runs import family_data
 from aqtr.train.tasks import cross_entropy, evaluate_logits
 
-__all__ = ['BASE_DIR', 'RUNS', 'load_base', 'run', 'save_base']
+__all__ = [
+  'BASE_DIR',
+  'RUNS',
+  'family_data',
+  'family_split',
+  'load_base',
+  'read',
+  'run',
+  'save_base',
+]
 
 RUNS = {'lora': None, 'qlora_nf4': 'nf4'}
 BASE_DIR = 'float_params'  # In the 'stock_float' run's folder.
+
+
+def read(names: list[str], cap: int | None) -> np.ndarray:
+  """The stdlib files `names` as bytes, 0 after each (up to `cap`)."""
+  base, parts, total = stdlib.root(), [], 0
+  for n in names:
+    parts.append((base / n).read_bytes().replace(b'\0', b'') + b'\0')
+    total += len(parts[-1])
+    if cap is not None and total >= cap:
+      break
+  return np.frombuffer(b''.join(parts), np.uint8)
+
+
+def family_split(family: str) -> tuple[list[str], list[str]]:
+  """(train, validation) stdlib files of package `family` (by file)."""
+  fam = [n for n in stdlib.files() if n.startswith(family + '/')]
+  if not fam:
+    raise ValueError(f'finetune family: no stdlib package {family!r}.')
+  train = [n for n in fam if not stdlib.is_validation(n, 20)]
+  val = [n for n in fam if stdlib.is_validation(n, 20)]
+  return train, val
+
+
+def family_data(family: str) -> tuple[np.ndarray, np.ndarray]:
+  """The (train, validation) bytes of package `family`."""
+  train, val = family_split(family)
+  return read(train, None), read(val, None)
 
 
 def save_base(model: nnx.Module, run_dir: pathlib.Path) -> pathlib.Path:

@@ -43,14 +43,13 @@ from flax import nnx
 
 import aqtr.lora as lora
 from aqtr.data import stdlib
+from aqtr.train.lora_job import family_data, read
 from aqtr.train.stock_lm import StockLm
 
 __all__ = [
   'RUNS',
   'Settings',
   'corpora',
-  'family_data',
-  'family_split',
   'run',
   'table',
 ]
@@ -88,37 +87,11 @@ class Settings:
         raise ValueError(f'Settings.{f.name} must be > 0, got {v!r}.')
 
 
-def _read(names: list[str], cap: int | None) -> np.ndarray:
-  base, parts, total = stdlib.root(), [], 0
-  for n in names:
-    parts.append((base / n).read_bytes().replace(b'\0', b'') + b'\0')
-    total += len(parts[-1])
-    if cap is not None and total >= cap:
-      break
-  return np.frombuffer(b''.join(parts), np.uint8)
-
-
-def family_split(family: str) -> tuple[list[str], list[str]]:
-  """(train, validation) stdlib files of package `family` (by file)."""
-  fam = [n for n in stdlib.files() if n.startswith(family + '/')]
-  if not fam:
-    raise ValueError(f'finetune family: no stdlib package {family!r}.')
-  train = [n for n in fam if not stdlib.is_validation(n, 20)]
-  val = [n for n in fam if stdlib.is_validation(n, 20)]
-  return train, val
-
-
-def family_data(family: str) -> tuple[np.ndarray, np.ndarray]:
-  """The (train, validation) bytes of package `family`."""
-  train, val = family_split(family)
-  return _read(train, None), _read(val, None)
-
-
 def corpora(s: Settings) -> dict[str, np.ndarray]:
   """'pretrain' (all but the family), 'train' / 'val' (the family)."""
   rest = [n for n in stdlib.files() if not n.startswith(s.family + '/')]
   train, val = family_data(s.family)
-  return {'pretrain': _read(rest, s.pretrain_bytes), 'train': train, 'val': val}
+  return {'pretrain': read(rest, s.pretrain_bytes), 'train': train, 'val': val}
 
 
 def _batches(data: np.ndarray, s: Settings, seed: int):

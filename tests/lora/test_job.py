@@ -10,12 +10,14 @@ import pytest
 from flax import nnx
 
 from aqtr.data import stdlib
-from aqtr.train import experiment, job, lora_job, stock_lm
+from aqtr.train import experiment, job, lora_job, models, stock_lm
 
 
 def _cfg(**kw):
   cfg = experiment.tiny()
-  cfg.model = experiment._lm(d_model=64, num_layers=1, num_heads=2)
+  cfg.model = models.lm(
+    stdlib.VOCAB_SIZE, 1, d_model=64, num_layers=1, num_heads=2
+  )
   cfg.sample_tokens = 0
   for k, v in kw.items():
     setattr(cfg, k, v)
