@@ -222,3 +222,42 @@ def test_bad_rule_types():
     lora.attach(_linear(), [lora.LoraConfig()], X)
   with pytest.raises(TypeError, match='a linen model needs variables='):
     lora.attach(_Stack(), lora.LoraConfig(), X)
+
+
+class _Block(nnx.Module):
+  def __init__(self, rngs):
+    self.lin = nnx.Linear(64, 64, rngs=rngs)
+
+  def __call__(self, x):
+    return x + jax.nn.relu(self.lin(x))
+
+
+class _NnxStack(nnx.Module):
+  def __init__(self, rngs):
+    @nnx.split_rngs(splits=3)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make(rngs):
+      return _Block(rngs)
+
+    self.blocks = make(rngs)
+
+  def __call__(self, x):
+    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+    def body(x, block):
+      return block(x)
+
+    return body(x, self.blocks)
+
+
+def test_nnx_scan_over_layers_stacks_the_adapters():
+  x = X[:2, :64]
+  m = _NnxStack(nnx.Rngs(0))
+  lm = lora.attach(m, {'.*blocks.*': lora.LoraConfig(rank=4, base='nf4')}, x)
+  assert lm.blocks.lin.lora_a_dot_general0.shape == (3, 64, 4)
+  assert isinstance(lm.blocks.lin.kernel, storage.LoraKernel)
+  q = aqtr.flax.quantize(m, [Rule(base_config('nf4'), path='.*blocks.*')])
+  np.testing.assert_array_equal(lm(x), aqtr.flax.convert(q, x)(x))
+  g = nnx.grad(
+    lambda mm: jnp.sum(mm(x) ** 2), argnums=nnx.DiffState(0, lora.Adapter)
+  )(lm)
+  assert g['blocks']['lin']['lora_b_dot_general0'].shape == (3, 4, 64)
