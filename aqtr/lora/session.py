@@ -201,6 +201,11 @@ class LoraSession(Session):
   def _adapt(self, op, module, e, out):
     side, op_id = e.weight, e.path.rsplit('/', 1)[-1]
     label = f'aqtr.lora: {e.path} ({op.name} of shapes {e.shapes})'
+    if op.kind not in ('dot_general', 'einsum'):
+      raise ValueError(
+        f'{label}: adapters go on dot_general / einsum weight ops, not '
+        f'{op.kind}; exclude it from the LoRA rules.'
+      )
     if op.run is None:
       raise ValueError(f'{label}: cannot take an adapter ({op.why}).')
     own = _own(module)
