@@ -68,8 +68,8 @@ class Settings:
   num_heads: int = 4
   seq: int = 128
   batch: int = 16
-  pretrain_steps: int = 600
-  finetune_steps: int = 300
+  pretrain_steps: int = 500
+  finetune_steps: int = 250
   pretrain_lr: float = 3e-3
   lora_lr: float = 3e-3
   full_lr: float = 1e-3
@@ -262,8 +262,8 @@ def table(r: dict[str, Any]) -> str:
 def main(argv=None) -> None:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument('--out', default='lora_out')
-  p.add_argument('--pretrain_steps', type=int, default=600)
-  p.add_argument('--finetune_steps', type=int, default=300)
+  p.add_argument('--pretrain_steps', type=int, default=500)
+  p.add_argument('--finetune_steps', type=int, default=250)
   a = p.parse_args(argv)
   s = Settings(pretrain_steps=a.pretrain_steps, finetune_steps=a.finetune_steps)
   r = run(s)
