@@ -213,6 +213,16 @@ def test_bad_rules_one_clear_line(rules, match):
   assert '\n' not in str(e.value)
 
 
+def test_conv_weights_take_no_adapters():
+  conv = nnx.Conv(3, 8, (3, 3), rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match='adapters go on dot_general / einsum'):
+    lora.attach(
+      conv,
+      [(Rule(op='conv'), lora.LoraConfig(rank=2, base='int8'))],
+      jnp.ones((1, 8, 8, 3)),
+    )
+
+
 def test_bad_rule_types():
   with pytest.raises(TypeError, match='rules must be a LoraConfig'):
     lora.attach(_linear(), 'nf4', X)
