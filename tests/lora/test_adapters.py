@@ -79,7 +79,7 @@ def test_serving_is_the_training_forward_bit_for_bit(dq):
   nnx.update(lm, ad)
   served = nnx.jit(lambda m: m(X))(lm)
   np.testing.assert_array_equal(trained, served)
-  shapes = jax.tree.map(jnp.shape, grads.to_pure_dict())
+  shapes = jax.tree.map(jnp.shape, nnx.to_pure_dict(grads))
   assert shapes == {
     'lora_a_dot_general0': (128, 4),
     'lora_b_dot_general0': (4, 64),
