@@ -12,7 +12,12 @@ import aqtr
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # Modules of optional extras: {package prefix: the module the extra adds}.
-_OPTIONAL = {'aqtr.flax': 'flax', 'aqtr.gin': 'gin', 'aqtr.pax': 'flax'}
+_OPTIONAL = {
+  'aqtr.flax': 'flax',
+  'aqtr.gin': 'gin',
+  'aqtr.lora': 'flax',
+  'aqtr.pax': 'flax',
+}
 
 
 def _modules():

@@ -44,6 +44,7 @@ LAYERS = {
   'pax': 5,
   'qt': 5,
   'ptq': 5,
+  'lora': 5,
   'train': 6,
   'data': 6,
   'demo': 6,

@@ -121,6 +121,7 @@ def test_import_does_not_pull_optional_dependencies():
   code = (
     'import sys, aqtr; '
     "bad = [m for m in ('flax', 'gin', 'optax', 'orbax', 'aqtr.qt', "
+    "'aqtr.lora', "
     "'notebook', "
     "'IPython') if m in sys.modules]; "
     'print(bad); sys.exit(1 if bad else 0)'
@@ -129,3 +130,33 @@ def test_import_does_not_pull_optional_dependencies():
     [sys.executable, '-c', code], capture_output=True, text=True, check=False
   )
   assert result.returncode == 0, result.stdout + result.stderr
+
+
+LORA = {
+  'Adapter',
+  'Bytes',
+  'LoraConfig',
+  'Site',
+  'attach',
+  'check',
+  'check_nnx',
+  'combine',
+  'dropout',
+  'merge',
+  'nf4',
+  'nnx_optimizer',
+  'optimizer',
+  'partition',
+  'sites',
+  'sizes',
+  'trainable',
+}
+
+
+def test_lora_api_is_pinned():
+  import aqtr.lora
+
+  assert set(aqtr.lora.__all__) == LORA
+  assert list(aqtr.lora.__all__) == sorted(aqtr.lora.__all__)
+  for name in LORA:
+    assert getattr(aqtr.lora, name) is not None, name

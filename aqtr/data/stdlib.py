@@ -137,6 +137,7 @@ def load(
   val_percent: int = 10,
   max_bytes: int | None = 4_000_000,
   path: str | pathlib.Path | None = None,
+  exclude: tuple[str, ...] = EXCLUDE,
 ) -> Corpus:
   """Reads, splits by file and encodes the standard library sources.
 
@@ -146,6 +147,7 @@ def load(
       one file at least); files are read in sorted order until the cap.
       None reads everything (~10 MB on CPython 3.11).
     path: corpus folder; default: the standard library.
+    exclude: folder names skipped at any depth (`files`).
 
   Returns:
     A Corpus whose `train` holds no byte of any validation file.
@@ -156,7 +158,7 @@ def load(
     set()
   """
   base = pathlib.Path(path) if path is not None else root()
-  train, val = split(files(base), val_percent)
+  train, val = split(files(base, tuple(exclude)), val_percent)
   val_max = None if max_bytes is None else max(max_bytes // 10, 1)
   tr, tr_names = _read(base, train, max_bytes)
   va, va_names = _read(base, val, val_max)

@@ -54,6 +54,7 @@ from aqtr.fiddlers import (  # noqa: F401
   use_sparsity,
   use_tiling,
 )
+from aqtr.lora import config as lora_config
 from aqtr.rules import Rule
 from aqtr.train import mesh as mesh_lib
 from aqtr.train import models, qt_runs
@@ -105,8 +106,13 @@ RUNS: dict[str, Callable[[], aqtr.DotGeneralConfig]] = (
     # the config shown is its weight ops' config).
     'stock_float': aqtr.presets.float,
     'stock_int8': aqtr.presets.int8,
+    # LoRA / QLoRA fine-tunes of the stock float LM (`aqtr.train.lora_job`;
+    # the config shown is the frozen base's).
+    'lora': aqtr.presets.float,
+    'qlora_nf4': lora_config.nf4,
   }
 )
+LORA_RUNS = ('lora', 'qlora_nf4')
 
 
 # Numeric fields: (type, allowed range as text, range test).
@@ -126,6 +132,7 @@ _RANGES: dict[str, tuple[type, str, Callable[[Any], bool]]] = {
   'val_percent': (int, 'in 1..99', lambda v: 1 <= v <= 99),
   'sample_tokens': (int, '>= 0', lambda v: v >= 0),
   'ptq_batches': (int, '>= 1', lambda v: v >= 1),
+  'lora_rank': (int, '>= 1', lambda v: v >= 1),
 }
 
 
@@ -168,8 +175,9 @@ class Experiment:
       baseline): the presets of `aqtr.presets` and the quantized-training
       runs of `qt_runs` ('qt_int8', 'qt_int8_w8a8', 'float_adam8bit'),
       'int8_sparse_2_4_warm' (2:4 weights after 50 dense int8 steps),
-      and the stock nnx LM runs 'stock_float', 'stock_int8' (task 'lm';
-      `aqtr.train.stock_lm`).
+      the stock nnx LM runs 'stock_float', 'stock_int8' (task 'lm';
+      `aqtr.train.stock_lm`), and its LoRA fine-tunes 'lora',
+      'qlora_nf4' (`aqtr.train.lora_job`; see `init_from`).
     custom: a user-chosen DotGeneralConfig (Fiddle tree), run last under
       the name 'custom'; None: no custom run.
     steps: optimizer steps per run.
@@ -202,6 +210,13 @@ class Experiment:
       `ptq_formats`; rows 'ptq:<method>:<format>' (`aqtr.train.ptq_stage`).
     ptq_formats: names of `aqtr.train.ptq_stage.FORMATS`.
     ptq_batches: training batches the ptq methods calibrate on.
+    init_from: the float stock LM the LoRA runs ('lora', 'qlora_nf4';
+      `aqtr.train.lora_job`) fine-tune: a 'stock_float' run folder's
+      `float_params` checkpoint; None: the job's own 'stock_float' run
+      (which must come before them in `runs`).
+    finetune_family: the stdlib package the LoRA runs fine-tune on (and
+      that the job's LM corpus then leaves out).
+    lora_rank: the LoRA runs' adapter rank r (alpha = 2r).
   """
 
   task: str = 'lm'
@@ -228,6 +243,9 @@ class Experiment:
   ptq: tuple[str, ...] = ()
   ptq_formats: tuple[str, ...] = ('w4g128',)
   ptq_batches: int = 8
+  init_from: str | None = None
+  finetune_family: str = 'email'
+  lora_rank: int = 8
 
   def __post_init__(self):
     if self.task not in TASKS:
@@ -276,6 +294,7 @@ class Experiment:
       raise ValueError(
         f"runs: {', '.join(stock)} need task 'lm', got {self.task!r}."
       )
+    self._check_lora()
     if not self.runs and self.custom is None and not self.stock_rules:
       raise ValueError('nothing to run: runs is empty and custom is None.')
     for name in _RANGES:
@@ -313,6 +332,31 @@ class Experiment:
       raise ValueError(
         f"ptq={self.ptq} quantizes the trained 'float' run: add 'float' to "
         'runs.'
+      )
+
+  def _check_lora(self) -> None:
+    names = [n for n in self.runs if n in LORA_RUNS]
+    if not names:
+      return
+    if self.task != 'lm':
+      raise ValueError(
+        f"runs: {', '.join(names)} need task 'lm', got {self.task!r}."
+      )
+    if self.init_from is not None and not isinstance(self.init_from, str):
+      raise ValueError(
+        f'init_from must be a checkpoint path or None, got {self.init_from!r}.'
+      )
+    first = self.runs.index(names[0])
+    if self.init_from is None and 'stock_float' not in self.runs[:first]:
+      raise ValueError(
+        f'runs: {names[0]!r} fine-tunes a float stock LM: put '
+        "'stock_float' before it in runs, or set init_from=<a job's "
+        'stock_float/float_params>.'
+      )
+    if not isinstance(self.finetune_family, str) or not self.finetune_family:
+      raise ValueError(
+        'finetune_family must name a stdlib package (e.g. email), got '
+        f'{self.finetune_family!r}.'
       )
 
   @property

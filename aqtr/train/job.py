@@ -33,6 +33,7 @@ from aqtr.train import (
   experiment,
   generate,
   loop,
+  lora_job,
   models,
   ptq_stage,
   qt_runs,
@@ -259,7 +260,7 @@ def run(
   params = loop.init_params(template, task, exp.seed)
   float_bytes = common.nbytes(params)
   rows, records, samples = [], [], []
-  base = None
+  base = float_lm = None
   try:
     with report.Metrics(out / 'metrics.jsonl') as metrics:
 
@@ -272,8 +273,30 @@ def run(
         run_dir.mkdir()
         marker = report.mark_incomplete(run_dir, f'run {name!r}')
         stock = name.startswith('stock_')
+        if name in lora_job.RUNS:
+          if float_lm is None:
+            float_lm = lora_job.load_base(exp.init_from, template, exp.seed)
+          r, serve = lora_job.run(
+            name, exp, float_lm, run_dir, on_record=on_record
+          )
+          say(
+            f'  {name}: {exp.finetune_family}/ validation bpc: frozen base '
+            f'{serve["frozen_bpc"]:.4f}, fine-tuned {r.final["bpc"]:.4f}, '
+            f'merged {serve["merged_bpc"]:.4f}; serve == train: '
+            f'{serve["serve_equal"]}',
+            flush=True,
+          )
+          rows.append(_row(r, task.metric, base, serve, serve['float_bytes']))
+          metrics.write({'run': name, 'summary': rows[-1]})
+          marker.unlink()
+          continue
         if stock:
           r = stock_lm.train(name, exp, task, template, on_record=on_record)
+          if name == 'stock_float' and any(
+            n in lora_job.RUNS for n in exp.runs
+          ):
+            float_lm = r.injected
+            lora_job.save_base(float_lm, run_dir)
         else:
           r = loop.train(
             name,

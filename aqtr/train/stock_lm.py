@@ -54,6 +54,7 @@ __all__ = [
   'rope',
   'rules_of',
   'serve',
+  'sizes',
   'train',
 ]
 
@@ -165,6 +166,11 @@ def rules_of(name: str, exp: Any) -> tuple[Rule, ...] | None:
   if name == 'stock_custom':
     return tuple(exp.stock_rules)
   return RULES[name]
+
+
+def sizes(template: Any) -> dict[str, int]:
+  """`StockLm`'s size arguments taken from the job's LM template."""
+  return _sizes(template)
 
 
 def _sizes(template: Any) -> dict[str, int]:

@@ -65,7 +65,11 @@ def make(exp: Experiment) -> Task:
 
 
 def _lm(exp: Experiment) -> Task:
-  corpus = stdlib.load(exp.val_percent, exp.max_corpus_bytes)
+  exclude = stdlib.EXCLUDE
+  lora_runs = ('lora', 'qlora_nf4')
+  if exp.init_from is None and any(n in lora_runs for n in exp.runs):
+    exclude += (exp.finetune_family,)  # Held out for the LoRA fine-tunes.
+  corpus = stdlib.load(exp.val_percent, exp.max_corpus_bytes, exclude=exclude)
   b, t = exp.batch_size, exp.seq_len
   info = (
     f'stdlib bytes: train {len(corpus.train_files)} files '

@@ -1,0 +1,339 @@
+"""Low-rank adapters on a stock Flax model's weight ops, by rules.
+
+`attach(model, rules, *sample_inputs)` takes a float linen or nnx model and
+returns one whose matched weight ops compute
+
+  y = base(x) + dropout(x) A B * alpha / r
+
+(LoRA, Hu et al. 2021, arXiv 2106.09685; QLoRA, Dettmers et al. 2023,
+arXiv 2305.14314). The ops are caught as `aqtr.flax.quantize` catches them
+(`aqtr.flax.intercept`; the weight is the operand that is a parameter of
+the module running the op). The base weight is frozen by
+`aqtr.flax.convert` with the rule's `LoraConfig.base` (nf4 / int4 / int8:
+the holder replaces the float kernel, stored compactly by
+`aqtr.lora.storage`; float: the kernel stays) and its dot runs through
+aqtr's engine in SERVE (the real low-bit dot where the numerics has one).
+`A` [contracted weight axes..., r] starts Kaiming-uniform
+(bound 1/sqrt(d_in)), `B` [r, output axes...] at zero; both live next to
+the kernel in the module (linen 'params' `lora_a_<op>` / `lora_b_<op>`,
+nnx `Adapter` variables), so scan over layers stacks them as it stacks
+the kernel. The same forward trains and serves: serving the trained
+model is bit for bit its training forward.
+
+Example:
+  >>> import jax.numpy as jnp
+  >>> from flax import nnx
+  >>> from aqtr.lora.config import LoraConfig
+  >>> m = attach(nnx.Linear(64, 8, rngs=nnx.Rngs(0)),
+  ...            LoraConfig(rank=2, base='nf4'), jnp.ones((1, 64)))
+  >>> m.lora_a_dot_general0.shape, m.lora_b_dot_general0.shape
+  ((64, 2), (2, 8))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import math
+import warnings
+from typing import Any
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from aqtr.flax import intercept, serving
+from aqtr.flax.frozen import FrozenBox, FrozenKernel
+from aqtr.flax.quantized import quantize, spec_of
+from aqtr.lora import storage
+from aqtr.lora.config import LoraConfig, base_config
+from aqtr.lora.session import (
+  A_PREFIX,
+  B_PREFIX,
+  Adapter,
+  LoraSession,
+  LoraSpec,
+  Site,
+  dropout,
+  raw_entries,
+)
+from aqtr.numerics.codebook import Codebook
+from aqtr.rules import Rule
+
+__all__ = [
+  'A_PREFIX',
+  'B_PREFIX',
+  'Adapter',
+  'Site',
+  'attach',
+  'base_rules_of',
+  'dropout',
+  'lora_rules',
+  'sites',
+  'spec',
+]
+
+
+def lora_rules(rules: Any) -> tuple[tuple[Rule, LoraConfig], ...]:
+  """`rules` as (selector, LoraConfig) pairs.
+
+  Args:
+    rules: a LoraConfig (every weight op), {path regex: LoraConfig}, or a
+      sequence of (Rule, LoraConfig) pairs (the Rule selects ops by
+      path / layer / op kind; its `config` must be None).
+  """
+  if isinstance(rules, LoraConfig):
+    rules = [(Rule(), rules)]
+  elif isinstance(rules, dict):
+    rules = [(Rule(path=p), c) for p, c in rules.items()]
+  if not isinstance(rules, list | tuple) or not rules:
+    raise TypeError(
+      'aqtr.lora: rules must be a LoraConfig, {path regex: LoraConfig} or '
+      f'a non-empty list of (Rule, LoraConfig) pairs, got {rules!r}.'
+    )
+  out = []
+  for pair in rules:
+    if (
+      not isinstance(pair, tuple | list)
+      or len(pair) != 2
+      or not isinstance(pair[0], Rule)
+      or not isinstance(pair[1], LoraConfig)
+    ):
+      raise TypeError(
+        f'aqtr.lora: each rule must be a (Rule, LoraConfig) pair, got {pair!r}.'
+      )
+    sel, cfg = pair
+    if sel.config is not None:
+      raise ValueError(
+        f'aqtr.lora: {sel.label()} sets a config; the base format is '
+        'LoraConfig.base: leave Rule.config None.'
+      )
+    if sel.weight is False:
+      raise ValueError(
+        f'aqtr.lora: {sel.label()} selects ops without a weight operand '
+        '(activation x activation); adapters need a parameter: drop '
+        'weight=False.'
+      )
+    out.append((sel, cfg))
+  return tuple(out)
+
+
+def _base_rules(pairs) -> list[Rule]:
+  return [
+    Rule(
+      base_config(c.base),
+      path=s.path,
+      layer=s.layer,
+      tag=s.tag,
+      op=s.op if s.op is not None else ('dot_general', 'einsum'),
+      weight=True,
+      name=s.name or s.label(),
+    )
+    for s, c in pairs
+  ]
+
+
+def base_rules_of(lspec: LoraSpec) -> list[Rule]:
+  """The `aqtr.flax.quantize` rules of the frozen bases of `lspec`."""
+  return _base_rules(zip(lspec.selectors, lspec.configs, strict=True))
+
+
+def _intercepting(method):
+  """`method` with a LoraSession active for its duration."""
+  raw = method
+  while hasattr(raw, 'method_handler_wrapped'):
+    raw = raw.__wrapped__
+  if not inspect.isfunction(raw):
+    raise TypeError(
+      f'aqtr.lora: {getattr(raw, "__qualname__", raw)!r} is not a plain '
+      'Python function; attach adapters before jitting the model.'
+    )
+
+  @functools.wraps(raw)
+  def call(self, *args, **kwargs):
+    if intercept.is_active():
+      return raw(self, *args, **kwargs)
+    cls = type(self)
+    with intercept.active(LoraSession(cls.aqtr_spec, cls.aqtr_lora)):
+      return raw(self, *args, **kwargs)
+
+  return call
+
+
+def with_spec(model, lspec: LoraSpec, spec_=None):
+  """A copy of a quantized `model` (nnx: in place) running LoRA sessions."""
+  spec_ = spec_ or spec_of(model)
+  base = type(model).aqtr_base
+  ns = {'aqtr_spec': spec_, 'aqtr_base': base, 'aqtr_lora': lspec}
+  for name in spec_.methods:
+    ns[name] = _intercepting(getattr(base, name))
+  if isinstance(model, nn.Module):
+    model = model.copy()
+  model.__class__ = type(base.__name__, (base,), ns)
+  return model
+
+
+def spec(model) -> LoraSpec:
+  """The LoRA rules of a model made by `attach` (a clear error if none)."""
+  s = getattr(type(model), 'aqtr_lora', None)
+  if s is None:
+    raise ValueError(
+      f'{type(model).__name__} has no adapters: build it with '
+      'aqtr.lora.attach(model, rules, *sample_inputs).'
+    )
+  return s
+
+
+def sites(model, *args, variables=None, **kwargs) -> list[Site]:
+  """The adapter sites of one call of `model` (traced abstractly)."""
+  lspec = dataclasses.replace(spec(model), recording=True)
+  rec = nnx.clone(model) if isinstance(model, nnx.Module) else model
+  rec = with_spec(rec, lspec)
+  sessions = serving.trace(
+    rec, serving.abstract_call(rec, variables, args, kwargs)
+  )
+  found: dict[str, Site] = {}
+  hits: set[int] = set()
+  for s in sessions:
+    hits |= s.activation_hits
+    for site in s.sites:
+      found.setdefault(site.where, site)
+  out = list(found.values())
+  used = {s.rule for s in out}
+  for i, sel in enumerate(lspec.selectors):
+    if i in used:
+      continue
+    if i in hits:
+      raise ValueError(
+        f'aqtr.lora: rule {i} {sel.label()} matches only ops without a '
+        'weight operand (activation x activation, e.g. attention scores); '
+        'adapters need a parameter: point it at the weight ops.'
+      )
+    raise ValueError(
+      f'aqtr.lora: rule {i} {sel.label()} matches no weight op (or only '
+      'ops an earlier rule took); fix its path / layer / op.'
+    )
+  return out
+
+
+def _table(cfg: LoraConfig):
+  bc = base_config(cfg.base)
+  n = None if bc is None else bc.fwd.rhs.numerics
+  return tuple(n.table) if isinstance(n, Codebook) else None
+
+
+def _compact(holder, cfg: LoraConfig, ref_ndim: int, linen: bool):
+  """A converted holder stored compactly (4-bit codes, 8-bit scales)."""
+  table = _table(cfg)
+  stored, shapes = storage.encode(
+    raw_entries(holder), table, cfg.double_quant, ref_ndim
+  )
+  shapes = tuple(sorted(shapes.items()))
+  if linen:
+    return storage.LoraBox(
+      stored,
+      shape=holder.shape,
+      dtype=holder.dtype,
+      ref_ndim=holder.ref_ndim,
+      table=table,
+      scale_shapes=shapes,
+    )
+  return storage.LoraKernel(
+    stored,
+    kernel_shape=holder.get_metadata('kernel_shape'),
+    kernel_dtype=holder.get_metadata('kernel_dtype'),
+    ref_ndim=holder.get_metadata('ref_ndim'),
+    table=table,
+    scale_shapes=shapes,
+  )
+
+
+def _init(key, site: Site, lead: tuple[int, ...]):
+  """A: Kaiming-uniform (bound 1/sqrt(d_in)); B: zeros."""
+  d_in = math.prod(site.a_shape[:-1])
+  bound = 1.0 / math.sqrt(d_in)
+  a = jax.random.uniform(
+    key, (*lead, *site.a_shape), jnp.float32, -bound, bound
+  )
+  return a, jnp.zeros((*lead, *site.b_shape), jnp.float32)
+
+
+def attach(model, rules, *args, variables=None, seed: int = 0, **kwargs):
+  """Adapters on the weight ops `rules` select; the bases frozen.
+
+  Args:
+    model: a float linen Module (unbound) or nnx Module (not changed).
+    rules: a LoraConfig (every weight op), {path regex: LoraConfig}, or
+      (Rule, LoraConfig) pairs, first match wins (`lora_rules`).
+    *args, **kwargs: sample inputs of one call (shapes matter).
+    variables: linen: the float variables (e.g. a pretrained checkpoint).
+    seed: PRNG seed of the A matrices.
+
+  Returns:
+    nnx: the LoRA model (a new one). linen: (LoRA module, variables).
+
+  Raises:
+    ValueError: a rule matches no weight op or only activation ops, a
+      rank exceeds min(d_in, d_out), an op reads a derived weight.
+  """
+  pairs = lora_rules(rules)
+  if isinstance(model, nn.Module) and variables is None:
+    raise TypeError('aqtr.lora.attach: a linen model needs variables=.')
+  linen = isinstance(model, nn.Module)
+  q = quantize(model, _base_rules(pairs))
+  lspec = LoraSpec(
+    tuple(s for s, _ in pairs), tuple(c for _, c in pairs), False
+  )
+  if any(base_config(c.base) is not None for _, c in pairs):
+    with warnings.catch_warnings():
+      warnings.simplefilter('ignore', UserWarning)
+      got = serving.convert(
+        q, *args, variables=variables, check=False, **kwargs
+      )
+    q, variables = got if linen else (got, None)
+  lora = with_spec(q, lspec)
+  found = sites(lora, *args, variables=variables, **kwargs)
+  if linen:
+    params = flax.core.unfreeze(variables['params'])
+  else:
+    modules = dict(nnx.iter_modules(lora))
+  key = jax.random.key(seed)
+  done = set()
+  for i, site in enumerate(found):
+    cfg = lspec.configs[site.rule]
+    if linen:
+      parent = params
+      for k in site.module_path:
+        parent = parent[k]
+      value = parent[site.param]
+    else:
+      parent = modules[site.module_path]
+      value = getattr(parent, site.param)
+    if isinstance(value, FrozenKernel | FrozenBox):
+      ref_ndim = value.ref_ndim if linen else value.get_metadata('ref_ndim')
+      full = jax.eval_shape(value.unbox if linen else value.get_value).shape
+      if (*site.module_path, site.param) not in done and not isinstance(
+        value, storage.LoraKernel | storage.LoraBox
+      ):
+        value = _compact(value, cfg, ref_ndim, linen)
+        if linen:
+          parent[site.param] = value
+        else:
+          setattr(parent, site.param, value)
+      done.add((*site.module_path, site.param))
+    else:
+      full = jnp.shape(nn.meta.unbox(value) if linen else value.get_value())
+    lead = tuple(full[: len(full) - len(site.weight.shape)])
+    a, b = _init(jax.random.fold_in(key, i), site, lead)
+    an, bn = site.names
+    if linen:
+      parent[an], parent[bn] = a, b
+    else:
+      setattr(parent, an, Adapter(a))
+      setattr(parent, bn, Adapter(b))
+  if linen:
+    return lora, dict(variables, params=params)
+  return lora

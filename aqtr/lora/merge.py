@@ -1,0 +1,285 @@
+"""Serving merged adapters, and the bytes of LoRA vs full fine-tuning.
+
+`merge(model, *sample_inputs)` folds each adapter into its weight and
+re-quantizes it with the base's format: `W' = Q(W_deq + A B alpha / r)`
+(`W_deq`: the frozen base dequantized, `aqtr.QTensor.dequant`), giving an
+ordinary serving model (`aqtr.flax.convert`'s; float base: the float
+model with `W + A B alpha / r`) with no adapter matmul left.
+
+`sizes(model, *sample_inputs)` counts what training holds: trainable
+adapters, AdamW's two moments of them, the frozen base (as stored), the
+other (float, untouched) parameters, and the same model fine-tuned in full
+with AdamW (float weights + two moments).
+
+Example:
+  >>> import jax.numpy as jnp
+  >>> from flax import nnx
+  >>> from aqtr.lora.adapters import attach
+  >>> from aqtr.lora.config import LoraConfig
+  >>> x = jnp.ones((1, 64))
+  >>> m = attach(nnx.Linear(64, 64, rngs=nnx.Rngs(0)),
+  ...            LoraConfig(rank=2, base='nf4'), x)
+  >>> s = sizes(m, x)
+  >>> s.adapters, s.base, s.full
+  (1024, 2304, 49920)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx, traverse_util
+
+from aqtr.flax import serving
+from aqtr.flax.frozen import FrozenBox, FrozenKernel, kernel_bytes
+from aqtr.flax.quantized import quantize
+from aqtr.freezers import configure, lifecycle
+from aqtr.lora import adapters as adapters_lib
+from aqtr.lora.config import base_config
+
+__all__ = ['Bytes', 'delta', 'dequantized', 'merge', 'sizes']
+
+
+def dequantized(holder, site: adapters_lib.Site, cfg) -> jax.Array:
+  """The frozen base of `site` in float, shaped like its kernel."""
+  entries = holder.entries()[f'{site.op_id}_{site.side}']
+  (entry,) = entries.values()
+  parts = entry['rhs']
+  wcfg = configure(cfg, rhs='weights')
+  ref = parts['qvalue']
+  lead = ref.ndim - (
+    holder.ref_ndim
+    if isinstance(holder, FrozenBox)
+    else holder.get_metadata('ref_ndim')
+  )
+
+  def one(parts):
+    call = lifecycle.DotCall(
+      jnp.zeros(site.other.shape, site.other.dtype),
+      jnp.zeros(site.weight.shape, site.weight.dtype),
+      site.dn,
+      wcfg,
+    )
+    qt = call.operand('rhs').qtensor(
+      parts['qvalue'], parts['scale'], parts.get('zero_point')
+    )
+    return qt.dequant(site.weight.dtype)
+
+  fn = one
+  for _ in range(lead):
+    fn = jax.vmap(fn)
+  return fn(parts)
+
+
+def delta(site: adapters_lib.Site, a, b, scale: float) -> jax.Array:
+  """A B * scale in the layout of the op's weight operand (lead kept)."""
+  lead = a.shape[: a.ndim - len(site.a_shape)]
+  cin, cout = site.a_shape[:-1], site.b_shape[1:]
+  a2 = a.reshape(*lead, math.prod(cin), site.a_shape[-1])
+  b2 = b.reshape(*lead, site.b_shape[0], math.prod(cout))
+  d = jnp.einsum('...ir,...rj->...ij', a2, b2) * scale
+  d = d.reshape(*lead, *cin, *cout)
+  (_, rc), _ = site.dn
+  free = [i for i in range(len(site.weight.shape)) if i not in rc]
+  perm = np.argsort([*rc, *free])
+  n = len(lead)
+  return d.transpose(*range(n), *(n + int(p) for p in perm))
+
+
+def _weight(value):
+  return value.unbox() if isinstance(value, FrozenBox) else value
+
+
+def _given(adapters, site: adapters_lib.Site, names):
+  """The (A, B) `adapters` holds for `site`, checked against it."""
+  flat = {
+    tuple(map(str, k)): v
+    for k, v in traverse_util.flatten_dict(adapters).items()
+  }
+  got = []
+  for name, shape in zip(names, (site.a_shape, site.b_shape), strict=True):
+    key = tuple(map(str, (*site.module_path, name)))
+    if key not in flat:
+      raise ValueError(
+        f'aqtr.lora.merge: the adapters have no {"/".join(key)!r}; merge '
+        'adapters trained on this model (same rules).'
+      )
+    v = jnp.asarray(flat[key])
+    if tuple(v.shape[v.ndim - len(shape) :]) != tuple(shape):
+      raise ValueError(
+        f'aqtr.lora.merge: adapter {"/".join(key)!r} has shape {v.shape} '
+        f'but the model needs {shape} (rank {site.a_shape[-1]}); merge '
+        'adapters of the same rank and shapes.'
+      )
+    got.append(v)
+  return tuple(got)
+
+
+def merge(
+  model, *args, variables=None, adapters=None, requantize='base', **kwargs
+):
+  """The adapters folded into re-quantized base weights, for serving.
+
+  Args:
+    model: a LoRA model (`aqtr.lora.attach`), trained.
+    *args, **kwargs: sample inputs.
+    variables: linen: the LoRA variables.
+    adapters: other adapters to merge instead of the model's (a nested
+      dict as `aqtr.lora.partition` or `nnx.state(m, Adapter)` give).
+    requantize: the merged weights' format: 'base' (each rule's
+      `LoraConfig.base`), or one format for all (a `LoraConfig.base`
+      value: 'nf4', a preset name such as 'int8_weight_only', a
+      DotGeneralConfig, or None: float).
+
+  Returns:
+    nnx: the merged serving model. linen: (module, variables).
+  """
+  lspec = adapters_lib.spec(model)
+  found = adapters_lib.sites(model, *args, variables=variables, **kwargs)
+  linen = isinstance(model, nn.Module)
+  if adapters is not None and not isinstance(adapters, dict):
+    adapters = nnx.to_pure_dict(adapters)
+  if linen:
+    params = flax.core.unfreeze(variables['params'])
+  else:
+    out = nnx.clone(model)
+    modules = dict(nnx.iter_modules(out))
+  for site in found:
+    cfg = lspec.configs[site.rule]
+    if linen:
+      parent = params
+      for k in site.module_path:
+        parent = parent[k]
+      get = parent.get
+    else:
+      parent = modules[site.module_path]
+
+      def get(name, parent=parent):
+        v = getattr(parent, name)
+        return v if isinstance(v, FrozenKernel) else v.get_value()
+
+    names = site.names
+    a, b = (
+      (get(names[0]), get(names[1]))
+      if adapters is None
+      else _given(adapters, site, names)
+    )
+    holder = get(site.param)
+    if isinstance(holder, FrozenKernel | FrozenBox):
+      w = dequantized(holder, site, base_config(cfg.base))
+    else:
+      w = _weight(nn.meta.unbox(holder))
+    w = (w + delta(site, a, b, cfg.scale)).astype(site.weight.dtype)
+    for name in names:
+      if linen:
+        parent.pop(name)
+      else:
+        delattr(parent, name)
+    if linen:
+      parent[site.param] = w
+    else:
+      setattr(parent, site.param, nnx.Param(w))
+  rules = adapters_lib.base_rules_of(lspec)
+  if not (isinstance(requantize, str) and requantize == 'base'):
+    fmt = base_config(requantize)
+    rules = [dataclasses.replace(r, config=fmt) for r in rules]
+  quantized = any(r.config is not None for r in rules)
+  base = type(model).aqtr_base
+  if linen:
+    module = model.copy()
+    module.__class__ = base
+    fvars = dict(variables, params=params)
+    if not quantized:
+      return module, fvars
+    q = quantize(module, rules)
+  else:
+    out.__class__ = base
+    if not quantized:
+      return out
+    q = quantize(out, rules)
+  with warnings.catch_warnings():
+    warnings.simplefilter('ignore', UserWarning)
+    return serving.convert(
+      q, *args, variables=fvars if linen else None, check=False, **kwargs
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Bytes:
+  """Bytes of LoRA training vs full fine-tuning with AdamW.
+
+  Attributes:
+    adapters: trainable A, B. optimizer: AdamW's two moments of them.
+    base: the frozen adapted weights as stored. other: the other params.
+    full: full fine-tuning: every weight float + two AdamW moments.
+    base_float: the adapted weights in float (their full-FT share).
+  """
+
+  adapters: int
+  optimizer: int
+  base: int
+  other: int
+  full: int
+  base_float: int
+
+  @property
+  def total(self) -> int:
+    return self.adapters + self.optimizer + self.base + self.other
+
+  @property
+  def ratio(self) -> float:
+    """LoRA training bytes / full fine-tuning bytes."""
+    return self.total / self.full
+
+  @property
+  def base_bits(self) -> float:
+    """Bits per adapted weight as stored (32: float)."""
+    return 32.0 * self.base / self.base_float
+
+
+def sizes(model, *args, variables=None, **kwargs) -> Bytes:
+  """Training bytes of a LoRA model vs full fine-tuning (AdamW)."""
+  found = adapters_lib.sites(model, *args, variables=variables, **kwargs)
+  bases = {(*s.module_path, s.param) for s in found}
+  ad = base = base_float = other = 0
+  if isinstance(model, nn.Module):
+    flat = traverse_util.flatten_dict(flax.core.unfreeze(variables['params']))
+    items = [(k, v, v) for k, v in flat.items()]
+  else:
+    items = [
+      (tuple(p), v, v)
+      for p, v in nnx.to_flat_state(
+        nnx.state(model, nnx.Any(nnx.Param, FrozenKernel))
+      )
+    ]
+  for path, v, _ in items:
+    if str(path[-1]).startswith((adapters_lib.A_PREFIX, adapters_lib.B_PREFIX)):
+      ad += lifecycle.nbytes(
+        nn.meta.unbox(v) if not isinstance(v, nnx.Variable) else v.get_value()
+      )
+      continue
+    if isinstance(v, FrozenKernel | FrozenBox):
+      stored = (
+        v.stored()
+        if hasattr(v, 'stored')
+        else (v.get_raw_value() if isinstance(v, FrozenKernel) else v.frozen)
+      )
+      base += lifecycle.nbytes(stored)
+      base_float += kernel_bytes(v)
+      continue
+    arr = v.get_value() if isinstance(v, nnx.Variable) else nn.meta.unbox(v)
+    n = lifecycle.nbytes(arr)
+    if tuple(path) in bases:
+      base += n
+      base_float += n
+    else:
+      other += n
+  full = 3 * (base_float + other)
+  return Bytes(ad, 2 * ad, base, other, full, base_float)

@@ -1,0 +1,318 @@
+"""One call of a LoRA model: each intercepted op, plus its adapter.
+
+`LoraSession` is the interception handler (`aqtr.flax.intercept`) of a
+model made by `aqtr.lora.attach`: it runs the op as
+`aqtr.flax.quantized.Session` does (the frozen base in SERVE through the
+engine, or float) and adds the low-rank term
+
+  dropout(x) A B * alpha / r
+
+reading A and B from the module running the op (linen params / nnx
+`Adapter` variables `lora_a_<op>`, `lora_b_<op>`). The weight operand's
+contracted axes meet A's leading axes, its output axes follow B's first
+(`Site`). Recording (`LoraSpec.recording`) notes each op's `Site` instead.
+
+Example:
+  >>> Site((), 'dot_general0', 'rhs', 'kernel', 0, (4, 2), (2, 3),
+  ...      None, None, None).names
+  ('lora_a_dot_general0', 'lora_b_dot_general0')
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import math
+import threading
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from aqtr.core.dot_general import dot_general as aqtr_dot_general
+from aqtr.flax import intercept
+from aqtr.flax.frozen import FrozenBox, FrozenKernel
+from aqtr.flax.quantized import Session, swapped
+from aqtr.lora.config import LoraConfig, adapter_config
+from aqtr.rules import Rule
+
+__all__ = [
+  'A_PREFIX',
+  'B_PREFIX',
+  'Adapter',
+  'LoraSession',
+  'LoraSpec',
+  'Site',
+  'dropout',
+  'path_of',
+  'raw_entries',
+]
+
+_local = threading.local()
+A_PREFIX, B_PREFIX = 'lora_a_', 'lora_b_'
+
+
+class Adapter(nnx.Param):
+  """nnx: a LoRA adapter matrix (the only trainable variables)."""
+
+
+@contextlib.contextmanager
+def dropout(key: jax.Array):
+  """Within: adapters apply their `LoraConfig.dropout` with PRNG `key`.
+
+  Each adapter op folds its index into `key` (inside a scan over layers
+  every layer draws the same mask). Outside this block: no dropout.
+  """
+  before = getattr(_local, 'key', None)
+  _local.key = key
+  try:
+    yield
+  finally:
+    _local.key = before
+
+
+@dataclasses.dataclass(frozen=True)
+class Site:
+  """One weight op with an adapter.
+
+  Attributes:
+    module_path: the module's path; op_id: '<kind><n>' within it.
+    side: which operand of the op is the weight ('lhs' / 'rhs').
+    param: the weight parameter's name.
+    rule: index of the LoRA rule that set it.
+    a_shape, b_shape: of one layer's A [d_in..., r] and B [r, d_out...].
+    dn: the dot's dimension numbers with the weight as rhs.
+    weight, other: shapes / dtypes of one layer's weight and input.
+  """
+
+  module_path: tuple
+  op_id: str
+  side: str
+  param: str
+  rule: int
+  a_shape: tuple[int, ...]
+  b_shape: tuple[int, ...]
+  dn: Any
+  weight: jax.ShapeDtypeStruct
+  other: jax.ShapeDtypeStruct
+
+  @property
+  def where(self) -> str:
+    return '/'.join(map(str, (*self.module_path, self.op_id)))
+
+  @property
+  def names(self) -> tuple[str, str]:
+    """The adapter parameters' names (A, B)."""
+    return A_PREFIX + self.op_id, B_PREFIX + self.op_id
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraSpec:
+  """What a LoRA model carries: selectors, configs, recording or not."""
+
+  selectors: tuple[Rule, ...]
+  configs: tuple[LoraConfig, ...]
+  recording: bool = False
+
+
+def path_of(module) -> tuple:
+  """The module's path (linen: its scope path; nnx: set by quantize)."""
+  if isinstance(module, nn.Module):
+    return tuple(module.path)
+  return tuple(getattr(module, 'aqtr_path', ()))
+
+
+def _own(module) -> dict:
+  """{name: value} of the module's own parameters (holders as they are)."""
+  if isinstance(module, nn.Module):
+    params = module.variables.get('params', {})
+    return {
+      k: module.get_variable('params', k)
+      for k, v in params.items()
+      if not isinstance(v, dict)
+    }
+  out = {}
+  for k, v in vars(module).items():
+    if isinstance(v, FrozenKernel):
+      out[k] = v
+    elif isinstance(v, nnx.Param):
+      out[k] = v.get_value()
+  return out
+
+
+def raw_entries(holder) -> dict:
+  """A frozen holder's stored entries (not decoded)."""
+  if isinstance(holder, FrozenKernel):
+    return holder.get_raw_value()
+  return holder.frozen
+
+
+@dataclasses.dataclass
+class _Where:
+  """What a rule sees of an op (`aqtr.rules.Rule.matches`)."""
+
+  path: str
+  prefixes: tuple[str, ...]
+  layers: tuple[type, ...]
+  op_cls: type
+  kind: str
+  weight: bool | None
+  tags: frozenset = frozenset()
+
+
+class LoraSession(Session):
+  """One call of a LoRA model: the base op, plus its adapter."""
+
+  def __init__(self, spec_, lspec: LoraSpec):
+    super().__init__(spec_)
+    self.lspec = lspec
+    self.sites: list[Site] = []
+    self.activation_hits: set[int] = set()
+    self.n = 0
+
+  def __call__(self, op: intercept.OpCall):
+    stack = intercept.modules()
+    module = stack[0] if stack else None
+    out = super().__call__(op)
+    e = self.entries[-1]
+    if e.rule is None or module is None:
+      if e.weight is None and module is not None:
+        self._note_activation(op, stack, module)
+      return out
+    return self._adapt(op, module, e, out)
+
+  def _note_activation(self, op, stack, module) -> None:
+    mpath = path_of(module)
+    where = _Where(
+      '/'.join(map(str, mpath)),
+      tuple('/'.join(map(str, mpath[:i])) for i in range(1, len(mpath))),
+      tuple(type(m) for m in stack),
+      type(module),
+      op.kind,
+      None,
+    )
+    for i, sel in enumerate(self.lspec.selectors):
+      if sel.matches(where):
+        self.activation_hits.add(i)
+
+  def _adapt(self, op, module, e, out):
+    side, op_id = e.weight, e.path.rsplit('/', 1)[-1]
+    label = f'aqtr.lora: {e.path} ({op.name} of shapes {e.shapes})'
+    if op.kind not in ('dot_general', 'einsum'):
+      raise ValueError(
+        f'{label}: adapters go on dot_general / einsum weight ops, not '
+        f'{op.kind}; exclude it from the LoRA rules.'
+      )
+    if op.run is None:
+      raise ValueError(f'{label}: cannot take an adapter ({op.why}).')
+    own = _own(module)
+    key = f'{op_id}_{side}'
+    w = getattr(op, side)
+    param = next(
+      (
+        k
+        for k, v in own.items()
+        if (isinstance(v, FrozenKernel | FrozenBox) and key in raw_entries(v))
+        or w is nn.meta.unbox(v)
+      ),
+      None,
+    )
+    if param is None:
+      raise ValueError(
+        f'{label}: its weight operand is derived from a parameter (e.g. a '
+        'transpose), not the parameter itself; adapters need the '
+        'parameter: exclude this op from the LoRA rules.'
+      )
+    cfg = self.lspec.configs[e.rule]
+    names = A_PREFIX + op_id, B_PREFIX + op_id
+    ab = None if self.lspec.recording else _adapters(module, names, label)
+    mpath = path_of(module)
+
+    def adapter_dot(lhs, rhs, dn, precision, preferred):
+      (lc, rc), (_, rb) = dn
+      if rb:
+        raise ValueError(
+          f'{label}: the weight has batch axes {rb}; adapters need a weight '
+          'of contracted and output axes only.'
+        )
+      free = [d for d in range(rhs.ndim) if d not in rc]
+      a_shape = (*(rhs.shape[d] for d in rc), cfg.rank)
+      b_shape = (cfg.rank, *(rhs.shape[d] for d in free))
+      d_in, d_out = math.prod(a_shape[:-1]), math.prod(b_shape[1:])
+      if cfg.rank > min(d_in, d_out):
+        raise ValueError(
+          f'{label}: LoraConfig.rank {cfg.rank} exceeds min(d_in, d_out) = '
+          f'min({d_in}, {d_out}); use rank <= {min(d_in, d_out)}.'
+        )
+      if ab is None:
+        self.sites.append(
+          Site(
+            mpath,
+            op_id,
+            side,
+            param,
+            e.rule,
+            a_shape,
+            b_shape,
+            dn,
+            jax.ShapeDtypeStruct(rhs.shape, rhs.dtype),
+            jax.ShapeDtypeStruct(jnp.shape(lhs), jnp.result_type(lhs)),
+          )
+        )
+        nl = jnp.ndim(lhs) - len(lc)
+        shape = (
+          *(jnp.shape(lhs)[d] for d in range(nl + len(lc)) if d not in lc),
+        )
+        return jnp.zeros((*shape, *b_shape[1:]), jnp.result_type(lhs))
+      a, b = ab
+      if tuple(a.shape) != a_shape or tuple(b.shape) != b_shape:
+        raise ValueError(
+          f'{label}: adapters of shapes {a.shape}, {b.shape} but the op '
+          f'needs {a_shape}, {b_shape} (rank {cfg.rank}).'
+        )
+      return self._low_rank(lhs, a, b, lc, cfg, precision)
+
+    run = swapped(adapter_dot) if side == 'lhs' else adapter_dot
+    delta = op.run(run, op.lhs, op.rhs)
+    return out + delta.astype(out.dtype)
+
+  def _low_rank(self, x, a, b, lc, cfg: LoraConfig, precision):
+    """dropout(x) A B * alpha / r, x's contracted axes `lc` against A's."""
+    key = getattr(_local, 'key', None)
+    if cfg.dropout and key is not None:
+      k = jax.random.fold_in(key, self.n)
+      keep = jax.random.bernoulli(k, 1.0 - cfg.dropout, jnp.shape(x))
+      x = jnp.where(keep, x / (1.0 - cfg.dropout), 0).astype(x.dtype)
+    self.n += 1
+    qc = adapter_config(cfg)
+    dot = (
+      jax.lax.dot_general
+      if qc is None
+      else functools.partial(aqtr_dot_general, config=qc)
+    )
+    x = x.astype(a.dtype)
+    dn_a = ((tuple(lc), tuple(range(len(lc)))), ((), ()))
+    xa = dot(x, a, dn_a, precision=precision)
+    dn_b = (((xa.ndim - 1,), (0,)), ((), ()))
+    return dot(xa, b, dn_b, precision=precision) * cfg.scale
+
+
+def _adapters(module, names, label):
+  """The module's (A, B) arrays; a clear error when they are missing."""
+  got = []
+  for name in names:
+    if isinstance(module, nn.Module):
+      v = module.get_variable('params', name)
+    else:
+      v = getattr(module, name, None)
+      v = v.get_value() if isinstance(v, nnx.Variable) else v
+    if v is None:
+      raise ValueError(
+        f'{label}: no adapter {name!r} in the module; build the model with '
+        'aqtr.lora.attach(model, rules, *sample_inputs).'
+      )
+    got.append(nn.meta.unbox(v))
+  return tuple(got)

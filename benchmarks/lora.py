@@ -1,0 +1,131 @@
+"""LoRA / QLoRA vs full fine-tuning: bytes and step time.
+
+The stock nnx Llama-style LM of `aqtr.train.stock_lm` (bytes, vocab 256,
+2 blocks, d_model 128, 4 heads, SwiGLU 512, tied embedding; batch 16 x
+128 random tokens) trained by one jitted step (forward, backward, AdamW
+update) as:
+
+  full        every parameter float, AdamW on all of them
+  lora        r=8 adapters on every block projection, float base frozen
+  qlora_nf4   the same adapters; base nf4 (g64) as 4-bit codes, scales
+              double-quantized (8 bits, 256 per block)
+  qlora_nf4_fp32_scales   the same without double quantization
+
+Columns: median step time over interleaved rounds (ms; same process),
+its ratio to full fine-tuning, and bytes (`aqtr.lora.sizes`): trainable
+adapters, AdamW state, the frozen adapted weights as stored (bits per
+weight), the other float parameters (embedding, norms), and the training
+total (adapters + optimizer + frozen base + other) over full
+fine-tuning's (float weights + two AdamW moments).
+
+Run: python benchmarks/lora.py [--rounds 5] [--steps 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import host
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from aqtr import lora
+from aqtr.train.stock_lm import StockLm
+
+BATCH, SEQ, VOCAB = 16, 128, 256
+CONFIGS = {
+  'lora': lora.LoraConfig(rank=8),
+  'qlora_nf4': lora.LoraConfig(rank=8, base='nf4', double_quant=True),
+  'qlora_nf4_fp32_scales': lora.LoraConfig(rank=8, base='nf4'),
+}
+
+
+def _setups(x):
+  model = StockLm(VOCAB, 128, 2, 4, rngs=nnx.Rngs(0))
+  out = {'full': (model, nnx.Param, None)}
+  for name, cfg in CONFIGS.items():
+    m = lora.attach(model, {'.*blocks.*': cfg}, x[:1])
+    out[name] = (m, lora.Adapter, lora.sizes(m, x[:1]))
+  return out
+
+
+def _step(graphdef, tx):
+  def step(p, rest, o, x, y):
+    def loss(p):
+      logits = nnx.merge(graphdef, p, rest)(x)
+      return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    value, g = jax.value_and_grad(loss)(p)
+    upd, o = tx.update(g, o, p)
+    return optax.apply_updates(p, upd), o, value
+
+  return step
+
+
+def bench(rounds: int, steps: int):
+  key = jax.random.key(0)
+  x = jax.random.randint(key, (BATCH, SEQ), 0, VOCAB)
+  y = jnp.roll(x, -1, axis=1)
+  tx = optax.adamw(1e-3)
+  compiled, state, times, sizes = {}, {}, {}, {}
+  for name, (m, wrt, sz) in _setups(x).items():
+    graphdef, p, rest = nnx.split(m, wrt, ...)
+    o = tx.init(p)
+    c = jax.jit(_step(graphdef, tx), donate_argnums=(0, 2))
+    compiled[name] = c.lower(p, rest, o, x, y).compile()
+    state[name] = jax.tree.map(jnp.copy, (p, rest, o))  # Unshared buffers.
+    times[name] = []
+    sizes[name] = sz
+  for _ in range(rounds):
+    for name, c in compiled.items():
+      p, rest, o = state[name]
+      p, o, loss = c(p, rest, o, x, y)
+      jax.block_until_ready(loss)
+      t = time.perf_counter()
+      for _ in range(steps):
+        p, o, loss = c(p, rest, o, x, y)
+      jax.block_until_ready(loss)
+      times[name].append((time.perf_counter() - t) / steps * 1e3)
+      state[name] = (p, rest, o)
+  return {n: statistics.median(t) for n, t in times.items()}, sizes
+
+
+def table(times, sizes) -> str:
+  full = next(s for s in sizes.values() if s is not None).full
+  lines = [
+    f'Host: {host.cpu_model()}',
+    '',
+    '| run | step ms | x full | trainable B | AdamW B | frozen base B | '
+    'bits/base weight | other B | total / full FT |',
+    '|---|---:|---:|---:|---:|---:|---:|---:|---:|',
+  ]
+  for name, ms in times.items():
+    s = sizes[name]
+    if s is None:
+      lines.append(
+        f'| {name} | {ms:.1f} | 1.00 | {full // 3} | {2 * full // 3} | | '
+        '32 | | 1.000 |'
+      )
+      continue
+    lines.append(
+      f'| {name} | {ms:.1f} | {ms / times["full"]:.2f} | {s.adapters} | '
+      f'{s.optimizer} | {s.base} | {s.base_bits:.3f} | {s.other} | '
+      f'{s.ratio:.3f} |'
+    )
+  return '\n'.join(lines)
+
+
+def main(argv=None) -> None:
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument('--rounds', type=int, default=5)
+  ap.add_argument('--steps', type=int, default=5)
+  args = ap.parse_args(argv)
+  print(table(*bench(args.rounds, args.steps)))
+
+
+if __name__ == '__main__':
+  main()

@@ -1,0 +1,121 @@
+"""merge (adapters folded into re-quantized weights) and sizes (bytes)."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from aqtr import lora
+from aqtr.flax.frozen import FrozenKernel
+
+X = jax.random.normal(jax.random.key(1), (4, 128))
+
+
+def _lora(base, dq=False, rank=4, seed=2):
+  m = lora.attach(
+    nnx.Linear(128, 64, rngs=nnx.Rngs(0)),
+    lora.LoraConfig(rank=rank, base=base, double_quant=dq),
+    X,
+  )
+  b = m.lora_b_dot_general0
+  b.set_value(
+    0.02 * jax.random.normal(jax.random.key(seed), b.get_value().shape)
+  )
+  return m
+
+
+@pytest.mark.parametrize(
+  'base, dq', [('nf4', False), ('nf4', True), ('int8_weight_only', False)]
+)
+def test_zero_adapters_merge_to_the_same_frozen_base(base, dq):
+  m = _lora(base, dq)
+  m.lora_b_dot_general0.set_value(jnp.zeros((4, 64)))
+  merged = lora.merge(m, X)
+  assert isinstance(merged.kernel, FrozenKernel)
+  assert not hasattr(merged, 'lora_a_dot_general0')
+  if base == 'nf4':  # the block max is +-1 * scale: re-quantized exactly
+    np.testing.assert_array_equal(merged(X), m(X))
+  else:  # 127 * s / 127 may round the scale by an ulp
+    np.testing.assert_allclose(merged(X), m(X), rtol=1e-5, atol=1e-5)
+
+
+def test_float_base_merges_exactly_up_to_rounding():
+  m = _lora(None)
+  merged = lora.merge(m, X)
+  assert isinstance(merged.kernel, nnx.Param)
+  np.testing.assert_allclose(merged(X), m(X), atol=1e-5)
+
+
+@pytest.mark.parametrize('base', ['nf4', 'int8_weight_only'])
+def test_merged_is_requantized_close_to_unmerged(base):
+  m = _lora(base)
+  y, merged = m(X), lora.merge(m, X)(X)
+  err = float(jnp.abs(merged - y).mean() / jnp.abs(y).mean())
+  assert 0 < err < (0.15 if base == 'nf4' else 0.01)
+
+
+def test_merge_other_adapters_and_their_shape_check():
+  m, other = _lora('nf4'), _lora('nf4', seed=5)
+  mine = lora.merge(m, X)(X)
+  theirs = lora.merge(m, X, adapters=nnx.state(other, lora.Adapter))(X)
+  np.testing.assert_array_equal(theirs, lora.merge(other, X)(X))
+  assert not np.array_equal(mine, theirs)
+  wrong = nnx.state(_lora('nf4', rank=8), lora.Adapter)
+  with pytest.raises(
+    ValueError,
+    match=r"adapter 'lora_a_dot_general0' has shape \(128, 8\) but the "
+    r'model needs \(128, 4\) \(rank 4\)',
+  ) as e:
+    lora.merge(m, X, adapters=wrong)
+  assert '\n' not in str(e.value)
+  with pytest.raises(
+    ValueError, match="the adapters have no 'lora_b_dot_general0'"
+  ):
+    lora.merge(m, X, adapters={'lora_a_dot_general0': jnp.zeros((128, 4))})
+
+
+class _Mlp(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(8)(nn.relu(nn.Dense(64)(x)))
+
+
+def test_linen_merge():
+  model = _Mlp()
+  v = model.init(jax.random.key(0), X)
+  lm, lv = lora.attach(
+    model, lora.LoraConfig(rank=4, base='nf4'), X, variables=v
+  )
+  sm, sv = lora.merge(lm, X, variables=lv)
+  np.testing.assert_array_equal(sm.apply(sv, X), lm.apply(lv, X))
+  assert 'lora_a_dot_general0' not in sv['params']['Dense_0']
+
+
+def test_sizes_bytes_of_each_part():
+  x = X[:, :64]
+  m = lora.attach(
+    nnx.Linear(64, 256, use_bias=False, rngs=nnx.Rngs(0)),
+    lora.LoraConfig(rank=4, base='nf4'),
+    x,
+  )
+  s = lora.sizes(m, x)
+  assert s.adapters == 4 * (64 * 4 + 4 * 256)
+  assert s.optimizer == 2 * s.adapters
+  assert s.base_float == 4 * 64 * 256
+  assert s.base == 64 * 256 // 2 + 4 * 256  # 4-bit codes + a scale per 64
+  assert s.base_bits == 4.5 and s.other == 0
+  assert s.full == 3 * s.base_float
+  dq = lora.sizes(
+    lora.attach(
+      nnx.Linear(64, 256, use_bias=False, rngs=nnx.Rngs(0)),
+      lora.LoraConfig(rank=4, base='nf4', double_quant=True),
+      x,
+    ),
+    x,
+  )
+  assert dq.base == 64 * 256 // 2 + 256 + 4 + 4  # int8 scales, c, mean
+  assert dq.ratio < s.ratio < 0.25
