@@ -215,6 +215,12 @@ def quantize(
   for site in got.sites.values():
     meth.check(site)
   target, got = meth.rewrite(target, got)
+  grids = {}
+  for path, site in got.sites.items():
+    try:
+      grids[path] = Grid.of(site, got.weights[path])
+    except (ValueError, TypeError) as e:
+      raise type(e)(f'aqtr.ptq: {path}: {e}') from None
   first = batches[0]
   args = tuple(first) if isinstance(first, tuple | list) else (first,)
   served, place = _convert(target, args)
@@ -229,10 +235,7 @@ def quantize(
         UserWarning,
         stacklevel=2,
       )
-    try:
-      grid = Grid.of(site, got.weights[path])
-    except (ValueError, TypeError) as e:
-      raise type(e)(f'aqtr.ptq: {path}: {e}') from None
+    grid = grids[path]
     t0 = time.perf_counter()
     q2 = jax.block_until_ready(meth.solve(site, grid, stats))
     secs = time.perf_counter() - t0

@@ -32,6 +32,7 @@ Example:
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import threading
 from collections.abc import Iterable
@@ -45,6 +46,7 @@ from fiddle import selectors
 from flax import nnx
 
 import aqtr.pax
+from aqtr import fiddle as aqtr_fiddle
 from aqtr.core.config import DotGeneralConfig
 from aqtr.flax import common, intercept
 from aqtr.flax.quantized import WeightUse, observers, spec_of, swapped
@@ -73,6 +75,11 @@ class Site:
   lhs: jax.ShapeDtypeStruct
   rhs: jax.ShapeDtypeStruct
   holder: tuple = ()
+
+  def __post_init__(self):  # Hashable: a static argument of jit.
+    (lc, rc), (lb, rb) = self.dimension_numbers
+    dn = ((tuple(lc), tuple(rc)), (tuple(lb), tuple(rb)))
+    object.__setattr__(self, 'dimension_numbers', dn)
 
   @property
   def contracting(self) -> tuple[int, ...]:
@@ -184,8 +191,6 @@ class Probe(nn.Module):
 
 def weight_ops(template: fdl.Config) -> list:
   """The `aqtr.pax.EinsumOp` nodes of `template` that quantize a weight."""
-  from aqtr import fiddle as aqtr_fiddle  # noqa: PLC0415 (Fiddle: lazy)
-
   out = []
   for node in selectors.select(template, aqtr.pax.EinsumOp):
     cfg = node.__arguments__.get('config')
@@ -249,8 +254,6 @@ class PaxTarget:
   """
 
   def __init__(self, template: fdl.Config, variables):
-    import copy  # noqa: PLC0415
-
     if not isinstance(template, fdl.Buildable):
       raise TypeError(
         f'aqtr.ptq: template must be a fiddle Config, got {template!r}.'
@@ -311,14 +314,14 @@ def collect(target, batches: Iterable) -> Collected:
   fn, state = target.program()
   meta: dict = {}
 
-  def program(state, args, first):
+  def program(state, args):
     rec = _Recorder()
     with target.observe(rec):
       fn(state, *args)
     meta['sites'] = rec.sites
-    return rec.stats, (rec.weights if first else {})
+    return rec.stats, rec.weights
 
-  jitted = jax.jit(program, static_argnums=2)
+  jitted = jax.jit(program)
   total, weights, want = None, None, None
   for i, batch in enumerate(batches):
     args = _as_args(batch)
@@ -331,7 +334,7 @@ def collect(target, batches: Iterable) -> Collected:
         f'{want}; give every batch the same shapes.'
       )
     try:
-      stats, w = jitted(state, args, i == 0)
+      stats, w = jitted(state, args)
     except jax.errors.UnexpectedTracerError:
       raise ValueError(
         'aqtr.ptq: a weight op ran inside a JAX transform (scan over '

@@ -63,13 +63,22 @@ def prepare(
   return w2, h + damp * jnp.eye(h.shape[0], dtype=h.dtype), dead
 
 
-def inverse_cholesky(h: jax.Array) -> jax.Array:
-  """U upper triangular with H^-1 = U^T U."""
+def inverse_cholesky(h: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(U upper triangular with H^-1 = U^T U, whether H is well conditioned).
+
+  H counts as singular when a Cholesky pivot falls below 1e-6 of the
+  mean diagonal (float32 roundoff), or the factors are not finite.
+  """
   lower = jnp.linalg.cholesky(h)
   eye = jnp.eye(h.shape[0], dtype=h.dtype)
   hinv = jax.scipy.linalg.cho_solve((lower, True), eye)
   hinv = 0.5 * (hinv + hinv.T)
-  return jnp.linalg.cholesky(hinv).T
+  u = jnp.linalg.cholesky(hinv).T
+  pivots = jnp.diag(lower) ** 2
+  ok = (jnp.min(pivots) > 1e-6 * jnp.mean(jnp.diag(h))) & jnp.all(
+    jnp.isfinite(u)
+  )
+  return u, ok
 
 
 @functools.partial(jax.jit, static_argnums=(4, 5, 6, 7))
@@ -82,7 +91,7 @@ def _solve(w2, h, scale, zero, numerics, block_size, act_order, percdamp):
   if act_order:
     perm = jnp.argsort(-jnp.diag(h), stable=True)
     w2, h = w2[perm], h[perm][:, perm]
-  u = inverse_cholesky(h)
+  u, ok = inverse_cholesky(h)
   bs = min(block_size, n_in)
   pad = -n_in % bs
   total = n_in + pad
@@ -132,7 +141,7 @@ def _solve(w2, h, scale, zero, numerics, block_size, act_order, percdamp):
   if act_order:
     inv = jnp.argsort(perm)
     q, wq = q[inv], wq[inv]
-  return q, wq
+  return q, wq, ok
 
 
 def solve(
@@ -162,13 +171,16 @@ def solve(
 
   Returns:
     (q-values, dequantized weight), both [d_in, d_out] float32.
+
+  Raises:
+    ValueError: H is singular after dampening (see `inverse_cholesky`).
   """
   if w2.ndim != 2 or h.shape != (w2.shape[0],) * 2:
     raise ValueError(
       f'gptq.solve: w2 must be [d_in, d_out] and h [d_in, d_in], got '
       f'{w2.shape} and {h.shape}.'
     )
-  return _solve(
+  q, wq, ok = _solve(
     w2,
     h,
     scale,
@@ -178,6 +190,12 @@ def solve(
     bool(act_order),
     float(percdamp),
   )
+  if not bool(ok):
+    raise ValueError(
+      f'gptq.solve: H is singular after dampening (percdamp={percdamp}); '
+      'raise percdamp or give more calibration tokens.'
+    )
+  return q, wq
 
 
 __all__ = ['inverse_cholesky', 'prepare', 'solve']

@@ -31,6 +31,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -40,7 +41,6 @@ from aqtr.core import slot_state
 from aqtr.core.qtensor import QTensor, to_view
 from aqtr.core.scale import divide
 from aqtr.freezers import configure, lifecycle
-from aqtr.ptq.stats import as_matrix
 
 
 def weight_config(config):
@@ -79,7 +79,8 @@ class Grid:
     scale2, zero2: the per-element scale and zero point as [d_in, d_out].
     rtn: the engine's frozen parts of the weight (round to nearest).
     numerics: the rule's numerics.
-    call: the engine's view of the weight operand (`OperandCall`).
+    call: the engine's view of the weight operand (`OperandCall`; shapes
+      only).
   """
 
   w2: jax.Array
@@ -92,51 +93,37 @@ class Grid:
   @classmethod
   def of(cls, site, w: jax.Array) -> Grid:
     """The engine's grid of weight `w` of op `site` (a `collect.Site`)."""
-    cfg = weight_config(site.config)
-    lhs = jnp.zeros(site.lhs.shape, site.lhs.dtype)
-    call = lifecycle.DotCall(
-      lhs, jnp.asarray(w), site.dimension_numbers, cfg
-    ).operand('rhs')
-    qt = call.quantize()
-    parts = {'qvalue': qt.qvalue, 'scale': qt.scale}
-    zero = jnp.zeros_like(qt.scale)
-    if qt.zero_point is not None:
-      parts['zero_point'] = qt.zero_point
-      zero = qt.zero_point
-    shape = jnp.shape(qt.qvalue)
-    to2 = _to_matrix(call, site.contracting)
+    w = jnp.asarray(w)
+    call = _call(site, jax.ShapeDtypeStruct(w.shape, w.dtype))
+    parts = _engine(site, w)
+    view, to2 = _maps(site, w.shape)
+    zero = parts.get('zero_point', np.zeros((), np.float32))
+
+    def matrix(a):
+      return jnp.asarray(to2.from_view(np.broadcast_to(np.asarray(a), view)))
+
     return cls(
-      as_matrix(jnp.asarray(w, jnp.float32), site.contracting),
-      to2(jnp.broadcast_to(qt.scale, shape)),
-      to2(jnp.broadcast_to(zero, shape)),
+      jnp.asarray(to2.from_weight(np.asarray(w, np.float32))),
+      matrix(parts['scale']),
+      matrix(zero),
       parts,
-      cfg.fwd.rhs.numerics,
+      site.config.fwd.rhs.numerics,
       call,
     )
 
-  def quantize(self, w2: jax.Array, rows=None) -> tuple[jax.Array, jax.Array]:
-    """(q-values, dequantized) of `w2` (or its `rows` of d_in) on the grid."""
-    s, z = self.scale2, self.zero2
-    if rows is not None:
-      s, z = s[rows], z[rows]
-    return quantize_fixed(self.numerics, w2, s, z)
+  def quantize(self, w2: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(q-values, dequantized) of `w2` [d_in, d_out] on the grid."""
+    return quantize_fixed(self.numerics, w2, self.scale2, self.zero2)
 
   def parts(self, q2: jax.Array) -> dict:
     """The frozen entry's rhs parts holding q-values `q2` [d_in, d_out]."""
-    call = self.call
-    shape = jnp.shape(self.rtn['qvalue'])
-    flat = _flat_index(call, self.contracting)
-    m = np.asarray(
-      as_matrix(jnp.arange(flat.size).reshape(call.x.shape), self.contracting)
-    )
-    vals = (
-      jnp.zeros((flat.size,), jnp.float32)
-      .at[m.ravel()]
-      .set(q2.astype(jnp.float32).ravel())
-    )
-    q4 = vals[flat.ravel()].reshape(shape)
+    shape = tuple(self.call.x.shape)
+    view, to2 = _maps_of(self.call, self.contracting, shape)
+    flat = np.empty(int(np.prod(shape)), np.float32)
+    flat[to2.index] = np.asarray(q2, np.float32).ravel()
+    q4 = flat[to2.view_index].reshape(view)
     out = dict(self.rtn)
-    out['qvalue'] = q4.astype(self.rtn['qvalue'].dtype)
+    out['qvalue'] = jnp.asarray(q4).astype(self.rtn['qvalue'].dtype)
     return out
 
   @property
@@ -152,9 +139,12 @@ class Grid:
       self.call.form,
       parts.get('zero_point'),
     )
-    return as_matrix(qt.dequant(), self.contracting)
+    w = np.asarray(_dequant(qt))
+    _, to2 = _maps_of(self.call, self.contracting, w.shape)
+    return jnp.asarray(to2.from_weight(w))
 
 
+@functools.partial(jax.jit, static_argnums=0)
 def quantize_fixed(numerics, w2, s, z) -> tuple[jax.Array, jax.Array]:
   """(q, (q - z) s) of `w2` with the fixed scale `s` and zero point `z`."""
   v = divide(w2.astype(jnp.float32), s, numerics.unit) + z
@@ -162,27 +152,78 @@ def quantize_fixed(numerics, w2, s, z) -> tuple[jax.Array, jax.Array]:
   return q, (q - z) * s
 
 
-def _flat_index(call, contracting) -> np.ndarray:
-  """For each element of the tiled view, its flat index in the weight."""
-  shape = tuple(call.x.shape)
-  idx = np.arange(int(np.prod(shape))).reshape(shape)
-  x3 = call.layout.to_canonical(jnp.asarray(idx), call.form)
-  return np.asarray(to_view(x3, call.form, call.tile))
+@jax.jit
+def _dequant(qt: QTensor) -> jax.Array:
+  return qt.dequant()
 
 
-def _to_matrix(call, contracting):
-  """A view-shaped array -> [d_in, d_out] in `as_matrix`'s order."""
-  flat = _flat_index(call, contracting).ravel()
-  shape = tuple(call.x.shape)
+def _call(site, w):
+  cfg = weight_config(site.config)
+  return lifecycle.DotCall(site.lhs, w, site.dimension_numbers, cfg).operand(
+    'rhs'
+  )
+
+
+def _engine(site, w) -> dict:
+  """The engine's frozen parts of `w` (RTN: what CONVERT stores)."""
+  dn = site.dimension_numbers
+  return _engine_jit(dn, site.config, site.lhs, w)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _engine_jit(dn, config, lhs, w) -> dict:
+  zeros = jnp.zeros(lhs.shape, lhs.dtype)
+  call = lifecycle.DotCall(zeros, w, dn, weight_config(config))
+  qt = call.operand('rhs').quantize()
+  parts = {'qvalue': qt.qvalue, 'scale': qt.scale}
+  if qt.zero_point is not None:  # Affine numerics.
+    parts['zero_point'] = qt.zero_point
+  return parts
+
+
+class _ToMatrix:
+  """Host index maps between a weight, its tiled view and its matrix.
+
+  Attributes:
+    view_index: for each view element, its flat index in the weight.
+    index: for each matrix element, its flat index in the weight.
+    shape: the matrix shape [d_in, d_out].
+  """
+
+  def __init__(self, view_index: np.ndarray, index: np.ndarray, shape):
+    self.view_index, self.index, self.shape = view_index, index, shape
+
+  def from_weight(self, w) -> np.ndarray:
+    return np.asarray(w).ravel()[self.index].reshape(self.shape)
+
+  def from_view(self, a4) -> np.ndarray:
+    flat = np.empty(self.view_index.size, np.asarray(a4).dtype)
+    flat[self.view_index] = np.asarray(a4).ravel()
+    return flat[self.index].reshape(self.shape)
+
+
+def _maps(site, shape):
+  call = _call(site, jax.ShapeDtypeStruct(tuple(shape), jnp.float32))
+  return _maps_of(call, site.contracting, tuple(shape))
+
+
+@functools.lru_cache(maxsize=64)
+def _cached(layout, form, tile, contracting, shape):
   n = int(np.prod(shape))
-  m = np.asarray(as_matrix(jnp.arange(n).reshape(shape), contracting))
-  inv = np.empty(n, np.int64)
-  inv[flat] = np.arange(n)
+  idx = np.arange(n).reshape(shape)
+  x3 = layout.to_canonical(idx, form)  # numpy in, numpy out
+  view_index = np.asarray(to_view(x3, form, tile)).ravel()
+  dims = tuple(sorted(d % len(shape) for d in contracting))
+  rest = tuple(d for d in range(len(shape)) if d not in dims)
+  d_in = int(np.prod([shape[d] for d in dims]))
+  m = np.transpose(idx, dims + rest).reshape(d_in, -1)
+  view = np.asarray(to_view(x3, form, tile)).shape
+  return view, _ToMatrix(view_index, m.ravel(), m.shape)
 
-  def to2(a4):
-    return jnp.ravel(a4)[inv[m.ravel()]].reshape(m.shape)
 
-  return to2
+def _maps_of(call, contracting, shape):
+  """(view shape, _ToMatrix) of an operand call (cached by layout)."""
+  return _cached(call.layout, call.form, call.tile, tuple(contracting), shape)
 
 
 __all__ = ['Grid', 'check_config', 'quantize_fixed', 'weight_config']

@@ -11,6 +11,13 @@ A method is a frozen kw-only dataclass with two steps:
 so a rewriting method can end with RTN's or GPTQ's `solve` (compose by
 holding a `then` method). Register a new one with `@register('name')`.
 
+A rewrite keeps the model and its statistics consistent: it returns a
+target (`collect.FlaxTarget` / `PaxTarget`) whose float parameters hold
+the rewritten weights (convert freezes those) and a `Collected` whose
+`weights` are the same weights as matrices' sources and whose `stats`
+describe the rewritten inputs (e.g. inputs scaled by 1/s per channel:
+`xtx' = diag(1/s) xtx diag(1/s)`, `absmax' = absmax / s`).
+
 Example:
   >>> get('gptq')
   Gptq(block_size=128, percdamp=0.01, act_order=False)
@@ -124,16 +131,19 @@ class Gptq(Method):
       raise TypeError(f'Gptq.act_order must be a bool, got {self.act_order!r}.')
 
   def solve(self, site, grid: Grid, stats: LayerStats) -> jax.Array:
-    q, _ = gptq.solve(
-      grid.w2,
-      stats.hessian,
-      grid.scale2,
-      grid.zero2,
-      grid.numerics,
-      block_size=self.block_size,
-      act_order=self.act_order,
-      percdamp=self.percdamp,
-    )
+    try:
+      q, _ = gptq.solve(
+        grid.w2,
+        stats.hessian,
+        grid.scale2,
+        grid.zero2,
+        grid.numerics,
+        block_size=self.block_size,
+        act_order=self.act_order,
+        percdamp=self.percdamp,
+      )
+    except ValueError as e:
+      raise ValueError(f'aqtr.ptq: GPTQ of {site.path}: {e}') from None
     return q
 
 

@@ -91,6 +91,11 @@ def merge(a: LayerStats, b: LayerStats) -> LayerStats:
       f'merge: stats of different d_in ({a.d_in} vs {b.d_in}); merge only '
       'stats of the same weight op.'
     )
+  return _merge(a, b)
+
+
+@jax.jit
+def _merge(a: LayerStats, b: LayerStats) -> LayerStats:
   return LayerStats(
     a.xtx + b.xtx,
     jnp.maximum(a.absmax, b.absmax),
@@ -144,6 +149,7 @@ def from_matrix(
   return jnp.transpose(w, tuple(order.index(d) for d in range(len(shape))))
 
 
+@jax.jit
 def output_error(dw2: jax.Array, xtx: jax.Array) -> jax.Array:
   """tr(dW^T xtx dW) = ||X dW||_F^2 for a [d_in, d_out] weight change."""
   dw = dw2.astype(jnp.float32)

@@ -108,6 +108,7 @@ RUNS: dict[str, Callable[[], aqtr.DotGeneralConfig]] = (
   }
 )
 
+
 # Numeric fields: (type, allowed range as text, range test).
 _RANGES: dict[str, tuple[type, str, Callable[[Any], bool]]] = {
   'steps': (int, '>= 1', lambda v: v >= 1),
@@ -124,6 +125,7 @@ _RANGES: dict[str, tuple[type, str, Callable[[Any], bool]]] = {
   'max_corpus_bytes': (int, '>= 1 or None', lambda v: v >= 1),
   'val_percent': (int, 'in 1..99', lambda v: 1 <= v <= 99),
   'sample_tokens': (int, '>= 0', lambda v: v >= 0),
+  'ptq_batches': (int, '>= 1', lambda v: v >= 1),
 }
 
 
@@ -195,6 +197,11 @@ class Experiment:
       (`aqtr.train.stock_lm`), run under the name 'stock_custom' (after
       the runs, before 'custom'); (): no such run. Add them with
       --config="fiddler:stock_rule('int4_weight_only', path='.*mlp.*')".
+    ptq: post-training quantization methods (`aqtr.ptq`: 'rtn', 'gptq',
+      ...) applied to the trained 'float' run, each in every format of
+      `ptq_formats`; rows 'ptq:<method>:<format>' (`aqtr.train.ptq_stage`).
+    ptq_formats: names of `aqtr.train.ptq_stage.FORMATS`.
+    ptq_batches: training batches the ptq methods calibrate on.
   """
 
   task: str = 'lm'
@@ -218,6 +225,9 @@ class Experiment:
   mesh: tuple[int, ...] = ()
   distributed: bool = False
   stock_rules: tuple[Rule, ...] = ()
+  ptq: tuple[str, ...] = ()
+  ptq_formats: tuple[str, ...] = ('w4g128',)
+  ptq_batches: int = 8
 
   def __post_init__(self):
     if self.task not in TASKS:
@@ -277,9 +287,32 @@ class Experiment:
     error = mesh_lib.shape_error(self.mesh)  # Devices: checked at run time.
     if error:
       raise ValueError(error)
+    self._check_ptq()
     if not isinstance(self.distributed, bool):
       raise ValueError(
         f'distributed must be True or False, got {self.distributed!r}.'
+      )
+
+  def _check_ptq(self):
+    from aqtr.ptq import methods  # noqa: PLC0415 (imports flax)
+    from aqtr.train.ptq_stage import FORMATS  # noqa: PLC0415 (a cycle)
+
+    for field, allowed in (
+      ('ptq', methods.names()),
+      ('ptq_formats', sorted(FORMATS)),
+    ):
+      value = getattr(self, field)
+      if isinstance(value, list | str):
+        value = (value,) if isinstance(value, str) else tuple(value)
+        object.__setattr__(self, field, value)
+      if not isinstance(value, tuple) or any(v not in allowed for v in value):
+        raise ValueError(
+          f'{field} must be a tuple of names in {allowed}, got {value!r}.'
+        )
+    if self.ptq and 'float' not in self.runs:
+      raise ValueError(
+        f"ptq={self.ptq} quantizes the trained 'float' run: add 'float' to "
+        'runs.'
       )
 
   @property

@@ -34,6 +34,7 @@ from aqtr.train import (
   generate,
   loop,
   models,
+  ptq_stage,
   qt_runs,
   report,
   serving,
@@ -302,6 +303,9 @@ def run(
         rows.append(_row(r, task.metric, base, serve, own))
         metrics.write({'run': name, 'summary': rows[-1]})
         marker.unlink()
+    if exp.ptq and base is not None:
+      say('post-training quantization of the float run:', flush=True)
+      rows += ptq_stage.run(exp, task, template, base, out, say)
   except KeyboardInterrupt:
     if rows:
       _write_summary(out, rows, task.metric, samples)
@@ -316,7 +320,8 @@ def run(
   say(text)
   for row in rows:
     if row['status'] != 'ok':
-      say(f'{row["run"]} DIVERGED: {row["status"]} (its numbers are not shown)')
+      what = 'FAILED' if row['run'].startswith('ptq:') else 'DIVERGED'
+      say(f'{row["run"]} {what}: {row["status"]} (its numbers are not shown)')
   say(
     f'\n{len(runs)} run(s) in {time.perf_counter() - t_start:.0f} s; '
     f'outputs in {out}',

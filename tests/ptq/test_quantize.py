@@ -119,7 +119,7 @@ def test_bad_input_is_one_line():
     aqtr.numerics.get('int_symmetric')(bits=4), SubChannel(tile_size=48)
   )
   with pytest.raises(
-    ValueError, match=r'dot_general0.*tile_size=48 does not divide'
+    ValueError, match=r'aqtr.ptq: dot_general0: .*tile_size=48 does not divide'
   ):
     ptq.quantize(m, [Rule(g48)], xs)
   with pytest.raises(ValueError, match='stateful calibration'):
@@ -130,3 +130,31 @@ def test_bad_input_is_one_line():
     ptq.Gptq(percdamp=-1.0)
   with pytest.warns(UserWarning, match='dot_general0: 4 calibration tokens'):
     ptq.quantize(m, INT4, [xs[0][:4]])
+  twin = xs[0].at[:, 1].set(xs[0][:, 0])  # H exactly singular
+  with pytest.raises(
+    ValueError, match='dot_general0: gptq.solve: H is singular'
+  ):
+    ptq.quantize(m, INT4, [twin], percdamp=0.0)
+
+
+def test_scanned_layers_are_one_line():
+  class Layer(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+      return nn.Dense(16)(x), None
+
+  class Stack(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      scan = nn.scan(
+        Layer,
+        variable_axes={'params': 0},
+        split_rngs={'params': True},
+        length=2,
+      )
+      return scan()(x, None)[0]
+
+  x = jnp.ones((4, 16))
+  v = Stack().init(jax.random.key(0), x)
+  with pytest.raises(ValueError, match='layers unrolled'):
+    ptq.quantize(Stack(), INT4, [x], variables=v)
