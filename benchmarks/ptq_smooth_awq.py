@@ -23,7 +23,7 @@ The stock LM's tied logits op stays float (its table is also the
 lookup); every weight op of the Pax LM is quantized (its softmax is
 untied). Results go to `--out` (JSON) and the tables are printed.
 
-  python benchmarks/ptq_smooth_awq.py                 # both LMs, 2000 steps
+  python benchmarks/ptq_smooth_awq.py                 # both LMs, 1500 steps
   python benchmarks/ptq_smooth_awq.py --model stock --steps 500
   python benchmarks/ptq_smooth_awq.py --cache /tmp/lm  # reuse trained LMs
 """
@@ -220,7 +220,7 @@ def awq_rows(lm: Lm, res: dict) -> list[str]:
 def main():
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument('--model', choices=('stock', 'pax', 'both'), default='both')
-  ap.add_argument('--steps', type=int, default=2000)
+  ap.add_argument('--steps', type=int, default=1500)
   ap.add_argument('--calib', type=int, default=16)
   ap.add_argument('--out', default='ptq_smooth_awq.json')
   ap.add_argument(
