@@ -141,7 +141,12 @@ def _convert(target, args):
 
     return (_pax_serving(target.template, Mode.SERVE), out), place
   model, variables = target.model, target.variables
-  served = serving.convert(model, *args, variables=variables, check=False)
+  try:  # The check: no frozen parameter is read outside its ops.
+    served = serving.convert(model, *args, variables=variables)
+  except ValueError as e:
+    raise ValueError(
+      f'aqtr.ptq: {e} (here: leave that op out with a Rule(None, path=...))'
+    ) from None
   if isinstance(model, nnx.Module):
     mods = dict(nnx.iter_modules(served))
 
@@ -237,9 +242,9 @@ def quantize(
       )
     grid = grids[path]
     t0 = time.perf_counter()
-    q2 = jax.block_until_ready(meth.solve(site, grid, stats))
+    sol = jax.block_until_ready(meth.solve(site, grid, stats))
     secs = time.perf_counter() - t0
-    parts = grid.parts(q2)
+    parts = grid.parts(sol.q, sol.scale, sol.zero)
     if not isinstance(meth, methods.Rtn):
       place(site, parts)
     w2 = grid.w2

@@ -38,9 +38,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from aqtr.core import slot_state
+from aqtr.core.config import TensorConfig
 from aqtr.core.qtensor import QTensor, to_view
+from aqtr.core.quantizer import quantize_view
 from aqtr.core.scale import divide
 from aqtr.freezers import configure, lifecycle
+from aqtr.numerics.nvfp4 import NvFp4
+from aqtr.tilings.per_channel import PerChannel
+from aqtr.tilings.per_tensor import PerTensor
+from aqtr.tilings.subchannel import SubChannel
 
 
 def weight_config(config):
@@ -89,6 +95,7 @@ class Grid:
   rtn: dict
   numerics: object
   call: lifecycle.OperandCall
+  site_config: object = None
 
   @classmethod
   def of(cls, site, w: jax.Array) -> Grid:
@@ -109,22 +116,53 @@ class Grid:
       parts,
       site.config.fwd.rhs.numerics,
       call,
+      site.config,
     )
 
   def quantize(self, w2: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(q-values, dequantized) of `w2` [d_in, d_out] on the grid."""
     return quantize_fixed(self.numerics, w2, self.scale2, self.zero2)
 
-  def parts(self, q2: jax.Array) -> dict:
-    """The frozen entry's rhs parts holding q-values `q2` [d_in, d_out]."""
-    shape = tuple(self.call.x.shape)
-    view, to2 = _maps_of(self.call, self.contracting, shape)
-    flat = np.empty(int(np.prod(shape)), np.float32)
-    flat[to2.index] = np.asarray(q2, np.float32).ravel()
-    q4 = flat[to2.view_index].reshape(view)
+  def parts(self, q2: jax.Array, scale2=None, zero2=None) -> dict:
+    """The frozen entry's rhs parts holding q-values `q2` [d_in, d_out]
+    (and the grid `scale2`, `zero2` when it is not the RTN one)."""
+    view, to2 = _maps_of(self.call, self.contracting, self.call.x.shape)
     out = dict(self.rtn)
-    out['qvalue'] = jnp.asarray(q4).astype(self.rtn['qvalue'].dtype)
+    out['qvalue'] = jnp.asarray(to2.to_view(q2, view)).astype(
+      self.rtn['qvalue'].dtype
+    )
+    for name, m in (('scale', scale2), ('zero_point', zero2)):
+      if m is None or name not in out:
+        continue
+      full = to2.to_view(m, view)
+      keep = tuple(
+        slice(0, 1) if n == 1 else slice(None) for n in out[name].shape
+      )
+      out[name] = jnp.asarray(full[keep]).astype(out[name].dtype)
     return out
+
+  def regroup(self) -> tuple[int, Regroup | None]:
+    """(group size along d_in, `Regroup`) for per-group grids refreshed
+    as GPTQ reaches them; (0, None) when the grid has one group per
+    column (per-channel: nothing to refresh)."""
+    rhs = self.site_config.fwd.rhs
+    if isinstance(rhs.tiling, PerChannel | PerTensor):
+      return 0, None
+    _, to2 = _maps_of(self.call, self.contracting, self.call.x.shape)
+    ok = (
+      isinstance(rhs.tiling, SubChannel)
+      and self.call.form == 'kf'
+      and np.array_equal(to2.view_index, to2.index)
+      and not isinstance(rhs.numerics, NvFp4)
+    )
+    if not ok:
+      raise ValueError(
+        f'dynamic groups (static_groups=False) need sub-channel tiles of a '
+        f'weight whose matrix is its tiled view, and a scale per group '
+        f'alone (NVFP4 shares a tensor scale); got {rhs.tiling!r} with '
+        f'{type(rhs.numerics).__name__}: use static_groups=True.'
+      )
+    return int(self.call.tile), Regroup(tensor=rhs)
 
   @property
   def contracting(self) -> tuple[int, ...]:
@@ -155,6 +193,24 @@ def quantize_fixed(numerics, w2, s, z) -> tuple[jax.Array, jax.Array]:
 @jax.jit
 def _dequant(qt: QTensor) -> jax.Array:
   return qt.dequant()
+
+
+@dataclasses.dataclass(frozen=True)
+class Regroup:
+  """The grid of one group of rows [group, d_out] by the rule's own
+  calibration and numerics (`quantize_view` of the group as one tile).
+
+  Attributes:
+    tensor: the weight's TensorConfig.
+  """
+
+  tensor: TensorConfig
+
+  def __call__(self, rows: jax.Array) -> tuple[jax.Array, jax.Array]:
+    r = quantize_view(rows[None, None], self.tensor, 'kf')
+    s = r.s.reshape(-1)
+    z = jnp.zeros_like(s) if r.z is None else r.z.reshape(-1)
+    return s, z
 
 
 def _call(site, w):
@@ -196,6 +252,12 @@ class _ToMatrix:
   def from_weight(self, w) -> np.ndarray:
     return np.asarray(w).ravel()[self.index].reshape(self.shape)
 
+  def to_view(self, m, view) -> np.ndarray:
+    """A [d_in, d_out] matrix -> the tiled view of shape `view`."""
+    flat = np.empty(self.index.size, np.asarray(m).dtype)
+    flat[self.index] = np.asarray(m).ravel()
+    return flat[self.view_index].reshape(view)
+
   def from_view(self, a4) -> np.ndarray:
     flat = np.empty(self.view_index.size, np.asarray(a4).dtype)
     flat[self.view_index] = np.asarray(a4).ravel()
@@ -226,4 +288,4 @@ def _maps_of(call, contracting, shape):
   return _cached(call.layout, call.form, call.tile, tuple(contracting), shape)
 
 
-__all__ = ['Grid', 'check_config', 'quantize_fixed', 'weight_config']
+__all__ = ['Grid', 'Regroup', 'check_config', 'quantize_fixed', 'weight_config']

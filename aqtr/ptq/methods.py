@@ -5,8 +5,10 @@ A method is a frozen kw-only dataclass with two steps:
   rewrite(target, collected) -> (target, collected)
       float rewrites before quantizing (AWQ / SmoothQuant scale and fold
       weights; default: none);
-  solve(site, grid, stats) -> q-values [d_in, d_out]
-      the weight's q-values on its fixed grid (`aqtr.ptq.grid.Grid`).
+  solve(site, grid, stats) -> gptq.Solution
+      the weight's q-values (and dequantized values) on its grid
+      (`aqtr.ptq.grid.Grid`; `Solution.scale` / `zero`: the grid, the
+      given one unless the method refreshes it).
 
 so a rewriting method can end with RTN's or GPTQ's `solve` (compose by
 holding a `then` method). Register a new one with `@register('name')`.
@@ -20,7 +22,7 @@ describe the rewritten inputs (e.g. inputs scaled by 1/s per channel:
 
 Example:
   >>> get('gptq')
-  Gptq(block_size=128, percdamp=0.01, act_order=False)
+  Gptq(block_size=128, percdamp=0.01, act_order=False, static_groups=True)
   >>> get(Rtn())
   Rtn()
 """
@@ -30,8 +32,6 @@ from __future__ import annotations
 import dataclasses
 import math
 from typing import ClassVar
-
-import jax
 
 from aqtr.ptq import gptq
 from aqtr.ptq.grid import Grid, check_config
@@ -88,8 +88,8 @@ class Method:
     """Raises one line when the method cannot solve `site`'s config."""
     check_config(site.config, site.path, type(self).__name__)
 
-  def solve(self, site, grid: Grid, stats: LayerStats) -> jax.Array:
-    """The weight's q-values [d_in, d_out] on `grid`."""
+  def solve(self, site, grid: Grid, stats: LayerStats) -> gptq.Solution:
+    """The weight's solution on `grid`."""
     raise NotImplementedError
 
 
@@ -98,9 +98,10 @@ class Method:
 class Rtn(Method):
   """Round to nearest: exactly what `aqtr.flax.convert` stores."""
 
-  def solve(self, site, grid: Grid, stats: LayerStats) -> jax.Array:
+  def solve(self, site, grid: Grid, stats: LayerStats) -> gptq.Solution:
     del site, stats
-    return grid.quantize(grid.w2)[0]
+    q, wq = grid.quantize(grid.w2)
+    return gptq.Solution(q, wq, grid.scale2, grid.zero2)
 
 
 @register('gptq')
@@ -112,11 +113,17 @@ class Gptq(Method):
     block_size: rows per lazy block, >= 1 (the paper's 128).
     percdamp: dampening as a fraction of mean(diag H), finite and >= 0.
     act_order: process inputs by decreasing H_ii (un-permuted after).
+    static_groups: True: every group keeps RTN's scales (from the
+      original weight; any numerics and tiling). False: a sub-channel
+      group's scales come from its error-updated rows when GPTQ reaches
+      it (the paper's groups; not with act_order nor NVFP4, whose tensor
+      scale spans every block).
   """
 
   block_size: int = 128
   percdamp: float = 0.01
   act_order: bool = False
+  static_groups: bool = True
 
   def __post_init__(self):
     b = self.block_size
@@ -130,9 +137,10 @@ class Gptq(Method):
     if not isinstance(self.act_order, bool):
       raise TypeError(f'Gptq.act_order must be a bool, got {self.act_order!r}.')
 
-  def solve(self, site, grid: Grid, stats: LayerStats) -> jax.Array:
+  def solve(self, site, grid: Grid, stats: LayerStats) -> gptq.Solution:
     try:
-      q, _ = gptq.solve(
+      group, regroup = (0, None) if self.static_groups else grid.regroup()
+      return gptq.solve(
         grid.w2,
         stats.hessian,
         grid.scale2,
@@ -141,10 +149,11 @@ class Gptq(Method):
         block_size=self.block_size,
         act_order=self.act_order,
         percdamp=self.percdamp,
+        group=group,
+        regroup=regroup,
       )
     except ValueError as e:
       raise ValueError(f'aqtr.ptq: GPTQ of {site.path}: {e}') from None
-    return q
 
 
 __all__ = ['Gptq', 'Method', 'Rtn', 'get', 'names', 'register']

@@ -79,7 +79,8 @@ def solution(model, rules, xs, variables=None):
   for path, site in got.sites.items():
     g = Grid.of(site, got.weights[path])
     h = got.stats[path].hessian
-    out[path] = (site, g, gptq.solve(g.w2, h, g.scale2, g.zero2, g.numerics))
+    sol = gptq.solve(g.w2, h, g.scale2, g.zero2, g.numerics)
+    out[path] = (site, g, (sol.q, sol.wq))
   return out
 
 

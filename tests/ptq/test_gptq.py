@@ -20,7 +20,8 @@ def _grid(name, d_in=64, d_out=16, seed=0):
 
 
 def _solve(g, h, **kw):
-  return gptq.solve(g.w2, h, g.scale2, g.zero2, g.numerics, **kw)
+  sol = gptq.solve(g.w2, h, g.scale2, g.zero2, g.numerics, **kw)
+  return sol.q, sol.wq
 
 
 def _reference(w2, h, scale, zero, numerics, percdamp=0.01):
@@ -80,7 +81,7 @@ def test_act_order_is_the_permuted_problem_unpermuted():
   h = LayerStats.from_activations(x).hessian
   q, wq = _solve(g, h, act_order=True)
   perm = jnp.argsort(-jnp.diag(h), stable=True)
-  qp, wqp = gptq.solve(
+  qp, wqp, _, _ = gptq.solve(
     g.w2[perm],
     h[perm][:, perm],
     g.scale2[perm],
@@ -112,3 +113,52 @@ def test_every_numerics_solves_and_round_trips_the_frozen_layout(name):
   np.testing.assert_array_equal(g.dequant(parts), wq)  # what SERVE reads
   rtn = relative_error(g.dequant(g.rtn) - g.w2, g.w2, s.xtx)
   assert relative_error(wq - g.w2, g.w2, s.xtx) < rtn
+
+
+def test_dynamic_groups_refresh_the_grid_as_reached():
+  g = _grid('int4_g32', seed=9)
+  group, regroup = g.regroup()
+  assert group == 32
+  # H = I: nothing is updated, so every group's grid is RTN's.
+  sol = gptq.solve(
+    g.w2,
+    jnp.eye(64),
+    g.scale2,
+    g.zero2,
+    g.numerics,
+    group=32,
+    regroup=regroup,
+  )
+  np.testing.assert_array_equal(sol.scale, g.scale2)
+  np.testing.assert_array_equal(sol.q, g.quantize(g.w2)[0])
+  s = LayerStats.from_activations(correlated(jax.random.key(10), 256, 64))
+  sol = gptq.solve(
+    g.w2,
+    s.hessian,
+    g.scale2,
+    g.zero2,
+    g.numerics,
+    group=32,
+    regroup=regroup,
+    block_size=48,  # rounded down to whole groups
+  )
+  np.testing.assert_array_equal(sol.scale[:32], g.scale2[:32])  # first group
+  assert not bool((sol.scale[32:] == g.scale2[32:]).all())  # refreshed
+  parts = g.parts(sol.q, sol.scale, sol.zero)
+  np.testing.assert_array_equal(g.dequant(parts), sol.wq)  # served exactly
+  rtn = relative_error(g.quantize(g.w2)[1] - g.w2, g.w2, s.xtx)
+  assert relative_error(sol.wq - g.w2, g.w2, s.xtx) < rtn
+  assert _grid('int4').regroup() == (0, None)  # per-channel: one group
+  with pytest.raises(ValueError, match='use static_groups=True'):
+    _grid('nvfp4').regroup()
+  with pytest.raises(ValueError, match='needs regroup, no act_order'):
+    gptq.solve(
+      g.w2,
+      s.hessian,
+      g.scale2,
+      g.zero2,
+      g.numerics,
+      group=32,
+      regroup=regroup,
+      act_order=True,
+    )
