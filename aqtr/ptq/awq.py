@@ -12,8 +12,11 @@ rounding error. For a fold group with consumers W_c reading X:
 with Q the rule's weight quantizer (`aqtr.quantize` with the op's
 `fwd.rhs` config: any registered numerics and tiling) and
 `tr(dW^T xtx dW) = ||X dW||^2` over the calibration tokens. alpha runs
-over a grid (20 points in [0, 1): alpha = 0 is s = 1, round to nearest,
-so the result is never worse than RTN on the calibration data). Then,
+over a grid (20 points in [0, 1)); a group keeps s = 1 (round to
+nearest) unless some alpha beats it, so the result is never worse than
+RTN on the calibration data. `duo=True` searches AutoAWQ's duo scaling
+`s = m^alpha / w^(1 - alpha)` instead (w: mean |W| relative to its
+scale group's max, per input channel). Then,
 per consumer, the clip search: for each output channel and scale group
 (the tiling's tile along the input, or the whole input) a shrink ratio
 r on `1 - i / clip_grid`, i < max_shrink * clip_grid, clips the weight
@@ -73,6 +76,8 @@ class Awq(methods.Method):
   Attributes:
     alphas: the exponents searched, each in [0, 1] (default 20 points in
       [0, 1); include 0 to never do worse than RTN).
+    duo: duo scaling (AutoAWQ's): s = mean|X|^alpha / w^(1 - alpha), w the
+      mean over outputs of |W| relative to its scale group's max.
     clip: run the weight-clip search after the scales.
     clip_grid: shrink steps: ratios 1 - i / clip_grid.
     max_shrink: the largest shrink, in [0, 1): i < max_shrink * clip_grid.
@@ -85,6 +90,7 @@ class Awq(methods.Method):
   """
 
   alphas: tuple[float, ...] = _grid(20)
+  duo: bool = False
   clip: bool = True
   clip_grid: int = 20
   max_shrink: float = 0.5
@@ -100,8 +106,10 @@ class Awq(methods.Method):
       num = isinstance(v, int | float) and not isinstance(v, bool)
       if not num or not math.isfinite(v) or not 0.0 <= v <= 1.0:
         raise ValueError(f'Awq.alphas: {v!r} is not a number in [0, 1].')
-    if not isinstance(self.clip, bool):
-      raise TypeError(f'Awq.clip must be a bool, got {self.clip!r}.')
+    for name in ('duo', 'clip'):
+      v = getattr(self, name)
+      if not isinstance(v, bool):
+        raise TypeError(f'Awq.{name} must be a bool, got {v!r}.')
     g = self.clip_grid
     if not isinstance(g, int) or isinstance(g, bool) or g < 1:
       raise ValueError(f'Awq.clip_grid must be an int >= 1, got {g!r}.')
@@ -130,10 +138,9 @@ class Awq(methods.Method):
 
     return rewrite.apply(target, collected, fn)
 
-  def solve(self, site, grid: Grid, stats: LayerStats) -> jax.Array:
-    """Round to nearest of the rewritten weight on its grid."""
-    del site, stats
-    return grid.quantize(grid.w2)[0]
+  def solve(self, site, grid: Grid, stats: LayerStats):
+    """Round to nearest of the rewritten weight on its grid (`Rtn`)."""
+    return methods.Rtn().solve(site, grid, stats)
 
   @property
   def ratios(self) -> tuple[float, ...]:
@@ -148,10 +155,31 @@ def rtn(w: jax.Array, cfg: TensorConfig, axis: int) -> jax.Array:
   return quantize(w, cfg, contracting_axes=(axis,)).dequant(jnp.float32)
 
 
-def scales(mean_abs: jax.Array, alpha: jax.Array) -> jax.Array:
-  """AWQ's s = m^alpha / sqrt(max * min) (m = mean|X|, floored at 1e-4)."""
-  s = jnp.maximum(mean_abs.astype(jnp.float32) ** alpha, 1e-4)
+def scales(
+  mean_abs: jax.Array, alpha: jax.Array, w_mean: jax.Array | None = None
+) -> jax.Array:
+  """AWQ's s = m^alpha / sqrt(max * min) (m = mean|X|, floored at 1e-4).
+
+  With `w_mean` (duo scaling): s = m^alpha / (w_mean^(1 - alpha) + 1e-4)
+  before the normalisation.
+  """
+  s = mean_abs.astype(jnp.float32) ** alpha
+  if w_mean is not None:
+    s = s / (w_mean.astype(jnp.float32) ** (1.0 - alpha) + 1e-4)
+  s = jnp.maximum(s, 1e-4)
   return s / jnp.sqrt(jnp.max(s) * jnp.min(s))
+
+
+def weight_mean(w: jax.Array, cfg: TensorConfig, ax: fold.Axis) -> jax.Array:
+  """[channels] mean over outputs of |W| / max|W| of its scale group."""
+  axis = ax.axis % w.ndim
+  w2 = jnp.abs(as_matrix(w, (axis,)).astype(jnp.float32))
+  d_in, d_out = w2.shape
+  group = _group_size(cfg, d_in) or d_in
+  w3 = w2.reshape(d_in // group, group, d_out)
+  top = jnp.max(w3, axis=1, keepdims=True)
+  rel = (w3 / jnp.where(top > 0, top, 1.0)).reshape(d_in, d_out)
+  return fold.reduce(jnp.mean(rel, axis=1), ax, 'mean')
 
 
 def _along(s: jax.Array, ndim: int, axis: int) -> jax.Array:
@@ -168,7 +196,7 @@ def _scaled_error(w, xtx, s, cfg, ax: fold.Axis):
 
 
 @functools.partial(jax.jit, static_argnames=('cfgs', 'axes'))
-def scale_errors(ws, xtxs, mean_abs, alphas, *, cfgs, axes):
+def scale_errors(ws, xtxs, mean_abs, alphas, w_mean=None, *, cfgs, axes):
   """err(alpha) [len(alphas)] of one group's consumers (see module doc).
 
   Args:
@@ -176,12 +204,13 @@ def scale_errors(ws, xtxs, mean_abs, alphas, *, cfgs, axes):
     xtxs: their stats' xtx (tuple).
     mean_abs: [channels] the group's mean|X| (reduced over repeats).
     alphas: [A] exponents.
+    w_mean: None, or [channels] `weight_mean` (duo scaling).
     cfgs: the consumers' weight TensorConfigs (static).
     axes: the consumers' `fold.Axis` (static).
   """
 
   def one(alpha):
-    s = scales(mean_abs, alpha)
+    s = scales(mean_abs, alpha, w_mean)
     errs = [
       _scaled_error(w, x, s, c, a)
       for w, x, c, a in zip(ws, xtxs, cfgs, axes, strict=True)
@@ -324,16 +353,25 @@ def solve(
     pairs = zip(sts, quant, strict=True)
     means = [fold.reduce(st.mean_abs, a, 'mean') for st, a in pairs]
     m = sum(means[1:], means[0]) / len(quant)
+    wm = None
+    if method.duo:
+      pairs = zip(ws, quant, strict=True)
+      wms = [weight_mean(w, cfgs[a.path], a) for w, a in pairs]
+      wm = sum(wms[1:], wms[0]) / len(quant)
     errs = scale_errors(
       ws,
       tuple(st.xtx for st in sts),
       m,
       alphas,
+      wm,
       cfgs=tuple(cfgs[a.path] for a in quant),
       axes=quant,
     )
     best = int(jnp.argmin(errs))
-    s = scales(m, alphas[best])
+    if float(errs[best]) < rtn_err:
+      s, alpha = scales(m, alphas[best], wm), float(method.alphas[best])
+    else:  # No candidate beats s = 1 (round to nearest).
+      s, alpha = jnp.ones_like(m), float('nan')
     out = fold.apply(out, g, s)
     before = {}
     for a in g.consumers:
@@ -342,7 +380,7 @@ def solve(
       before[a.path] = fold.get(out, a.path)
     out, err = _finish(out, quant, before, new_stats, cfgs, method)
     info[g.name] = {
-      'alpha': float(method.alphas[best]),
+      'alpha': alpha,
       'rtn_error': rtn_err,
       'error': err,
     }

@@ -458,5 +458,6 @@ def detect(params: Mapping, *, num_heads: int | None = None) -> FoldMap:
     return stock_lm(params, num_heads=num_heads)
   raise ValueError(
     'fold: no fold map known for these parameters (top-level keys: '
-    f'{", ".join(sorted(map(str, params))[:8])}); pass fold=FoldMap(...).'
+    f'{", ".join(sorted(map(str, params))[:8])}); pass the method '
+    'fold_map=aqtr.ptq.fold.FoldMap(...).'
   )

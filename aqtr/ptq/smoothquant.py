@@ -200,7 +200,6 @@ class SmoothQuant(methods.Method):
 
     return rewrite.apply(target, collected, fn)
 
-  def solve(self, site, grid: Grid, stats: LayerStats) -> jax.Array:
-    """Round to nearest of the smoothed weight on its grid."""
-    del site, stats
-    return grid.quantize(grid.w2)[0]
+  def solve(self, site, grid: Grid, stats: LayerStats):
+    """Round to nearest of the rewritten weight on its grid (`Rtn`)."""
+    return methods.Rtn().solve(site, grid, stats)

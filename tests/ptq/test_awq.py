@@ -103,6 +103,30 @@ def test_alpha_zero_without_clip_is_rtn():
   del x
 
 
+def test_duo_scaling_below_rtn():
+  _, params, fm, stats = _toy()
+  cfgs = {'a/kernel': W4, 'b/kernel': W4}
+  _, _, info = awq.solve(params, fm, stats, cfgs, awq.Awq(duo=True, clip=False))
+  assert info['n']['error'] < info['n']['rtn_error']
+  w = awq.weight_mean(params['a']['kernel'], W4, fm.groups[0].consumers[0])
+  assert w.shape == (32,) and float(w.max()) <= 1.0
+
+
+def test_no_better_alpha_keeps_rtn():
+  _, params, fm, _ = _toy()
+  # Every input channel matters alike (xtx = I) but mean|x| says channel 0
+  # dominates: scaling it up only coarsens the other rows' grid.
+  m = jnp.ones(32).at[0].set(1000.0)
+  st = LayerStats(jnp.eye(32), m, m, jnp.asarray(1.0))
+  stats = {'a/kernel': st, 'b/kernel': st}
+  cfgs = {'a/kernel': W4, 'b/kernel': W4}
+  method = awq.Awq(alphas=(0.5, 1.0), clip=False)
+  new, _, info = awq.solve(params, fm, stats, cfgs, method)
+  assert np.isnan(info['n']['alpha'])
+  assert (new['n']['scale'] == params['n']['scale']).all()
+  assert info['n']['error'] == info['n']['rtn_error']
+
+
 def test_any_registered_numerics():
   x, params, fm, stats = _toy()
   cfg = aqtr.presets.nvfp4().fwd.rhs
@@ -169,6 +193,7 @@ def test_bad_fields_one_line():
     ({'clip_grid': 0}, ValueError, 'Awq.clip_grid must be an int >= 1'),
     ({'max_shrink': 1.0}, ValueError, r'Awq.max_shrink must be in \[0, 1\)'),
     ({'clip': 1}, TypeError, 'Awq.clip must be a bool'),
+    ({'duo': 'yes'}, TypeError, 'Awq.duo must be a bool'),
     ({'fold_map': 'stock'}, TypeError, 'Awq.fold_map must be'),
   ]
   for kw, err, msg in bad:

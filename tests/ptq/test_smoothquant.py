@@ -193,3 +193,38 @@ def test_missing_stats_one_line():
     KeyError, match='no calibration stats for any of its consumers'
   ):
     smoothquant.group_scales(params, fm.groups[0], {}, 0.5)
+
+
+def test_quantize_smoothquant_linen_user_fold_map():
+  import flax.linen as nn
+
+  class Mlp(nn.Module):  # stock linen: LayerNorm feeding two Dense
+    @nn.compact
+    def __call__(self, x):
+      h = nn.LayerNorm(name='norm')(x)
+      return nn.Dense(8, name='a')(h) + nn.Dense(8, name='b')(h)
+
+  model = Mlp()
+  xs = [jax.random.normal(jax.random.key(i), (32, 16)) for i in range(2)]
+  v = model.init(jax.random.key(0), xs[0])
+  ax = fold.Axis
+  fm = fold.FoldMap(
+    groups=(
+      fold.FoldGroup(
+        name='norm',
+        sources=(ax(path='params/norm/scale'), ax(path='params/norm/bias')),
+        consumers=(ax(path='params/a/kernel'), ax(path='params/b/kernel')),
+      ),
+    )
+  )
+  v, _ = outliers.inject(v, fm, channels=2)
+  ref = model.apply(v, xs[0])
+  rules = [Rule(smoothquant.w8a8())]
+  err = {}
+  for method in ('rtn', aqtr.ptq.SmoothQuant(fold_map=fm)):
+    (module, sv), rep = aqtr.ptq.quantize(
+      model, rules, xs, variables=v, method=method
+    )
+    out = module.apply(sv, xs[0])
+    err[rep.method.name] = float(jnp.abs(out - ref).max())
+  assert err['smoothquant'] < err['rtn'] / 4, err
