@@ -182,15 +182,9 @@ def weight_mean(w: jax.Array, cfg: TensorConfig, ax: fold.Axis) -> jax.Array:
   return fold.reduce(jnp.mean(rel, axis=1), ax, 'mean')
 
 
-def _along(s: jax.Array, ndim: int, axis: int) -> jax.Array:
-  shape = [1] * ndim
-  shape[axis] = s.shape[0]
-  return s.reshape(shape)
-
-
 def _scaled_error(w, xtx, s, cfg, ax: fold.Axis):
   axis = ax.axis % w.ndim
-  f = _along(fold.expand(s, ax), w.ndim, axis)
+  f = fold.along(fold.expand(s, ax), w.ndim, axis)
   q = rtn(w * f, cfg, axis) / f
   return output_error(as_matrix(q - w, (axis,)), xtx)
 
