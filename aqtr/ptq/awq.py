@@ -182,15 +182,9 @@ def weight_mean(w: jax.Array, cfg: TensorConfig, ax: fold.Axis) -> jax.Array:
   return fold.reduce(jnp.mean(rel, axis=1), ax, 'mean')
 
 
-def _along(s: jax.Array, ndim: int, axis: int) -> jax.Array:
-  shape = [1] * ndim
-  shape[axis] = s.shape[0]
-  return s.reshape(shape)
-
-
 def _scaled_error(w, xtx, s, cfg, ax: fold.Axis):
   axis = ax.axis % w.ndim
-  f = _along(fold.expand(s, ax), w.ndim, axis)
+  f = fold.along(fold.expand(s, ax), w.ndim, axis)
   q = rtn(w * f, cfg, axis) / f
   return output_error(as_matrix(q - w, (axis,)), xtx)
 
@@ -288,8 +282,11 @@ def _stats(stats: Mapping[str, LayerStats], who: str, path: str):
   return stats[path]
 
 
-def _rtn_error(w, xtx, cfg, axis: int) -> float:
-  q = rtn(w, cfg, axis)
+def _rtn_error(w, xtx, cfg, axis: int, path: str) -> float:
+  try:
+    q = rtn(w, cfg, axis)
+  except (ValueError, TypeError) as e:
+    raise type(e)(f'aqtr.ptq: awq: {path}: {e}') from None
   return float(output_error(as_matrix(q - w, (axis,)), xtx))
 
 
@@ -347,7 +344,7 @@ def solve(
     sts = [_stats(stats, f'consumer of {g.name!r}', a.path) for a in quant]
     ws = tuple(fold.get(out, a.path) for a in quant)
     rtn_err = sum(
-      _rtn_error(w, st.xtx, cfgs[a.path], a.axis % w.ndim)
+      _rtn_error(w, st.xtx, cfgs[a.path], a.axis % w.ndim, a.path)
       for w, st, a in zip(ws, sts, quant, strict=True)
     )
     pairs = zip(sts, quant, strict=True)
@@ -390,7 +387,7 @@ def solve(
     st = _stats(stats, 'unfolded op', path)
     w = fold.get(out, path)
     ax = fold.Axis(path=path)
-    rtn_err = _rtn_error(w, st.xtx, cfgs[path], 0)
+    rtn_err = _rtn_error(w, st.xtx, cfgs[path], 0, path)
     out, err = _finish(out, (ax,), {path: w}, new_stats, cfgs, method)
     info[path] = {'alpha': 0.0, 'rtn_error': rtn_err, 'error': err}
   return out, new_stats, info

@@ -52,6 +52,7 @@ __all__ = [
   'Axis',
   'FoldGroup',
   'FoldMap',
+  'along',
   'apply',
   'check',
   'check_inputs',
@@ -256,7 +257,8 @@ def reduce(v: jax.Array, ax: Axis, how: str = 'max') -> jax.Array:
   return (jnp.max if how == 'max' else jnp.mean)(v3, axis=1).reshape(-1)
 
 
-def _along(s: jax.Array, ndim: int, axis: int) -> jax.Array:
+def along(s: jax.Array, ndim: int, axis: int) -> jax.Array:
+  """`s` [n] shaped to broadcast along `axis` of a rank-`ndim` array."""
   shape = [1] * ndim
   shape[axis] = s.shape[0]
   return s.reshape(shape)
@@ -269,7 +271,7 @@ def apply(params: Mapping, group: FoldGroup, s: jax.Array) -> dict:
     (a, 1) for a in group.consumers
   ]:
     w = get(out, ax.path)
-    f = _along(expand(s, ax), w.ndim, ax.axis % w.ndim)
+    f = along(expand(s, ax), w.ndim, ax.axis % w.ndim)
     new = w / f.astype(w.dtype) if sign < 0 else w * f.astype(w.dtype)
     out = replace(out, ax.path, new)
   return out

@@ -210,6 +210,13 @@ def test_stochastic_rounding_config_one_line():
     awq.solve(params, fm, stats, {'a/kernel': cfg}, awq.Awq())
 
 
+def test_tile_not_dividing_names_the_weight():
+  _, params, fm, stats = _toy()
+  cfgs = {'a/kernel': _grouped(W4, 24), 'b/kernel': W4}
+  with pytest.raises(ValueError, match='awq: a/kernel: .*tile_size=24'):
+    awq.solve(params, fm, stats, cfgs, awq.Awq())
+
+
 def test_missing_stats_one_line():
   _, params, fm, _ = _toy()
   with pytest.raises(

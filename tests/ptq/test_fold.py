@@ -80,7 +80,9 @@ def test_detect_picks_the_map():
   assert fold.detect(v) == fold.pax_lm(v)
   p = lms.stock_params(lms.stock(4))
   assert fold.detect(p) == fold.stock_lm(p)
-  with pytest.raises(ValueError, match='no fold map known.*fold_map=aqtr.ptq.fold.FoldMap'):
+  with pytest.raises(
+    ValueError, match='no fold map known.*fold_map=aqtr.ptq.fold.FoldMap'
+  ):
     fold.detect({'encoder': {}})
 
 
