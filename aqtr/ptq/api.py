@@ -53,9 +53,15 @@ class LayerReport:
     d_in, d_out: the weight as a matrix.
     tokens: calibration tokens seen.
     rtn_error: round to nearest's relative output error
-      `tr(dW^T X^T X dW) / tr(W^T X^T X W)`.
-    error: the method's.
-    seconds: the method's solve time (compile included).
+      `tr(dW^T X^T X dW) / tr(W^T X^T X W)` on the ORIGINAL float weight
+      and inputs.
+    error: the method's. For a method that rewrites the float model
+      first (AWQ, SmoothQuant) it is measured on the rewritten weight and
+      inputs (`X / s`, `diag(s) W`, AWQ's clip included in W): the fold
+      leaves the float product unchanged, so the two are comparable up
+      to AWQ's clipping, which this error does not count.
+    seconds: the method's solve time (compile included), plus its share
+      of the float rewrite (split evenly over the layers).
   """
 
   path: str
@@ -219,13 +225,20 @@ def quantize(
   got = collect(target, batches)
   for site in got.sites.values():
     meth.check(site)
+  rtn0 = {}
+  rewrites = type(meth).rewrite is not methods.Method.rewrite
+  if rewrites:  # RTN's error on the original weights, before the rewrite.
+    for path, site in got.sites.items():
+      g = _grid(site, got.weights[path], path)
+      rtn0[path] = relative_error(
+        g.dequant(g.rtn) - g.w2, g.w2, got.stats[path].xtx
+      )
+  t0 = time.perf_counter()
   target, got = meth.rewrite(target, got)
+  share = (time.perf_counter() - t0) / max(len(got.sites), 1)
   grids = {}
   for path, site in got.sites.items():
-    try:
-      grids[path] = Grid.of(site, got.weights[path])
-    except (ValueError, TypeError) as e:
-      raise type(e)(f'aqtr.ptq: {path}: {e}') from None
+    grids[path] = _grid(site, got.weights[path], path)
   first = batches[0]
   args = tuple(first) if isinstance(first, tuple | list) else (first,)
   served, place = _convert(target, args)
@@ -243,18 +256,27 @@ def quantize(
     grid = grids[path]
     t0 = time.perf_counter()
     sol = jax.block_until_ready(meth.solve(site, grid, stats))
-    secs = time.perf_counter() - t0
+    secs = time.perf_counter() - t0 + (share if rewrites else 0.0)
     parts = grid.parts(sol.q, sol.scale, sol.zero)
     if not isinstance(meth, methods.Rtn):
       place(site, parts)
     w2 = grid.w2
-    rtn = relative_error(grid.dequant(grid.rtn) - w2, w2, stats.xtx)
+    rtn = rtn0.get(path)
+    if rtn is None:
+      rtn = relative_error(grid.dequant(grid.rtn) - w2, w2, stats.xtx)
     err = relative_error(grid.dequant(parts) - w2, w2, stats.xtx)
     d_in, d_out = w2.shape
     layers.append(
       LayerReport(path, d_in, d_out, int(stats.count), rtn, err, secs)
     )
   return served, PtqReport(meth, tuple(layers))
+
+
+def _grid(site, w, path: str) -> Grid:
+  try:
+    return Grid.of(site, w)
+  except (ValueError, TypeError) as e:
+    raise type(e)(f'aqtr.ptq: {path}: {e}') from None
 
 
 def _few(stats) -> bool:
