@@ -411,26 +411,33 @@ def nvfp4_training(
   )
 
 
-def mxfp4_training(hadamard: bool = True) -> DotGeneralConfig:
+def mxfp4_training(
+  hadamard: bool = True, forward_hadamard: bool = True
+) -> DotGeneralConfig:
   """A Quartet-style MXFP4 recipe (Castro et al. 2025, arXiv 2505.14669).
 
   Every GEMM in MXFP4 (E2M1 in 32-element blocks, E8M0 `rceil` scales,
   which never clamp): forward nearest; both backward passes quantize the
-  gradient stochastically and requantize their residual, and with
-  `hadamard` rotate both operands by a 32-wide random Hadamard transform
-  (fixed signs) along their contraction. Unlike Quartet the forward pass
-  is not rotated (aqtr rotates backward passes only) and uses no QuEST
-  clipping. Contractions must be multiples of 32; the call needs `key=`.
+  gradient stochastically and requantize their residual. With
+  `forward_hadamard` the forward GEMM quantizes x R and R^T w (R a
+  32-wide Hadamard transform with fixed random signs, along K: the
+  product is unchanged in exact arithmetic), as Quartet does; a frozen
+  weight is then stored rotated and SERVE rotates the activation alike.
+  With `hadamard` both backward passes rotate their operands along their
+  own contraction. Unlike Quartet there is no QuEST clipping. The
+  contractions must be multiples of 32; the call needs `key=`.
 
   Args:
     hadamard: RHT-32 on the dlhs and drhs operands.
+    forward_hadamard: RHT-32 on the forward operands.
   """
   mx = Mx(element='fp4_e2m1', scale_mode='rceil', clip_gradient=False)
   sr = Stochastic(noise_sharing_axes=())
-  t = Hadamard(block_size=32, signs='seed', seed=0, method='auto')
-  t = t if hadamard else None
+  h = Hadamard(block_size=32, signs='seed', seed=0, method='auto')
+  t = h if hadamard else None
   bwd = _raw(_t(mx, sr, transform=t), _t(mx, transform=t), False)
-  return DotGeneralConfig(fwd=_raw(_t(mx), _t(mx), False), dlhs=bwd, drhs=bwd)
+  f = _t(mx, transform=h if forward_hadamard else None)
+  return DotGeneralConfig(fwd=_raw(f, f, False), dlhs=bwd, drhs=bwd)
 
 
 def int4_asym_weight_only(group: int = 128) -> DotGeneralConfig:

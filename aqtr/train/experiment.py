@@ -57,9 +57,12 @@ from aqtr.fiddlers import (  # noqa: F401
 from aqtr.rules import Rule
 from aqtr.train import mesh as mesh_lib
 from aqtr.train import models, qt_runs
+from aqtr.train.high_precision import HighPrecision
 
 __all__ = [
   'CONFIGS',
+  'RECIPE_KEEP',
+  'RECIPE_RUNS',
   'RUNS',
   'TASKS',
   'Experiment',
@@ -67,6 +70,8 @@ __all__ = [
   'custom',
   'default',
   'digits',
+  'high_precision',
+  'kept_float',
   'large',
   'long',
   'run_config',
@@ -101,12 +106,39 @@ RUNS: dict[str, Callable[[], aqtr.DotGeneralConfig]] = (
     ),
   }
   | {
+    # The 4-bit training recipes with their high-precision layers
+    # (`RECIPE_RUNS`), and the NVFP4 recipe less one ingredient each
+    # ('nvfp4_training' is the recipe less its high-precision layers).
+    'nvfp4_recipe': aqtr.presets.nvfp4_training,
+    'nvfp4_recipe_no_rht': functools.partial(
+      aqtr.presets.nvfp4_training, rht=False
+    ),
+    'nvfp4_recipe_no_sr': functools.partial(
+      aqtr.presets.nvfp4_training, stochastic_rounding=False
+    ),
+    'nvfp4_recipe_no_2d': functools.partial(
+      aqtr.presets.nvfp4_training, weight_blocks_2d=False
+    ),
+    'mxfp4_recipe': aqtr.presets.mxfp4_training,
+  }
+  | {
     # A stock nnx Llama-style LM quantized by rules (`stock_lm.RULES`;
     # the config shown is its weight ops' config).
     'stock_float': aqtr.presets.float,
     'stock_int8': aqtr.presets.int8,
   }
 )
+
+# The runs that keep high-precision layers float (`Experiment.
+# high_precision`, by default `RECIPE_KEEP`): the last block and the head.
+RECIPE_RUNS = (
+  'nvfp4_recipe',
+  'nvfp4_recipe_no_rht',
+  'nvfp4_recipe_no_sr',
+  'nvfp4_recipe_no_2d',
+  'mxfp4_recipe',
+)
+RECIPE_KEEP = HighPrecision(last_blocks=1, head=True)
 
 # Numeric fields: (type, allowed range as text, range test).
 _RANGES: dict[str, tuple[type, str, Callable[[Any], bool]]] = {
@@ -166,7 +198,10 @@ class Experiment:
       baseline): the presets of `aqtr.presets` and the quantized-training
       runs of `qt_runs` ('qt_int8', 'qt_int8_w8a8', 'float_adam8bit'),
       'int8_sparse_2_4_warm' (2:4 weights after 50 dense int8 steps),
-      and the stock nnx LM runs 'stock_float', 'stock_int8' (task 'lm';
+      the 4-bit recipes 'nvfp4_recipe', 'mxfp4_recipe' (with their
+      high-precision layers, see `high_precision`), the NVFP4 ablations
+      'nvfp4_recipe_no_rht' / '_no_sr' / '_no_2d', 'nvfp4_naive', and
+      the stock nnx LM runs 'stock_float', 'stock_int8' (task 'lm';
       `aqtr.train.stock_lm`).
     custom: a user-chosen DotGeneralConfig (Fiddle tree), run last under
       the name 'custom'; None: no custom run.
@@ -195,6 +230,10 @@ class Experiment:
       (`aqtr.train.stock_lm`), run under the name 'stock_custom' (after
       the runs, before 'custom'); (): no such run. Add them with
       --config="fiddler:stock_rule('int4_weight_only', path='.*mlp.*')".
+    high_precision: the blocks kept float (`aqtr.train.high_precision`)
+      by the recipe runs (`RECIPE_RUNS`) and the custom run; None: the
+      recipes keep `RECIPE_KEEP` (last block + head), custom keeps none.
+      Set it with --config="fiddler:high_precision(last_blocks=2)".
   """
 
   task: str = 'lm'
@@ -218,6 +257,7 @@ class Experiment:
   mesh: tuple[int, ...] = ()
   distributed: bool = False
   stock_rules: tuple[Rule, ...] = ()
+  high_precision: HighPrecision | None = None
 
   def __post_init__(self):
     if self.task not in TASKS:
@@ -280,6 +320,13 @@ class Experiment:
     if not isinstance(self.distributed, bool):
       raise ValueError(
         f'distributed must be True or False, got {self.distributed!r}.'
+      )
+    hp = self.high_precision
+    if hp is not None and not isinstance(hp, HighPrecision):
+      raise ValueError(
+        'high_precision must be an aqtr.train.high_precision.HighPrecision '
+        'or None (set it with --config="fiddler:high_precision('
+        f'last_blocks=1, head=True)"), got {hp!r}.'
       )
 
   @property
@@ -414,6 +461,49 @@ def stock_rule(cfg: fdl.Config, config: Any = 'int8', **criteria: Any) -> None:
     ['int4_weight_only', 'int8']
   """
   cfg.stock_rules = (*cfg.stock_rules, fdl.Config(Rule, config, **criteria))
+
+
+def kept_float(name: str, exp: Experiment) -> HighPrecision | None:
+  """The blocks the run `name` keeps float (None: none).
+
+  Example:
+    >>> exp = Experiment(runs=('fp8', 'nvfp4_recipe'))
+    >>> kept_float('fp8', exp), kept_float('nvfp4_recipe', exp).label()
+    (None, 'last 1 block + head')
+  """
+  if name in RECIPE_RUNS:
+    return exp.high_precision or RECIPE_KEEP
+  if name == 'custom':
+    return exp.high_precision
+  return None
+
+
+def high_precision(
+  cfg: fdl.Config,
+  first_blocks: int = 0,
+  last_blocks: int = 0,
+  head: bool = False,
+) -> None:
+  """Fiddler: the blocks the recipe runs and the custom run keep float.
+
+  Args:
+    cfg: `fdl.Config(Experiment)`.
+    first_blocks: the first n blocks stay float.
+    last_blocks: the last n blocks stay float.
+    head: the output projection stays float.
+
+  Example:
+    >>> cfg = tiny()
+    >>> high_precision(cfg, head=True)
+    >>> cfg.high_precision.head, cfg.high_precision.last_blocks
+    (True, 0)
+  """
+  cfg.high_precision = fdl.Config(
+    HighPrecision,
+    first_blocks=first_blocks,
+    last_blocks=last_blocks,
+    head=head,
+  )
 
 
 def split(cfg: fdl.Config) -> tuple[Experiment, Any, Any]:
