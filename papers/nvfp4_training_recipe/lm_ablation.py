@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import pathlib
 from typing import Any
 
@@ -34,7 +35,7 @@ import numpy as np
 
 from aqtr.train import experiment, job
 
-__all__ = ['ABLATIONS', 'RUNS', 'LmAblation', 'check', 'run']
+__all__ = ['ABLATIONS', 'RUNS', 'LmAblation', 'check', 'collect', 'rows', 'run']
 
 # What each ablation run removes from the recipe.
 ABLATIONS = {
@@ -103,14 +104,33 @@ def run(
       progress(
         f'seed {seed}: ' + ', '.join(f'{n} {v}' for n, v in losses.items())
       )
-  probe = experiment.split(exp_cfg)[0]
-  rows = []
-  for name in names:
+  return rows(per_seed, experiment.split(exp_cfg)[0])
+
+
+def collect(out: pathlib.Path, seeds) -> list[dict[str, dict]]:
+  """The per-seed summaries `run` left in `out/seed<n>/summary.json` (to
+  tabulate finished seeds again, e.g. after an interrupted run)."""
+  per_seed = []
+  for seed in seeds:
+    rows = json.loads((out / f'seed{seed}' / 'summary.json').read_text())
+    per_seed.append({r['run']: r for r in rows})
+  return per_seed
+
+
+def rows(per_seed: list[dict[str, dict]], exp) -> list[dict[str, Any]]:
+  """The table's rows from each seed's job summary rows (by run name).
+
+  Args:
+    per_seed: one {run: summary row} per seed, 'float' among the runs.
+    exp: the Experiment (its runs' order, their float layers).
+  """
+  out = []
+  for name in exp.runs:
     loss = np.array([float(s[name]['val loss']) for s in per_seed])
     ref = np.array([float(s['float']['val loss']) for s in per_seed])
     gap = loss / ref - 1
-    keep = experiment.kept_float(name, probe)
-    rows.append(
+    keep = experiment.kept_float(name, exp)
+    out.append(
       {
         'run': name,
         'float layers': keep.label() if keep else '-',
@@ -124,7 +144,7 @@ def run(
         ),
       }
     )
-  return rows
+  return out
 
 
 def _pct(g: float) -> str:

@@ -17,11 +17,11 @@ from typing import Any
 
 import fiddle as fdl
 
-from aqtr.train import report
+from aqtr.train import experiment, report
 from papers.lib import claim, cli, plots
 from papers.nvfp4_training_recipe import lm_ablation, lm_config
 
-__all__ = ['COLUMNS', 'checks_table', 'main', 'run']
+__all__ = ['COLUMNS', 'checks_table', 'main', 'run', 'tabulate', 'write']
 
 COLUMNS = (
   'run',
@@ -49,6 +49,20 @@ def run(cfg: fdl.Config, out: pathlib.Path, echo: bool = True) -> list[Any]:
   """Runs the LM ablation `cfg`; writes the outputs to `out`; returns rows."""
   out = pathlib.Path(out)
   rows = lm_ablation.run(cfg, out, progress=print if echo else None)
+  return write(cfg, out, rows, echo)
+
+
+def tabulate(cfg: fdl.Config, out: pathlib.Path, seeds=None) -> list[Any]:
+  """`run`'s outputs from the seeds already trained in `out/seed<n>`."""
+  out = pathlib.Path(out)
+  seeds = cfg.seeds if seeds is None else seeds
+  exp = experiment.split(cfg.experiment)[0]
+  rows = lm_ablation.rows(lm_ablation.collect(out, seeds), exp)
+  return write(cfg, out, rows, echo=True)
+
+
+def write(cfg, out: pathlib.Path, rows: list, echo: bool = True) -> list:
+  """Writes results.md (table and checks), results.png and config.txt."""
   claim.finish(
     out,
     cfg,
