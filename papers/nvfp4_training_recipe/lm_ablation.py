@@ -151,6 +151,10 @@ def _pct(g: float) -> str:
   return f'{100 * g:+.2f} %'
 
 
+def _sd(g: float) -> str:
+  return f'{100 * g:.2f} %'
+
+
 def check(rows: list[dict[str, Any]]) -> list[tuple[str, bool | str, str]]:
   """The claim's statements read off `rows`: (statement, verdict, numbers).
 
@@ -182,7 +186,7 @@ def check(rows: list[dict[str, Any]]) -> list[tuple[str, bool | str, str]]:
       (
         "recipe's gap <= 2x fp8's",
         r['gap'] <= 2 * f,
-        f'{_pct(r["gap"])} vs 2 x {_pct(f)} (seed sd {_pct(noise)}; fp8 '
+        f'{_pct(r["gap"])} vs 2 x {_pct(f)} (seed sd {_sd(noise)}; fp8 '
         + ('within' if abs(f) <= noise else 'outside')
         + ' the noise of 0)',
       )
@@ -199,6 +203,6 @@ def check(rows: list[dict[str, Any]]) -> list[tuple[str, bool | str, str]]:
         'hurts' if d > noise else 'helps' if d < -noise else 'within noise'
       )
       out.append(
-        (f'removing {what}', verdict, f'{_pct(d)} (noise {_pct(noise)})')
+        (f'removing {what}', verdict, f'{_pct(d)} (seed sd {_sd(noise)})')
       )
   return out
