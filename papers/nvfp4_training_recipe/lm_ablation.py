@@ -180,15 +180,15 @@ def check(rows: list[dict[str, Any]]) -> list[tuple[str, bool | str, str]]:
         f'closest: {closest} ({_pct(by[closest]["gap"])}; fp8 {_pct(f)})',
       )
     )
-    r = by['nvfp4_recipe']
-    noise = max(r['gap sd'], by['fp8']['gap sd'])
+    r, f_sd = by['nvfp4_recipe'], by['fp8']['gap sd']
     out.append(
       (
         "recipe's gap <= 2x fp8's",
         r['gap'] <= 2 * f,
-        f'{_pct(r["gap"])} vs 2 x {_pct(f)} (seed sd {_sd(noise)}; fp8 '
-        + ('within' if abs(f) <= noise else 'outside')
-        + ' the noise of 0)',
+        f'{_pct(r["gap"])} (seed sd {_sd(r["gap sd"])}) vs 2 x {_pct(f)} '
+        f'(seed sd {_sd(f_sd)}: fp8 '
+        + ('within' if abs(f) <= f_sd else 'outside')
+        + ' its noise of 0)',
       )
     )
   if 'nvfp4_recipe' in by:

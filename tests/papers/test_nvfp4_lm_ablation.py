@@ -31,7 +31,7 @@ def test_check_reads_the_claim_off_the_rows():
   assert got['removing 16x16 weight blocks (1x16 instead)'] == 'helps'
   assert 'removing the high-precision layers' not in got  # Not run.
   numbers = dict((s, n) for s, _, n in lm_ablation.check(rows))
-  assert 'fp8 within the noise of 0' in numbers["recipe's gap <= 2x fp8's"]
+  assert 'fp8 within its noise of 0' in numbers["recipe's gap <= 2x fp8's"]
 
 
 def test_config_and_bad_input():
