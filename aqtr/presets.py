@@ -416,20 +416,14 @@ def mxfp4_training(
 ) -> DotGeneralConfig:
   """A Quartet-style MXFP4 recipe (Castro et al. 2025, arXiv 2505.14669).
 
-  Every GEMM in MXFP4 (E2M1 in 32-element blocks, E8M0 `rceil` scales,
-  which never clamp): forward nearest; both backward passes quantize the
-  gradient stochastically and requantize their residual. With
-  `forward_hadamard` the forward GEMM quantizes x R and R^T w (R a
-  32-wide Hadamard transform with fixed random signs, along K: the
-  product is unchanged in exact arithmetic), as Quartet does; a frozen
-  weight is then stored rotated and SERVE rotates the activation alike.
-  With `hadamard` both backward passes rotate their operands along their
-  own contraction. Unlike Quartet there is no QuEST clipping. The
-  contractions must be multiples of 32; the call needs `key=`.
+  MXFP4 GEMMs (E2M1, 32-blocks, E8M0 `rceil` scales); gradients rounded
+  stochastically, residuals requantized. RHT-32 (fixed signs) along each
+  pass's contraction: fwd quantizes x R and R^T w (frozen weights stored
+  rotated), the backward passes rotate both operands. No QuEST clipping.
 
   Args:
     hadamard: RHT-32 on the dlhs and drhs operands.
-    forward_hadamard: RHT-32 on the forward operands.
+    forward_hadamard: RHT-32 on the forward operands (Quartet).
   """
   mx = Mx(element='fp4_e2m1', scale_mode='rceil', clip_gradient=False)
   sr = Stochastic(noise_sharing_axes=())

@@ -57,7 +57,14 @@ from aqtr.fiddlers import (  # noqa: F401
 from aqtr.rules import Rule
 from aqtr.train import mesh as mesh_lib
 from aqtr.train import models, qt_runs
-from aqtr.train.high_precision import HighPrecision
+from aqtr.train.high_precision import (
+  RECIPE_CONFIGS,
+  RECIPE_KEEP,
+  RECIPE_RUNS,
+  HighPrecision,
+  high_precision,
+  kept_float,
+)
 
 __all__ = [
   'CONFIGS',
@@ -105,22 +112,7 @@ RUNS: dict[str, Callable[[], aqtr.DotGeneralConfig]] = (
       weight_blocks_2d=False,
     ),
   }
-  | {
-    # The 4-bit training recipes with their high-precision layers
-    # (`RECIPE_RUNS`), and the NVFP4 recipe less one ingredient each
-    # ('nvfp4_training' is the recipe less its high-precision layers).
-    'nvfp4_recipe': aqtr.presets.nvfp4_training,
-    'nvfp4_recipe_no_rht': functools.partial(
-      aqtr.presets.nvfp4_training, rht=False
-    ),
-    'nvfp4_recipe_no_sr': functools.partial(
-      aqtr.presets.nvfp4_training, stochastic_rounding=False
-    ),
-    'nvfp4_recipe_no_2d': functools.partial(
-      aqtr.presets.nvfp4_training, weight_blocks_2d=False
-    ),
-    'mxfp4_recipe': aqtr.presets.mxfp4_training,
-  }
+  | RECIPE_CONFIGS  # The 4-bit recipes and their ablations.
   | {
     # A stock nnx Llama-style LM quantized by rules (`stock_lm.RULES`;
     # the config shown is its weight ops' config).
@@ -128,17 +120,6 @@ RUNS: dict[str, Callable[[], aqtr.DotGeneralConfig]] = (
     'stock_int8': aqtr.presets.int8,
   }
 )
-
-# The runs that keep high-precision layers float (`Experiment.
-# high_precision`, by default `RECIPE_KEEP`): the last block and the head.
-RECIPE_RUNS = (
-  'nvfp4_recipe',
-  'nvfp4_recipe_no_rht',
-  'nvfp4_recipe_no_sr',
-  'nvfp4_recipe_no_2d',
-  'mxfp4_recipe',
-)
-RECIPE_KEEP = HighPrecision(last_blocks=1, head=True)
 
 # Numeric fields: (type, allowed range as text, range test).
 _RANGES: dict[str, tuple[type, str, Callable[[Any], bool]]] = {
@@ -461,49 +442,6 @@ def stock_rule(cfg: fdl.Config, config: Any = 'int8', **criteria: Any) -> None:
     ['int4_weight_only', 'int8']
   """
   cfg.stock_rules = (*cfg.stock_rules, fdl.Config(Rule, config, **criteria))
-
-
-def kept_float(name: str, exp: Experiment) -> HighPrecision | None:
-  """The blocks the run `name` keeps float (None: none).
-
-  Example:
-    >>> exp = Experiment(runs=('fp8', 'nvfp4_recipe'))
-    >>> kept_float('fp8', exp), kept_float('nvfp4_recipe', exp).label()
-    (None, 'last 1 block + head')
-  """
-  if name in RECIPE_RUNS:
-    return exp.high_precision or RECIPE_KEEP
-  if name == 'custom':
-    return exp.high_precision
-  return None
-
-
-def high_precision(
-  cfg: fdl.Config,
-  first_blocks: int = 0,
-  last_blocks: int = 0,
-  head: bool = False,
-) -> None:
-  """Fiddler: the blocks the recipe runs and the custom run keep float.
-
-  Args:
-    cfg: `fdl.Config(Experiment)`.
-    first_blocks: the first n blocks stay float.
-    last_blocks: the last n blocks stay float.
-    head: the output projection stays float.
-
-  Example:
-    >>> cfg = tiny()
-    >>> high_precision(cfg, head=True)
-    >>> cfg.high_precision.head, cfg.high_precision.last_blocks
-    (True, 0)
-  """
-  cfg.high_precision = fdl.Config(
-    HighPrecision,
-    first_blocks=first_blocks,
-    last_blocks=last_blocks,
-    head=head,
-  )
 
 
 def split(cfg: fdl.Config) -> tuple[Experiment, Any, Any]:

@@ -28,11 +28,22 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
+import fiddle as fdl
+
+import aqtr
 from aqtr.rules import Rule
 
-__all__ = ['HighPrecision']
+__all__ = [
+  'RECIPE_CONFIGS',
+  'RECIPE_KEEP',
+  'RECIPE_RUNS',
+  'HighPrecision',
+  'high_precision',
+  'kept_float',
+]
 
 
 def _count(name: str, v: Any) -> None:
@@ -111,3 +122,73 @@ class HighPrecision:
       Rule(None, path=p, name=f'high precision {p}')
       for p in self.float_paths(template)
     ]
+
+
+# The main job's 4-bit recipe runs (`aqtr.train.experiment.RUNS`): the
+# presets, and the NVFP4 recipe less one ingredient each ('nvfp4_training'
+# is the recipe less its high-precision layers). They keep the blocks of
+# `Experiment.high_precision` float, by default `RECIPE_KEEP`.
+RECIPE_CONFIGS = {
+  'nvfp4_recipe': aqtr.presets.nvfp4_training,
+  'nvfp4_recipe_no_rht': functools.partial(
+    aqtr.presets.nvfp4_training, rht=False
+  ),
+  'nvfp4_recipe_no_sr': functools.partial(
+    aqtr.presets.nvfp4_training, stochastic_rounding=False
+  ),
+  'nvfp4_recipe_no_2d': functools.partial(
+    aqtr.presets.nvfp4_training, weight_blocks_2d=False
+  ),
+  'mxfp4_recipe': aqtr.presets.mxfp4_training,
+}
+RECIPE_RUNS = tuple(RECIPE_CONFIGS)
+RECIPE_KEEP = HighPrecision(last_blocks=1, head=True)
+
+
+def kept_float(name: str, exp: Any) -> HighPrecision | None:
+  """The blocks the main-job run `name` keeps float (None: none).
+
+  Args:
+    name: a run name.
+    exp: the `aqtr.train.experiment.Experiment` (its `high_precision`).
+
+  Example:
+    >>> from aqtr.train.experiment import Experiment
+    >>> exp = Experiment(runs=('fp8', 'nvfp4_recipe'))
+    >>> kept_float('fp8', exp), kept_float('nvfp4_recipe', exp).label()
+    (None, 'last 1 block + head')
+  """
+  if name in RECIPE_RUNS:
+    return exp.high_precision or RECIPE_KEEP
+  if name == 'custom':
+    return exp.high_precision
+  return None
+
+
+def high_precision(
+  cfg: fdl.Config,
+  first_blocks: int = 0,
+  last_blocks: int = 0,
+  head: bool = False,
+) -> None:
+  """Fiddler: the blocks the recipe runs and the custom run keep float.
+
+  Args:
+    cfg: `fdl.Config(aqtr.train.experiment.Experiment)`.
+    first_blocks: the first n blocks stay float.
+    last_blocks: the last n blocks stay float.
+    head: the output projection stays float.
+
+  Example:
+    >>> from aqtr.train import experiment
+    >>> cfg = experiment.tiny()
+    >>> high_precision(cfg, head=True)
+    >>> cfg.high_precision.head, cfg.high_precision.last_blocks
+    (True, 0)
+  """
+  cfg.high_precision = fdl.Config(
+    HighPrecision,
+    first_blocks=first_blocks,
+    last_blocks=last_blocks,
+    head=head,
+  )
