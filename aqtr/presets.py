@@ -416,20 +416,19 @@ def mxfp4_training(
 ) -> DotGeneralConfig:
   """A Quartet-style MXFP4 recipe (Castro et al. 2025, arXiv 2505.14669).
 
-  MXFP4 GEMMs (E2M1, 32-blocks, E8M0 `rceil` scales); gradients rounded
-  stochastically, residuals requantized. RHT-32 (fixed signs) along each
-  pass's contraction: fwd quantizes x R and R^T w (frozen weights stored
-  rotated), the backward passes rotate both operands. No QuEST clipping.
+  MXFP4 GEMMs (E2M1, 32-blocks, E8M0 `rceil`), stochastic gradients,
+  requantized residuals; RHT-32 (fixed signs) along each pass's
+  contraction: fwd quantizes x R and R^T w (frozen weights stored
+  rotated). No QuEST clipping. K, N, M multiples of 32; needs `key=`.
 
   Args:
     hadamard: RHT-32 on the dlhs and drhs operands.
     forward_hadamard: RHT-32 on the forward operands (Quartet).
   """
   mx = Mx(element='fp4_e2m1', scale_mode='rceil', clip_gradient=False)
-  sr = Stochastic(noise_sharing_axes=())
   h = Hadamard(block_size=32, signs='seed', seed=0, method='auto')
   t = h if hadamard else None
-  bwd = _raw(_t(mx, sr, transform=t), _t(mx, transform=t), False)
+  bwd = _raw(_t(mx, Stochastic(), transform=t), _t(mx, transform=t), False)
   f = _t(mx, transform=h if forward_hadamard else None)
   return DotGeneralConfig(fwd=_raw(f, f, False), dlhs=bwd, drhs=bwd)
 
