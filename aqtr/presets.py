@@ -411,26 +411,26 @@ def nvfp4_training(
   )
 
 
-def mxfp4_training(hadamard: bool = True) -> DotGeneralConfig:
+def mxfp4_training(
+  hadamard: bool = True, forward_hadamard: bool = True
+) -> DotGeneralConfig:
   """A Quartet-style MXFP4 recipe (Castro et al. 2025, arXiv 2505.14669).
 
-  Every GEMM in MXFP4 (E2M1 in 32-element blocks, E8M0 `rceil` scales,
-  which never clamp): forward nearest; both backward passes quantize the
-  gradient stochastically and requantize their residual, and with
-  `hadamard` rotate both operands by a 32-wide random Hadamard transform
-  (fixed signs) along their contraction. Unlike Quartet the forward pass
-  is not rotated (aqtr rotates backward passes only) and uses no QuEST
-  clipping. Contractions must be multiples of 32; the call needs `key=`.
+  MXFP4 GEMMs (E2M1, 32-blocks, E8M0 `rceil`), stochastic gradients,
+  requantized residuals; RHT-32 (fixed signs) along each pass's
+  contraction: fwd quantizes x R and R^T w (frozen weights stored
+  rotated). No QuEST clipping. K, N, M multiples of 32; needs `key=`.
 
   Args:
     hadamard: RHT-32 on the dlhs and drhs operands.
+    forward_hadamard: RHT-32 on the forward operands (Quartet).
   """
   mx = Mx(element='fp4_e2m1', scale_mode='rceil', clip_gradient=False)
-  sr = Stochastic(noise_sharing_axes=())
-  t = Hadamard(block_size=32, signs='seed', seed=0, method='auto')
-  t = t if hadamard else None
-  bwd = _raw(_t(mx, sr, transform=t), _t(mx, transform=t), False)
-  return DotGeneralConfig(fwd=_raw(_t(mx), _t(mx), False), dlhs=bwd, drhs=bwd)
+  h = Hadamard(block_size=32, signs='seed', seed=0, method='auto')
+  t = h if hadamard else None
+  bwd = _raw(_t(mx, Stochastic(), transform=t), _t(mx, transform=t), False)
+  f = _t(mx, transform=h if forward_hadamard else None)
+  return DotGeneralConfig(fwd=_raw(f, f, False), dlhs=bwd, drhs=bwd)
 
 
 def int4_asym_weight_only(group: int = 128) -> DotGeneralConfig:

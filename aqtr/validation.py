@@ -84,7 +84,7 @@ def check_shapes(
         f'{name}.lhs.tiling and {name}.rhs.tiling ask for different tiles '
         f'{tiles} of the same contraction ({k} elements); use one tile size.'
       )
-  for name in ('dlhs', 'drhs'):  # Transforms rotate along their pass's.
+  for name in ('fwd', 'dlhs', 'drhs'):  # Transforms: along their pass's.
     t = getattr(config, name).transform
     if t.transforms:
       t.check_size(sizes[name], f'{name}.lhs.transform')

@@ -17,7 +17,9 @@ along the tokens (the NVFP4 recipe, arXiv 2509.25149), same process,
 interleaved rounds, medians. `added` = (with - without) / without. The
 engine's own NVFP4 fwd+VJP (`jax.vjp` of `aqtr.dot_general`) is timed
 for reference, and `presets.nvfp4_training` (nearest rounding, to time
-the transform alone) with and without its RHT-16 on the wgrad inputs.
+the transform alone) with and without its RHT-16 on the wgrad inputs;
+`presets.mxfp4_training` (RHT-32 on the backward passes) with and
+without its Quartet forward rotation.
 
   python benchmarks/transforms.py
   python benchmarks/transforms.py --size 1024 --rounds 15
@@ -149,6 +151,18 @@ def gemm_table(size: int, rounds: int) -> list[str]:
       return y, *vjp(g)
 
     fns[f'engine nvfp4_training(rht={rht}) fwd+VJP'] = jax.jit(engine_recipe)
+  for fwd_h in (False, True):  # Quartet: RHT-32 on the forward GEMM too.
+    mx = aqtr.presets.mxfp4_training(forward_hadamard=fwd_h)
+
+    def engine_mx(x, w, g, mx=mx):
+      dn, key = (((1,), (0,)), ((), ())), jax.random.key(0)
+      y, vjp = jax.vjp(
+        lambda x, w: aqtr.dot_general(x, w, dn, mx, key=key), x, w
+      )
+      return y, *vjp(g)
+
+    name = f'engine mxfp4_training(forward_hadamard={fwd_h}) fwd+VJP'
+    fns[name] = jax.jit(engine_mx)
   fns['lax f32 fwd+VJP'] = jax.jit(f32)
   ms = _time(fns, (x, w, g), rounds)
   base, ref = ms['3 NVFP4 GEMMs'], ms['lax f32 fwd+VJP']

@@ -236,7 +236,8 @@ DOTS = {
   'nvfp4': {(E4, E4): 1, (F32, F32): 2},
   # + the f32 n x n products of the RHT ('matmul'), one per rotated operand.
   'nvfp4_training': {(E4, E4): 3, (F32, F32): 2},
-  'mxfp4_training': {(E4, E4): 3, (F32, F32): 4},
+  # RHT-32 on both operands of all three passes (Quartet's forward too).
+  'mxfp4_training': {(E4, E4): 3, (F32, F32): 6},
 }
 
 

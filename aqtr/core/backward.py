@@ -18,6 +18,10 @@ of g per tile of Y (its scales differ per tile). g is quantized with
                      written by the forward pass)
 
 so every dot's lhs contracts its last axis (XLA:CPU's fast int8 kernel).
+A forward transform R (`config.fwd.*.transform`) changes nothing for a
+float residual (the straight-through gradient of Q(x R) Q(R^T w) is
+g w^T); a stored partner holds R^T y, so its values are rotated back (or,
+reused, the gradient of x R is mapped back by R^T).
 A reused affine Y subtracts (g s) . z_Y (`zero_point.reuse_term`).
 Gradients pass straight through the rounding, masked by the forward
 numerics' clip_gradient; the sparsity's SR-STE term is added after.
@@ -69,6 +73,17 @@ def _float_grad(plan: Plan, side: Side, y, g) -> jax.Array:
   return jax.linear_transpose(f, zero)(g)[0]
 
 
+def _stored_values(plan: Plan, y, q) -> jax.Array:
+  """A stored (reused) partner's float values in its own layout, rotated
+  back when the forward pass rotates (a frozen weight is stored as R^T w)."""
+  v = q.dequantized(y.layout, y.dtype)
+  tf = plan.config.fwd.transform
+  if not tf.transforms:
+    return v
+  v3 = tf.inverse(y.layout.to_canonical(v, y.form), k_axis(y.form))
+  return y.layout.from_canonical(v3, y.form).astype(y.dtype)
+
+
 def operand_gradient(plan: Plan, side: Side, res: Residuals, g, gst):
   """(dX before masking, the gradient operand's new state or None).
 
@@ -82,7 +97,7 @@ def operand_gradient(plan: Plan, side: Side, res: Residuals, g, gst):
   if not (raw.quantized or t.transforms):
     yv = y_res.x
     if y_res.q is not None:
-      yv = y_res.q.dequantized(y.layout, y.dtype)
+      yv = _stored_values(plan, y, y_res.q)
     return _float_grad(plan, side, yv, g), None
   lay = plan.layout
   g3 = g.reshape(lay.lhs.b, lay.lhs.f, lay.rhs.f)
@@ -96,7 +111,7 @@ def operand_gradient(plan: Plan, side: Side, res: Residuals, g, gst):
   y_x = y_res.x
   if y_res.q is not None and not reuse:
     # A stored (frozen) Y in a rotating pass: rotate its dequantized values.
-    y_x = y_res.q.dequantized(y.layout, y.dtype)
+    y_x = _stored_values(plan, y, y_res.q)
   if reuse:  # (g * s_Y) . q_Y, per tile of Y.
     g_s, _ = fold_scale(g3, y_res.q, fy_axis)
     a = Operand(g_s, g_form, raw.lhs, repeat_tiles(noise, n), state=gst)
@@ -122,6 +137,9 @@ def operand_gradient(plan: Plan, side: Side, res: Residuals, g, gst):
   if z is not None:
     out = out - reuse_term(a.x, z, fy_axis, emit)
   out = merge_tiles(out, n, emit)
+  if reuse and plan.config.fwd.transform.transforms:
+    # q_Y holds R^T y: this is the gradient of x R; map it back by R^T.
+    out = plan.config.fwd.transform.inverse(out, k_axis(emit))
   return plan.operand(side).layout.from_canonical(out, emit), st
 
 
@@ -132,6 +150,7 @@ def backward(plan: Plan, res: Residuals, g):
   the gradient operands' new stats and the forward operands' learned
   parameters' gradients (`slot_state`).
   """
+  plan.check_transforms()  # The gradient passes' sizes (trace time).
   grads, raw_grads, new = {}, {}, {}
   for side in SIDES:
     op = plan.operand(side)

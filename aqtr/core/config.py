@@ -59,9 +59,15 @@ class TensorConfig:
     transform: an `aqtr.transforms.Transform` ('none' by default): an
       orthogonal R applied along the contraction of this operand's pass
       before quantization, to both operands of the pass (so both sides of
-      a pass must name the same transform); backward passes only, with
-      their residual requantized (`use_fwd_quant=False`). The NVFP4
-      recipe rotates the wgrad GEMM's inputs: `drhs.lhs` and `drhs.rhs`.
+      a pass must name the same transform). A rotating backward pass
+      requantizes its residual (`use_fwd_quant=False`); the NVFP4 recipe
+      rotates the wgrad GEMM's inputs, `drhs.lhs` and `drhs.rhs`. A
+      rotating forward pass (Quartet, arXiv 2505.14669) quantizes x R and
+      R^T w: a frozen weight is stored rotated and SERVE rotates the
+      activation alike; R must be fixed (not drawn from a key), no
+      backward pass reuses the forward quantization, and the gradient
+      passes straight through unmasked (no clip_gradient, learned
+      calibration or sparsity on a rotated forward operand).
     freezer: an `aqtr.freezers.Freezer`: what a model stores of this
       operand for serving (only config.fwd operands are frozen).
     quantized_gather: forward operands under explicit mesh axes: quantize
@@ -246,7 +252,7 @@ class DotGeneralConfig:
     """True when no pass quantizes or prunes (the config equals lax)."""
     fwd_q = self.fwd.lhs.quantized or self.fwd.rhs.quantized
     sparse = self.fwd.lhs.sparse or self.fwd.rhs.sparse
-    rotated = self.dlhs.lhs.rotated or self.drhs.lhs.rotated
+    rotated = any(r.lhs.rotated for r in (self.fwd, self.dlhs, self.drhs))
     return not (
       fwd_q or sparse or rotated or self.dlhs.quantized or self.drhs.quantized
     )
@@ -284,23 +290,62 @@ def _check_sparsity(cfg: DotGeneralConfig) -> None:
       )
 
 
+def _check_fwd_transform(cfg: DotGeneralConfig) -> None:
+  """A forward transform: fixed R, plain straight-through gradients.
+
+  The forward quantization is then of the rotated operands: it is not
+  reused by the backward passes (their residual is the float operand), it
+  must be reproducible when a weight is frozen (no R drawn from a key),
+  and the straight-through gradient may not be masked or learned in the
+  rotated coordinates (clip_gradient, learned calibrations, sparsity).
+  """
+  t = cfg.fwd.lhs.transform
+  if not t.transforms:
+    return
+  if t.needs_key:
+    raise ValueError(
+      f'DotGeneralConfig.fwd.lhs.transform: {t!r} draws R from the key, '
+      'but a forward R must be the same at SERVE as when the weight was '
+      "frozen; allowed: signs='seed' or 'none'."
+    )
+  for name in ('dlhs', 'drhs'):
+    if getattr(cfg, name).use_fwd_quant:
+      raise ValueError(
+        f'DotGeneralConfig.{name}.use_fwd_quant=True, but fwd rotates its '
+        f'operands ({t!r}), so the forward quantization is of rotated '
+        f'values; allowed: False (the residual is the float operand).'
+      )
+  for side in ('lhs', 'rhs'):
+    tc = getattr(cfg.fwd, side)
+    where = f'DotGeneralConfig.fwd.{side}'
+    if tc.quantized and getattr(tc.numerics, 'clip_gradient', False):
+      raise ValueError(
+        f'{where}.numerics.clip_gradient=True with a forward transform: '
+        'the clip mask would be in the rotated coordinates; allowed: '
+        'clip_gradient=False.'
+      )
+    if tc.quantized and getattr(tc.calibration, 'has_learned', False):
+      raise ValueError(
+        f'{where}.calibration: {type(tc.calibration).__name__} learns in '
+        'the rotated coordinates, which a forward transform does not '
+        'support; allowed: a calibration without learned parameters.'
+      )
+    if tc.sparse:
+      raise ValueError(
+        f'{where}.sparsity: {tc.sparsity!r} with a forward transform (the '
+        "rotation undoes the pruning pattern); allowed: 'none'."
+      )
+
+
 def _check_transforms(cfg: DotGeneralConfig) -> None:
-  """Transforms: backward passes, one R per pass, residual requantized.
+  """Transforms: one R per pass, on both of its operands.
 
   A pass rotates both of its operands by the same R along its
-  contraction, so that the float product is unchanged; the residual is
-  then rotated and quantized afresh (a reused forward quantization was
-  made without R).
+  contraction, so that the float product is unchanged. A rotating
+  backward pass requantizes its residual (a reused forward quantization
+  was made without its R); a rotating forward pass: `_check_fwd_transform`.
   """
-  for side in ('lhs', 'rhs'):
-    t = getattr(cfg.fwd, side).transform
-    if t.transforms:
-      raise ValueError(
-        f'DotGeneralConfig.fwd.{side}.transform: {t!r} on the forward pass '
-        'is not supported (the forward quantization is reused, frozen and '
-        "served); allowed: 'none'. Rotate the backward passes (dlhs, drhs)."
-      )
-  for name in ('dlhs', 'drhs'):
+  for name in ('fwd', 'dlhs', 'drhs'):
     raw = getattr(cfg, name)
     lt, rt = raw.lhs.transform, raw.rhs.transform
     if lt != rt:
@@ -309,12 +354,13 @@ def _check_transforms(cfg: DotGeneralConfig) -> None:
         f'{name}.lhs.transform {lt!r}; both operands of a dot must be '
         'rotated by the same R: allowed: the same transform on both.'
       )
-    if lt.transforms and raw.use_fwd_quant:
+    if name != 'fwd' and lt.transforms and raw.use_fwd_quant:
       raise ValueError(
         f'DotGeneralConfig.{name}.use_fwd_quant: {name} rotates its '
         f'operands ({lt!r}), so its residual must be rotated and quantized '
         f"afresh; allowed: False, or {name} transforms 'none'."
       )
+  _check_fwd_transform(cfg)
 
 
 def _check_gather(cfg: DotGeneralConfig) -> None:

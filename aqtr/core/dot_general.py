@@ -172,7 +172,7 @@ def dot_general(
   plan = Plan.create(
     lhs, rhs, dimension_numbers, config, precision, preferred_element_type
   )
-  plan.check_transforms()
+  plan.check_transforms(backward=False)
   if config.needs_key and key is None:
     raise ValueError(
       "config uses stochastic rounding (or a transform with signs='key') "

@@ -23,6 +23,7 @@ from aqtr.core.passes import (
   QuantizedOperand,
   canonical_noise,
   contract,
+  k_axis,
   quantize_tiled,
   slot_keys,
 )
@@ -55,6 +56,13 @@ def _stored_operand(plan: Plan, side: Side, x: QTensor) -> QuantizedOperand:
     problems.append(f"layout {x.layout}/{x.form} != the dot's form {natural}")
   if tuple(x.qvalue.shape) != view:
     problems.append(f'qvalue shape {x.qvalue.shape} != expected {view}')
+  rotated = cfg.transform if cfg.rotated else None
+  if x.transform != rotated:
+    problems.append(
+      f'it was frozen with transform {x.transform!r}, but '
+      f'config.{slot.path}.transform is {rotated!r} (freeze it with the '
+      "dot's config)"
+    )
   if numerics.asymmetric != (x.zero_point is not None):
     problems.append('zero_point missing or unexpected for the numerics')
   if x.scale is None or jnp.ndim(x.scale) != 4:
@@ -89,6 +97,8 @@ def forward_operand(plan: Plan, side: Side, x, key, st: SlotState | None):
   if st is not None and st.stats is not None:
     state = {'stats': st.stats, 'learned': st.learned}
   x3 = op.layout.to_canonical(x, op.form)
+  if cfg.rotated:  # x R (lhs) / R^T w (rhs) along K: the product is kept.
+    x3 = cfg.transform.apply(x3, k_axis(op.form), None, slot.path)
   noise = canonical_noise(cfg, key, op.layout, op.form)
   operand = Operand(x3, op.form, cfg, noise, None, state)
   return quantize_tiled(operand, plan.fwd_tile)
@@ -100,10 +110,12 @@ def _residual(plan: Plan, side: Side, x, q, kept, key, decay):
   the gradient pass's `key` and the SR-STE term `decay`."""
   op = plan.operand(side)
   quantized = q.scale is not None
+  # A rotated forward passes the gradient straight through, unmasked.
+  masked = quantized and not plan.tensor(Slot.forward(side)).rotated
   return SideResidual(
     x=None if op.reused else x,
     q=kept.without_mask() if op.reused else None,
-    mask=q.grad_mask(op.layout) if quantized else None,
+    mask=q.grad_mask(op.layout) if masked else None,
     key=key,
     decay=decay,
     learned=q.learned if quantized else None,

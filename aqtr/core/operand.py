@@ -131,4 +131,6 @@ def _quantize_jit(x, key, st: SlotState, *, plan: Plan, side: Side) -> QTensor:
   key = slot_keys(key).get(Slot.forward(side))
   q = forward_operand(plan, side, x, key, st)
   op = plan.operand(side)
-  return QTensor(q.values, q.scale, op.layout, op.form, q.zero_point)
+  t = plan.tensor(Slot.forward(side))
+  rotated = t.transform if t.rotated else None
+  return QTensor(q.values, q.scale, op.layout, op.form, q.zero_point, rotated)

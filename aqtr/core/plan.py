@@ -207,9 +207,11 @@ class Plan:
 
   @property
   def quantizes_forward(self) -> bool:
-    """Whether the forward dot runs on quantized (or stored) operands."""
+    """Whether the forward dot runs on quantized (or stored) operands, or
+    on rotated ones (a forward transform)."""
     fwd = self.config.fwd
-    return fwd.lhs.quantized or fwd.rhs.quantized or self.stored
+    quantized = fwd.lhs.quantized or fwd.rhs.quantized
+    return quantized or fwd.lhs.rotated or self.stored
 
   @property
   def out_dtype(self) -> np.dtype:
@@ -272,9 +274,16 @@ class Plan:
       return 1
     return y.layout.k // (self.fwd_tile or y.layout.k)
 
-  def check_transforms(self) -> None:
-    """Raises naming the slot when a backward pass's transform does not
-    fit its contraction (dlhs: N, drhs: M)."""
+  def check_transforms(self, backward: bool = True) -> None:
+    """Raises naming the slot when a pass's transform does not fit its
+    contraction (fwd: K, dlhs: N, drhs: M); `backward=False`: fwd only
+    (a call checks its forward, the backward rule its gradient passes, so
+    that a serving forward never fails on a gradient pass's sizes)."""
+    self.config.fwd.transform.check_size(
+      self.lhs.layout.k, 'config.fwd.lhs.transform'
+    )
+    if not backward:
+      return
     for side in SIDES:
       pass_ = side.grad_pass
       t = getattr(self.config, pass_.value).transform

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -65,6 +66,10 @@ class QTensor:
     form: 'fk' or 'kf' (static).
     zero_point: float32 (integer-valued) zero point shaped like `scale`, or
       None for symmetric numerics.
+    transform: the forward transform (`aqtr.transforms`) the values were
+      rotated by before quantization, along the contraction (static), or
+      None: `dequant()` then gives the rotated operand, and a dot takes
+      the QTensor only with that forward transform.
 
   Example:
     >>> import jax.numpy as jnp, aqtr
@@ -78,6 +83,7 @@ class QTensor:
   layout: OperandLayout
   form: str = 'fk'
   zero_point: jax.Array | None = None
+  transform: Any = None
 
   def dequant(self, dtype=jnp.float32) -> jax.Array:
     """`(qvalue - zero_point) * scale` in the original layout and `dtype`."""
@@ -93,5 +99,5 @@ class QTensor:
 jax.tree_util.register_dataclass(
   QTensor,
   data_fields=['qvalue', 'scale', 'zero_point'],
-  meta_fields=['layout', 'form'],
+  meta_fields=['layout', 'form', 'transform'],
 )

@@ -145,7 +145,7 @@ def ragged_dot(
         f'config.{slot.path}.sparsity: ragged_dot does not prune operands '
         f"yet, got {t.sparsity!r}; allowed: NoSparsity() ('none')."
       )
-  for name in ('dlhs', 'drhs'):
+  for name in ('fwd', 'dlhs', 'drhs'):
     t = None if config is None else getattr(config, name).transform
     if t is not None and t.transforms:
       raise ValueError(

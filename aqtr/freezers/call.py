@@ -184,7 +184,8 @@ class OperandCall:
     They must be in the view `quantize()` returns (`.qvalue`, `.scale`,
     `.zero_point`: None unless the numerics are affine).
     """
-    return QTensor(qvalue, scale, self.layout, self.form, zero_point)
+    t = self.tensor.transform if self.tensor.rotated else None
+    return QTensor(qvalue, scale, self.layout, self.form, zero_point, t)
 
   def over_free(self, b: jax.Array) -> jax.Array:
     """`b` (a scalar, or over the free axes) reshaped to broadcast with x."""

@@ -8,8 +8,9 @@ flags). From Python:
   >>> rows = job.run(cfg, 'out')  # doctest: +SKIP
 
 Modules: `experiment` (the config and named variants), `models` (Pax-style
-templates + injection), `tasks` (data and metric), `loop` (one run),
-`serving` (convert, orbax, serve == train), `generate` (restore a
+templates + injection), `high_precision` (blocks kept float), `tasks`
+(data and metric), `loop` (one run), `serving` (convert, orbax,
+serve == train), `generate` (restore a
 serving checkpoint, samples; `aqtr-generate` is `generate_cli`), `report`
 (outputs), `job` (all runs). Needs the `train` extra (flax, optax, orbax,
 matplotlib, rich, and scikit-learn for the digits task). Not imported by

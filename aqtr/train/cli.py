@@ -62,7 +62,7 @@ class CommandLineError(ValueError):
 
 def fiddler_names() -> tuple[str, ...]:
   """The bare names `--config=fiddler:NAME(...)` accepts."""
-  return ('custom', *fiddlers.__all__, 'stock_rule')
+  return ('custom', *fiddlers.__all__, 'stock_rule', 'high_precision')
 
 
 def _namespace() -> types.ModuleType:
@@ -72,6 +72,7 @@ def _namespace() -> types.ModuleType:
     setattr(names, name, fn)
   names.custom = experiment.custom
   names.stock_rule = experiment.stock_rule
+  names.high_precision = experiment.high_precision
   for name in fiddlers.__all__:
     setattr(names, name, getattr(fiddlers, name))
   return names

@@ -58,9 +58,19 @@ from aqtr.lora import config as lora_config
 from aqtr.rules import Rule
 from aqtr.train import mesh as mesh_lib
 from aqtr.train import models, qt_runs
+from aqtr.train.high_precision import (
+  RECIPE_CONFIGS,
+  RECIPE_KEEP,
+  RECIPE_RUNS,
+  HighPrecision,
+  high_precision,
+  kept_float,
+)
 
 __all__ = [
   'CONFIGS',
+  'RECIPE_KEEP',
+  'RECIPE_RUNS',
   'RUNS',
   'TASKS',
   'Experiment',
@@ -68,6 +78,8 @@ __all__ = [
   'custom',
   'default',
   'digits',
+  'high_precision',
+  'kept_float',
   'large',
   'long',
   'run_config',
@@ -101,6 +113,7 @@ RUNS: dict[str, Callable[[], aqtr.DotGeneralConfig]] = (
       weight_blocks_2d=False,
     ),
   }
+  | RECIPE_CONFIGS  # The 4-bit recipes and their ablations.
   | {
     # A stock nnx Llama-style LM quantized by rules (`stock_lm.RULES`;
     # the config shown is its weight ops' config).
@@ -175,7 +188,10 @@ class Experiment:
       baseline): the presets of `aqtr.presets` and the quantized-training
       runs of `qt_runs` ('qt_int8', 'qt_int8_w8a8', 'float_adam8bit'),
       'int8_sparse_2_4_warm' (2:4 weights after 50 dense int8 steps),
-      the stock nnx LM runs 'stock_float', 'stock_int8' (task 'lm';
+      the 4-bit recipes 'nvfp4_recipe', 'mxfp4_recipe' (with their
+      high-precision layers, see `high_precision`), the NVFP4 ablations
+      'nvfp4_recipe_no_rht' / '_no_sr' / '_no_2d', 'nvfp4_naive', the
+      stock nnx LM runs 'stock_float', 'stock_int8' (task 'lm';
       `aqtr.train.stock_lm`), and its LoRA fine-tunes 'lora',
       'qlora_nf4' (`aqtr.train.lora_job`; see `init_from`).
     custom: a user-chosen DotGeneralConfig (Fiddle tree), run last under
@@ -217,6 +233,10 @@ class Experiment:
     finetune_family: the stdlib package the LoRA runs fine-tune on (and
       that the job's LM corpus then leaves out).
     lora_rank: the LoRA runs' adapter rank r (alpha = 2r).
+    high_precision: the blocks kept float (`aqtr.train.high_precision`)
+      by the recipe runs (`RECIPE_RUNS`) and the custom run; None: the
+      recipes keep `RECIPE_KEEP` (last block + head), custom keeps none.
+      Set it with --config="fiddler:high_precision(last_blocks=2)".
   """
 
   task: str = 'lm'
@@ -246,6 +266,7 @@ class Experiment:
   init_from: str | None = None
   finetune_family: str = 'email'
   lora_rank: int = 8
+  high_precision: HighPrecision | None = None
 
   def __post_init__(self):
     if self.task not in TASKS:
@@ -310,6 +331,13 @@ class Experiment:
     if not isinstance(self.distributed, bool):
       raise ValueError(
         f'distributed must be True or False, got {self.distributed!r}.'
+      )
+    hp = self.high_precision
+    if hp is not None and not isinstance(hp, HighPrecision):
+      raise ValueError(
+        'high_precision must be an aqtr.train.high_precision.HighPrecision '
+        'or None (set it with --config="fiddler:high_precision('
+        f'last_blocks=1, head=True)"), got {hp!r}.'
       )
 
   def _check_ptq(self):

@@ -141,9 +141,17 @@ def load(
       f'{path}: the checkpoint was converted with another config than the '
       'one given; serve it with its config.json.'
     )
-  injected, _ = models.inject(saved_model, saved_config)
+  keep = None
+  if (path / 'high_precision.json').is_file():
+    keep = aqtr_fiddle.build(
+      _read_json(path / 'high_precision.json', 'the float blocks')
+    )
+  injected, _ = models.inject(saved_model, saved_config, keep)
   x = jnp.zeros((1, saved_model.max_len), jnp.int32)
-  shapes = jax.eval_shape(models.build(injected).init, jax.random.key(0), x)
+  k = jax.random.key(0)  # 'quant': configs with stochastic rounding.
+  shapes = jax.eval_shape(
+    models.build(injected).init, {'params': k, 'quant': k}, x
+  )
   conv = models.build(models.serving_template(injected, Mode.CONVERT))
   like = jax.eval_shape(lambda v: aqtr_linen.convert(conv, v, x), shapes)
   try:

@@ -98,9 +98,11 @@ def _write_config(out: pathlib.Path, cfg: fdl.Config, exp, runs) -> None:
   full = resolved(cfg, exp)
   lines = ['# experiment (one line per leaf)', aqtr_fiddle.to_text(full)]
   for name, config in runs:
+    keep = experiment.kept_float(name, exp)
+    kept = f' but {keep.label()} (float)' if keep and keep.any else ''
     lines += [
       '',
-      f'# run {name!r}: DotGeneralConfig of every weight op',
+      f'# run {name!r}: DotGeneralConfig of every weight op{kept}',
       aqtr_fiddle.to_text(config),
     ]
   (out / 'config.txt').write_text('\n'.join(lines) + '\n')
@@ -141,12 +143,12 @@ def _row(
 
 
 def _serve(
-  r: loop.RunResult, task, run_dir: pathlib.Path, say, template
+  r: loop.RunResult, task, run_dir: pathlib.Path, say, template, keep
 ) -> dict:
   if r.name.startswith('stock_'):
     serve = stock_lm.serve(r, task)
   else:
-    serve = _serve_pax(r, task, run_dir, template)
+    serve = _serve_pax(r, task, run_dir, template, keep)
   (run_dir / 'serving.json').write_text(json.dumps(serve, indent=1))
   say(
     f'  {r.name}: serving checkpoint {serve["checkpoint"]}: '
@@ -157,7 +159,7 @@ def _serve(
   return serve
 
 
-def _serve_pax(r: loop.RunResult, task, run_dir: pathlib.Path, template):
+def _serve_pax(r: loop.RunResult, task, run_dir: pathlib.Path, template, keep):
   return serving.check(
     r.injected,
     r.params,
@@ -167,6 +169,7 @@ def _serve_pax(r: loop.RunResult, task, run_dir: pathlib.Path, template):
     run_dir / 'serving',
     r.collections,
     model=template if task.name == 'lm' else None,
+    keep=keep,
   )
 
 
@@ -308,6 +311,7 @@ def run(
             on_record=on_record,
             show_progress=show_progress,
             spec=qt_runs.SPECS.get(name),
+            keep=experiment.kept_float(name, exp),
           )
         (run_dir / 'injection.txt').write_text(str(r.report) + '\n')
         serve = None
@@ -318,7 +322,8 @@ def run(
           if stock
           else models.has_frozen_weights(r.injected)
         ):
-          serve = _serve(r, task, run_dir, say, template)
+          keep = experiment.kept_float(name, exp)
+          serve = _serve(r, task, run_dir, say, template, keep)
         samples += _samples(r, exp, run_dir, serve is not None) or []
         if name == 'float' and not r.diverged:
           base = r

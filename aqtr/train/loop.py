@@ -43,6 +43,7 @@ from aqtr.core import slot_state
 from aqtr.train import mesh as mesh_lib
 from aqtr.train import models, progress, qt_runs
 from aqtr.train.experiment import Experiment
+from aqtr.train.high_precision import HighPrecision
 from aqtr.train.tasks import Task, cross_entropy, evaluate_logits
 
 __all__ = ['CHECK_EVERY', 'RunResult', 'init_params', 'optimizer', 'train']
@@ -178,6 +179,7 @@ def train(
   on_record: Callable[[Record], None] | None = None,
   show_progress: bool = True,
   spec: qt_runs.RunSpec | None = None,
+  keep: HighPrecision | None = None,
 ) -> RunResult:
   """Trains the model of `template` quantized by `config`.
 
@@ -191,11 +193,12 @@ def train(
     on_record: called with each metrics record as it is made.
     show_progress: draw the progress bar.
     spec: a quantized-training / low-bit-optimizer run (`qt_runs`).
+    keep: blocks left float (`aqtr.train.high_precision`), or None.
 
   Returns:
     A RunResult with the trained (float) params and the metrics.
   """
-  injected, report = models.inject(template, config)
+  injected, report = models.inject(template, config, keep)
   module = models.build(injected)
   emit = on_record or (lambda r: None)
   batches = task.batches()

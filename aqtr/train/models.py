@@ -4,7 +4,8 @@ A model is a Fiddle template of an `aqtr.pax` layer (float: every op field
 unset). A run quantizes it without editing any layer code: `inject` gives
 every weight contraction (ops tagged `aqtr.pax.tags.WeightOp`: attention
 Q/K/V/O projections, feed-forward, logits; the weight is the rhs operand)
-the run's DotGeneralConfig, through `aqtr.pax.inject`. Attention's
+the run's DotGeneralConfig, through `aqtr.pax.inject` (except the blocks
+a `HighPrecision` keeps float, `aqtr.train.high_precision`). Attention's
 activation x activation einsums (QK^T, PV) stay float. The parameter tree
 does not depend on the config, so every run starts from the same params.
 
@@ -39,6 +40,7 @@ import aqtr.pax
 from aqtr import fiddle as aqtr_fiddle
 from aqtr import freezers, sparsity
 from aqtr.freezers import Mode
+from aqtr.train.high_precision import HighPrecision
 
 __all__ = [
   'build',
@@ -103,22 +105,26 @@ def _is_float(config: Config) -> bool:
 
 
 def inject(
-  template: fdl.Config, config: Config
+  template: fdl.Config,
+  config: Config,
+  keep: HighPrecision | None = None,
 ) -> tuple[fdl.Config, aqtr.pax.InjectionReport]:
   """A copy of `template` with `config` on every weight contraction.
 
   Args:
     template: a float model template.
     config: the run's DotGeneralConfig (None or float: the float model).
+    keep: blocks left float (`aqtr.train.high_precision`); None: none.
 
   Returns:
     (injected template, `aqtr.pax.InjectionReport`); `template` is left
     unchanged.
   """
-  rules = (
-    []
-    if _is_float(config)
-    else [aqtr.pax.Rule(config, tag=aqtr.pax.tags.WeightOp, name='weights')]
+  if _is_float(config):
+    return aqtr.pax.inject(template, [])
+  rules = [] if keep is None else keep.rules(template)
+  rules.append(
+    aqtr.pax.Rule(config, tag=aqtr.pax.tags.WeightOp, name='weights')
   )
   return aqtr.pax.inject(template, rules)
 

@@ -45,6 +45,7 @@ from aqtr import fiddle as aqtr_fiddle
 from aqtr.flax import checkpoint, common
 from aqtr.freezers import Mode
 from aqtr.train import models
+from aqtr.train.high_precision import HighPrecision
 
 __all__ = ['check', 'restore', 'save']
 
@@ -54,6 +55,7 @@ def save(
   variables: Any,
   config: aqtr.DotGeneralConfig,
   model: Any = None,
+  keep: HighPrecision | None = None,
 ) -> pathlib.Path:
   """Writes serving variables (orbax) and the run's config (Fiddle JSON).
 
@@ -64,6 +66,8 @@ def save(
     config: the DotGeneralConfig the model was trained with.
     model: the float model template (`aqtr-generate` rebuilds the serving
       model from it and `config.json`).
+    keep: the blocks the run kept float (`aqtr.train.high_precision`),
+      written as `high_precision.json` when it keeps any.
 
   Returns:
     The absolute folder.
@@ -74,6 +78,10 @@ def save(
   (path / 'config.json').write_text(
     aqtr_fiddle.dumps(aqtr_fiddle.as_config(config))
   )
+  if keep is not None and keep.any:
+    (path / 'high_precision.json').write_text(
+      aqtr_fiddle.dumps(aqtr_fiddle.as_config(keep))
+    )
   if model is not None:
     try:
       (path / 'model.json').write_text(aqtr_fiddle.dumps(model))
@@ -121,6 +129,7 @@ def check(
   out: str | pathlib.Path,
   collections: dict | None = None,
   model: Any = None,
+  keep: HighPrecision | None = None,
 ) -> dict[str, Any]:
   """Converts, saves, restores and compares serving with training logits.
 
@@ -134,6 +143,7 @@ def check(
     collections: the model's other trained collections (e.g. the
       calibration state 'aqtr_state'), kept in the serving variables.
     model: the float model template, saved as `model.json` (see `save`).
+    keep: the blocks the run kept float (see `save`).
 
   Returns:
     {'serving_bytes', 'float_bytes', 'kernel_ratio', 'serve_equal' (bit
@@ -148,7 +158,7 @@ def check(
 
   variables = jax.jit(convert)(params)
   report = aqtr_linen.report(variables)
-  path = save(out, variables, config, model)
+  path = save(out, variables, config, model, keep)
   restored = restore(path, jax.eval_shape(convert, params), config)
   serve_logits = jax.jit(serve.apply)
   diff, equal = 0.0, True

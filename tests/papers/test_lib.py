@@ -108,6 +108,8 @@ _MODULES = [
   'papers.int8_training_matches_float.config',
   'papers.microscaling_formats.config',
   'papers.microscaling_formats.formats',
+  'papers.nvfp4_training_recipe.lm_ablation',
+  'papers.nvfp4_training_recipe.lm_config',
   'papers.qt_needs_stochastic_rounding.config',
   'papers.qt_needs_stochastic_rounding.sweep',
 ]

@@ -1,4 +1,7 @@
-"""Transforms in the engine: the backward passes rotate both operands."""
+"""Transforms in the engine: the backward passes rotate both operands.
+
+The forward rotation (Quartet): tests/transforms/test_forward.py.
+"""
 
 import dataclasses
 
@@ -92,8 +95,11 @@ def test_wgrad_quantizes_the_rotated_operands():
 def test_bad_input():
   h = Hadamard(block_size=16)
   x, w = jnp.ones((40, 32)), jnp.ones((32, 16))
+  # A forward-only call (serving) is not refused for a gradient pass's
+  # size; differentiating it is.
+  assert aqtr.dot_general(x, w, _DN, _cfg(t=h)).shape == (40, 16)
   with pytest.raises(ValueError, match=r'drhs.lhs.transform: .*size 40'):
-    aqtr.dot_general(x, w, _DN, _cfg(t=h))
+    jax.grad(lambda w: aqtr.dot_general(x, w, _DN, _cfg(t=h)).sum())(w)
   with pytest.raises(ValueError, match=r'drhs.lhs.transform: .*size 40'):
     aqtr.validation.check_shapes(_cfg(t=h), (40, 32), (32, 16), _DN)
   raw = aqtr.DotGeneralRaw
@@ -102,7 +108,7 @@ def test_bad_input():
     aqtr.DotGeneralConfig(drhs=raw(lhs=t, rhs=_F))
   with pytest.raises(ValueError, match=r'drhs.use_fwd_quant: .*rotated'):
     aqtr.DotGeneralConfig(drhs=raw(lhs=t, rhs=t, use_fwd_quant=True))
-  with pytest.raises(ValueError, match=r'fwd.lhs.transform: .*backward'):
+  with pytest.raises(ValueError, match=r'fwd.rhs.transform: .* differs'):
     aqtr.DotGeneralConfig(fwd=raw(lhs=t, rhs=_F))
   with pytest.raises(ValueError, match=r"signs='key'.*needs a PRNG key"):
     cfg = _cfg(t=Hadamard(block_size=16, signs='key'))
@@ -128,9 +134,9 @@ def test_recipe_presets_train_and_serve(preset):
 
   out, dx, dw = step(x, w)
   assert all(jnp.isfinite(a).all() for a in (out, dx, dw))
-  # SERVE: the forward is not rotated, so a frozen weight gives the
-  # training forward bit for bit; its gradient pass rotates the frozen
-  # values dequantized.
+  # SERVE: a frozen weight (stored rotated when the forward rotates)
+  # gives the training forward bit for bit; its gradient pass rotates the
+  # frozen values dequantized.
   frozen = aqtr.quantize_operand(w, _DN, cfg, key=key)
 
   @jax.jit
