@@ -63,6 +63,7 @@ from aqtr.train.high_precision import (
   RECIPE_KEEP,
   RECIPE_RUNS,
   HighPrecision,
+  check_high_precision,
   high_precision,
   kept_float,
 )
@@ -315,7 +316,10 @@ class Experiment:
       raise ValueError(
         f"runs: {', '.join(stock)} need task 'lm', got {self.task!r}."
       )
-    self._check_lora()
+    if any(n in LORA_RUNS for n in self.runs):
+      from aqtr.train import lora_job  # noqa: PLC0415 (a cycle)
+
+      lora_job.check_fields(self, LORA_RUNS)
     if not self.runs and self.custom is None and not self.stock_rules:
       raise ValueError('nothing to run: runs is empty and custom is None.')
     for name in _RANGES:
@@ -327,65 +331,14 @@ class Experiment:
     error = mesh_lib.shape_error(self.mesh)  # Devices: checked at run time.
     if error:
       raise ValueError(error)
-    self._check_ptq()
+    from aqtr.train import ptq_stage  # noqa: PLC0415 (imports flax; a cycle)
+
+    ptq_stage.check_fields(self)
     if not isinstance(self.distributed, bool):
       raise ValueError(
         f'distributed must be True or False, got {self.distributed!r}.'
       )
-    hp = self.high_precision
-    if hp is not None and not isinstance(hp, HighPrecision):
-      raise ValueError(
-        'high_precision must be an aqtr.train.high_precision.HighPrecision '
-        'or None (set it with --config="fiddler:high_precision('
-        f'last_blocks=1, head=True)"), got {hp!r}.'
-      )
-
-  def _check_ptq(self):
-    from aqtr.ptq import methods  # noqa: PLC0415 (imports flax)
-    from aqtr.train.ptq_stage import FORMATS  # noqa: PLC0415 (a cycle)
-
-    for field, allowed in (
-      ('ptq', methods.names()),
-      ('ptq_formats', sorted(FORMATS)),
-    ):
-      value = getattr(self, field)
-      if isinstance(value, list | str):
-        value = (value,) if isinstance(value, str) else tuple(value)
-        object.__setattr__(self, field, value)
-      if not isinstance(value, tuple) or any(v not in allowed for v in value):
-        raise ValueError(
-          f'{field} must be a tuple of names in {allowed}, got {value!r}.'
-        )
-    if self.ptq and 'float' not in self.runs:
-      raise ValueError(
-        f"ptq={self.ptq} quantizes the trained 'float' run: add 'float' to "
-        'runs.'
-      )
-
-  def _check_lora(self) -> None:
-    names = [n for n in self.runs if n in LORA_RUNS]
-    if not names:
-      return
-    if self.task != 'lm':
-      raise ValueError(
-        f"runs: {', '.join(names)} need task 'lm', got {self.task!r}."
-      )
-    if self.init_from is not None and not isinstance(self.init_from, str):
-      raise ValueError(
-        f'init_from must be a checkpoint path or None, got {self.init_from!r}.'
-      )
-    first = self.runs.index(names[0])
-    if self.init_from is None and 'stock_float' not in self.runs[:first]:
-      raise ValueError(
-        f'runs: {names[0]!r} fine-tunes a float stock LM: put '
-        "'stock_float' before it in runs, or set init_from=<a job's "
-        'stock_float/float_params>.'
-      )
-    if not isinstance(self.finetune_family, str) or not self.finetune_family:
-      raise ValueError(
-        'finetune_family must name a stdlib package (e.g. email), got '
-        f'{self.finetune_family!r}.'
-      )
+    check_high_precision(self.high_precision)
 
   @property
   def run_names(self) -> tuple[str, ...]:

@@ -37,6 +37,7 @@ import aqtr
 from aqtr.rules import Rule
 
 __all__ = [
+  'check_high_precision',
   'RECIPE_CONFIGS',
   'RECIPE_KEEP',
   'RECIPE_RUNS',
@@ -192,3 +193,13 @@ def high_precision(
     last_blocks=last_blocks,
     head=head,
   )
+
+
+def check_high_precision(hp: Any) -> None:
+  """Raises one line unless `hp` (Experiment.high_precision) is valid."""
+  if hp is not None and not isinstance(hp, HighPrecision):
+    raise ValueError(
+      'high_precision must be an aqtr.train.high_precision.HighPrecision '
+      'or None (set it with --config="fiddler:high_precision('
+      f'last_blocks=1, head=True)"), got {hp!r}.'
+    )

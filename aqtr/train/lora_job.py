@@ -44,6 +44,7 @@ from aqtr.train import loop, stock_lm
 from aqtr.train.tasks import cross_entropy, evaluate_logits
 
 __all__ = [
+  'check_fields',
   'BASE_DIR',
   'RUNS',
   'family_data',
@@ -204,3 +205,30 @@ def run(name: str, exp: Any, base: nnx.Module, run_dir, *, on_record=None):
     'frozen_bpc': frozen['bpc'],
   }
   return result, serve
+
+
+def check_fields(exp, lora_runs: tuple[str, ...]) -> None:
+  """Raises one line for bad LoRA fields of Experiment `exp`."""
+  names = [n for n in exp.runs if n in lora_runs]
+  if not names:
+    return
+  if exp.task != 'lm':
+    raise ValueError(
+      f"runs: {', '.join(names)} need task 'lm', got {exp.task!r}."
+    )
+  if exp.init_from is not None and not isinstance(exp.init_from, str):
+    raise ValueError(
+      f'init_from must be a checkpoint path or None, got {exp.init_from!r}.'
+    )
+  first = exp.runs.index(names[0])
+  if exp.init_from is None and 'stock_float' not in exp.runs[:first]:
+    raise ValueError(
+      f'runs: {names[0]!r} fine-tunes a float stock LM: put '
+      "'stock_float' before it in runs, or set init_from=<a job's "
+      'stock_float/float_params>.'
+    )
+  if not isinstance(exp.finetune_family, str) or not exp.finetune_family:
+    raise ValueError(
+      'finetune_family must name a stdlib package (e.g. email), got '
+      f'{exp.finetune_family!r}.'
+    )

@@ -35,7 +35,7 @@ import aqtr.ptq
 from aqtr.flax import common
 from aqtr.train import models, tasks
 
-__all__ = ['FORMATS', 'run']
+__all__ = ['check_fields', 'FORMATS', 'run']
 
 
 def _weight_only(numerics: str, tile: int = 0, **kw) -> aqtr.DotGeneralConfig:
@@ -120,3 +120,23 @@ def run(exp, task, template, float_run, out: pathlib.Path, say) -> list:
         }
       )
   return rows
+
+
+def check_fields(exp) -> None:
+  """Raises one line for a bad `ptq` / `ptq_formats` of Experiment `exp`."""
+  for field, allowed in (
+    ('ptq', aqtr.ptq.methods.names()),
+    ('ptq_formats', sorted(FORMATS)),
+  ):
+    value = getattr(exp, field)
+    if isinstance(value, list | str):
+      value = (value,) if isinstance(value, str) else tuple(value)
+      object.__setattr__(exp, field, value)
+    if not isinstance(value, tuple) or any(v not in allowed for v in value):
+      raise ValueError(
+        f'{field} must be a tuple of names in {allowed}, got {value!r}.'
+      )
+  if exp.ptq and 'float' not in exp.runs:
+    raise ValueError(
+      f"ptq={exp.ptq} quantizes the trained 'float' run: add 'float' to runs."
+    )
