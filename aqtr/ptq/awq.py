@@ -27,7 +27,7 @@ calibration) gives the searched values when the model is converted.
 Example:
   >>> import jax, jax.numpy as jnp, aqtr
   >>> from aqtr.ptq import fold, stats
-  >>> x = jax.random.normal(jax.random.key(0), (64, 8)) * jnp.arange(1, 9)
+  >>> x = jax.random.normal(jax.random.key(0), (64, 8)) * jnp.arange(1, 9)[None]
   >>> p = {'n': {'scale': jnp.ones(8)},
   ...      'w': {'kernel': jax.random.normal(jax.random.key(1), (8, 4))}}
   >>> m = fold.FoldMap(groups=(fold.FoldGroup(name='n',

@@ -36,7 +36,7 @@ def small() -> fdl.Config:
   return fdl.Config(
     Study,
     lm=lm,
-    calibration_batches=4,
+    calibration_batches=2,
     grids=('w3g32',),
     methods=('rtn', 'gptq', 'awq'),
     formats=(),
