@@ -112,13 +112,14 @@ class WeightUse:
   other: jax.ShapeDtypeStruct
 
 
-def _path_of(module) -> tuple:
+def path_of(module) -> tuple:
+  """The module's path (linen: its scope path; nnx: set by `quantize`)."""
   if isinstance(module, nn.Module):
     return tuple(module.path)
   return tuple(getattr(module, 'aqtr_path', ()))
 
 
-def _params(module) -> dict:
+def own_params(module) -> dict:
   """{name: value} of the module's own parameters (arrays or holders)."""
   if isinstance(module, nn.Module):
     params = module.variables.get('params', {})
@@ -203,11 +204,11 @@ class Session:
   def __call__(self, op: intercept.OpCall):
     stack = intercept.modules()
     module = stack[0] if stack else None
-    mpath = _path_of(module) if module is not None else ()
+    mpath = path_of(module) if module is not None else ()
     text = '/'.join(map(str, mpath))
     op_id = self._op_id(module, op.kind)
     where = f'{text}/{op_id}' if text else op_id
-    params = _params(module) if module is not None else {}
+    params = own_params(module) if module is not None else {}
     side, param, frozen = self._weight(op, op_id, params)
     site = _Site(
       text,
@@ -346,27 +347,43 @@ class _Spec:
   converted: bool = False
 
 
-def _intercepting(method):
-  """`method` with interception active for its duration."""
+def intercepting(method, session, who: str, hint: str):
+  """`method` with `session(cls)`'s interception active for its duration.
+
+  Args:
+    method: the model class's method (a plain function, maybe wrapped by
+      flax's method handler).
+    session: the model class -> the handler of its intercepted ops.
+    who: the caller, for the error ('aqtr.flax.quantize').
+    hint: the error's remedy.
+  """
   raw = method
   while hasattr(raw, 'method_handler_wrapped'):
     raw = raw.__wrapped__
   if not inspect.isfunction(raw):
     raise TypeError(
-      f'aqtr.flax.quantize: {getattr(raw, "__qualname__", raw)!r} is not a '
-      f'plain Python function ({type(raw).__name__}, e.g. already jitted): '
-      'its float ops are captured and interception cannot run. Quantize '
-      'the module before wrapping it in jax.jit / nnx.jit.'
+      f'{who}: {getattr(raw, "__qualname__", raw)!r} is not a plain Python '
+      f'function ({type(raw).__name__}, e.g. already jitted): its float ops '
+      f'are captured and interception cannot run. {hint}'
     )
 
   @functools.wraps(raw)
   def call(self, *args, **kwargs):
     if intercept.is_active():
       return raw(self, *args, **kwargs)
-    with intercept.active(Session(type(self).aqtr_spec)):
+    with intercept.active(session(type(self))):
       return raw(self, *args, **kwargs)
 
   return call
+
+
+def _intercepting(method):
+  return intercepting(
+    method,
+    lambda cls: Session(cls.aqtr_spec),
+    'aqtr.flax.quantize',
+    'Quantize the module before wrapping it in jax.jit / nnx.jit.',
+  )
 
 
 def _subclass(base: type, spec: _Spec) -> type:
@@ -459,4 +476,11 @@ def set_mode(model, mode: Mode, *, converted_=None):
   return model
 
 
-__all__ = ['quantize', 'set_mode', 'spec_of']
+__all__ = [
+  'intercepting',
+  'own_params',
+  'path_of',
+  'quantize',
+  'set_mode',
+  'spec_of',
+]

@@ -33,8 +33,6 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import functools
-import inspect
 import math
 import warnings
 from typing import Any
@@ -45,9 +43,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from aqtr.flax import intercept, serving
+from aqtr.flax import serving
 from aqtr.flax.frozen import FrozenBox, FrozenKernel
-from aqtr.flax.quantized import quantize, spec_of
+from aqtr.flax.quantized import intercepting, quantize, spec_of
 from aqtr.lora import storage
 from aqtr.lora.config import LoraConfig, base_config
 from aqtr.lora.session import (
@@ -143,24 +141,12 @@ def base_rules_of(lspec: LoraSpec) -> list[Rule]:
 
 def _intercepting(method):
   """`method` with a LoraSession active for its duration."""
-  raw = method
-  while hasattr(raw, 'method_handler_wrapped'):
-    raw = raw.__wrapped__
-  if not inspect.isfunction(raw):
-    raise TypeError(
-      f'aqtr.lora: {getattr(raw, "__qualname__", raw)!r} is not a plain '
-      'Python function; attach adapters before jitting the model.'
-    )
-
-  @functools.wraps(raw)
-  def call(self, *args, **kwargs):
-    if intercept.is_active():
-      return raw(self, *args, **kwargs)
-    cls = type(self)
-    with intercept.active(LoraSession(cls.aqtr_spec, cls.aqtr_lora)):
-      return raw(self, *args, **kwargs)
-
-  return call
+  return intercepting(
+    method,
+    lambda cls: LoraSession(cls.aqtr_spec, cls.aqtr_lora),
+    'aqtr.lora',
+    'Attach adapters before jitting the model.',
+  )
 
 
 def with_spec(model, lspec: LoraSpec, spec_=None):

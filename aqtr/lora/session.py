@@ -35,7 +35,7 @@ from flax import nnx
 from aqtr.core.dot_general import dot_general as aqtr_dot_general
 from aqtr.flax import intercept
 from aqtr.flax.frozen import FrozenBox, FrozenKernel
-from aqtr.flax.quantized import Session, swapped
+from aqtr.flax.quantized import Session, own_params, path_of, swapped
 from aqtr.lora.config import LoraConfig, adapter_config
 from aqtr.rules import Rule
 
@@ -47,7 +47,6 @@ __all__ = [
   'LoraSpec',
   'Site',
   'dropout',
-  'path_of',
   'raw_entries',
 ]
 
@@ -118,31 +117,6 @@ class LoraSpec:
   recording: bool = False
 
 
-def path_of(module) -> tuple:
-  """The module's path (linen: its scope path; nnx: set by quantize)."""
-  if isinstance(module, nn.Module):
-    return tuple(module.path)
-  return tuple(getattr(module, 'aqtr_path', ()))
-
-
-def _own(module) -> dict:
-  """{name: value} of the module's own parameters (holders as they are)."""
-  if isinstance(module, nn.Module):
-    params = module.variables.get('params', {})
-    return {
-      k: module.get_variable('params', k)
-      for k, v in params.items()
-      if not isinstance(v, dict)
-    }
-  out = {}
-  for k, v in vars(module).items():
-    if isinstance(v, FrozenKernel):
-      out[k] = v
-    elif isinstance(v, nnx.Param):
-      out[k] = v.get_value()
-  return out
-
-
 def raw_entries(holder) -> dict:
   """A frozen holder's stored entries (not decoded)."""
   if isinstance(holder, FrozenKernel):
@@ -208,7 +182,7 @@ class LoraSession(Session):
       )
     if op.run is None:
       raise ValueError(f'{label}: cannot take an adapter ({op.why}).')
-    own = _own(module)
+    own = own_params(module)
     key = f'{op_id}_{side}'
     w = getattr(op, side)
     param = next(
