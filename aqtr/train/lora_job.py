@@ -232,3 +232,12 @@ def check_fields(exp, lora_runs: tuple[str, ...]) -> None:
       'finetune_family must name a stdlib package (e.g. email), got '
       f'{exp.finetune_family!r}.'
     )
+  group = lora.nf4().fwd.rhs.tiling.tile_size
+  if 'qlora_nf4' in names and exp.model is not None:
+    d = stock_lm.sizes(exp.model)['d_model']
+    if d % group:
+      raise ValueError(
+        f"runs: 'qlora_nf4' stores nf4 weights in groups of {group} inputs "
+        f"but the LM's d_model is {d}; use a model with d_model a multiple "
+        f'of {group} (e.g. config:default).'
+      )
