@@ -36,6 +36,15 @@ def test_lora_runs_need_a_float_base():
     experiment.split(_cfg(runs=('stock_float', 'lora'), lora_rank=0))
 
 
+def test_qlora_needs_d_model_its_groups_divide():
+  cfg = _cfg(runs=('stock_float', 'qlora_nf4'))
+  cfg.model = models.lm(
+    stdlib.VOCAB_SIZE, 1, d_model=32, num_layers=1, num_heads=2
+  )
+  with pytest.raises(ValueError, match="groups of 64 inputs but the LM's "):
+    experiment.split(cfg)
+
+
 def test_the_family_is_held_out_of_pretraining():
   corpus = stdlib.load(max_bytes=3_000_000, exclude=(*stdlib.EXCLUDE, 'email'))
   names = corpus.train_files + corpus.val_files
