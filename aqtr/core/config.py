@@ -304,7 +304,8 @@ def _check_fwd_transform(cfg: DotGeneralConfig) -> None:
     return
   if t.needs_key:
     raise ValueError(
-      f'DotGeneralConfig.fwd.lhs.transform: {t!r} draws R from the key, '
+      f'DotGeneralConfig.{Slot.FWD_LHS.path}.transform: {t!r} draws R '
+      'from the key, '
       'but a forward R must be the same at SERVE as when the weight was '
       "frozen; allowed: signs='seed' or 'none'."
     )
@@ -315,9 +316,9 @@ def _check_fwd_transform(cfg: DotGeneralConfig) -> None:
         f'operands ({t!r}), so the forward quantization is of rotated '
         f'values; allowed: False (the residual is the float operand).'
       )
-  for side in ('lhs', 'rhs'):
-    tc = getattr(cfg.fwd, side)
-    where = f'DotGeneralConfig.fwd.{side}'
+  for slot in (Slot.FWD_LHS, Slot.FWD_RHS):
+    tc = slot.tensor(cfg)
+    where = f'DotGeneralConfig.{slot.path}'
     if tc.quantized and getattr(tc.numerics, 'clip_gradient', False):
       raise ValueError(
         f'{where}.numerics.clip_gradient=True with a forward transform: '

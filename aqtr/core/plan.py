@@ -280,7 +280,7 @@ class Plan:
     (a call checks its forward, the backward rule its gradient passes, so
     that a serving forward never fails on a gradient pass's sizes)."""
     self.config.fwd.transform.check_size(
-      self.lhs.layout.k, 'config.fwd.lhs.transform'
+      self.lhs.layout.k, f'config.{Slot.FWD_LHS.path}.transform'
     )
     if not backward:
       return

@@ -145,11 +145,11 @@ def ragged_dot(
         f'config.{slot.path}.sparsity: ragged_dot does not prune operands '
         f"yet, got {t.sparsity!r}; allowed: NoSparsity() ('none')."
       )
-  for name in ('fwd', 'dlhs', 'drhs'):
-    t = None if config is None else getattr(config, name).transform
+  for slot in (Slot.FWD_LHS, Slot.DLHS_LHS, Slot.DRHS_LHS):
+    t = None if config is None else slot.tensor(config).transform
     if t is not None and t.transforms:
       raise ValueError(
-        f'config.{name}.lhs.transform: ragged_dot does not rotate operands '
+        f'config.{slot.path}.transform: ragged_dot does not rotate operands '
         f"yet, got {t!r}; allowed: NoTransform() ('none')."
       )
   for name, x in (('lhs', lhs), ('rhs', rhs)):
