@@ -86,8 +86,8 @@ def frozen_entry(config, frozen) -> dict:
 
 
 @dataclasses.dataclass
-class _Site:
-  """What a rule sees of one intercepted op."""
+class OpSite:
+  """What a rule sees of one intercepted op (`aqtr.rules.Rule.matches`)."""
 
   path: str
   prefixes: tuple[str, ...]
@@ -210,7 +210,7 @@ class Session:
     where = f'{text}/{op_id}' if text else op_id
     params = own_params(module) if module is not None else {}
     side, param, frozen = self._weight(op, op_id, params)
-    site = _Site(
+    site = OpSite(
       text,
       tuple('/'.join(map(str, mpath[:i])) for i in range(1, len(mpath))),
       tuple(type(m) for m in stack),
@@ -477,6 +477,7 @@ def set_mode(model, mode: Mode, *, converted_=None):
 
 
 __all__ = [
+  'OpSite',
   'intercepting',
   'own_params',
   'path_of',

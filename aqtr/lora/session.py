@@ -35,7 +35,13 @@ from flax import nnx
 from aqtr.core.dot_general import dot_general as aqtr_dot_general
 from aqtr.flax import intercept
 from aqtr.flax.frozen import FrozenBox, FrozenKernel
-from aqtr.flax.quantized import Session, own_params, path_of, swapped
+from aqtr.flax.quantized import (
+  OpSite,
+  Session,
+  own_params,
+  path_of,
+  swapped,
+)
 from aqtr.lora.config import LoraConfig, adapter_config
 from aqtr.rules import Rule
 
@@ -124,19 +130,6 @@ def raw_entries(holder) -> dict:
   return holder.frozen
 
 
-@dataclasses.dataclass
-class _Where:
-  """What a rule sees of an op (`aqtr.rules.Rule.matches`)."""
-
-  path: str
-  prefixes: tuple[str, ...]
-  layers: tuple[type, ...]
-  op_cls: type
-  kind: str
-  weight: bool | None
-  tags: frozenset = frozenset()
-
-
 class LoraSession(Session):
   """One call of a LoRA model: the base op, plus its adapter."""
 
@@ -160,7 +153,7 @@ class LoraSession(Session):
 
   def _note_activation(self, op, stack, module) -> None:
     mpath = path_of(module)
-    where = _Where(
+    where = OpSite(
       '/'.join(map(str, mpath)),
       tuple('/'.join(map(str, mpath[:i])) for i in range(1, len(mpath))),
       tuple(type(m) for m in stack),
