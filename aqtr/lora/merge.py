@@ -37,14 +37,25 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, traverse_util
 
+import aqtr.ptq as ptq
 from aqtr.flax import serving
 from aqtr.flax.frozen import FrozenBox, FrozenKernel, kernel_bytes
 from aqtr.flax.quantized import quantize
 from aqtr.freezers import configure, lifecycle
 from aqtr.lora import adapters as adapters_lib
 from aqtr.lora.config import base_config
+from aqtr.ptq import gptq, methods
+from aqtr.ptq.grid import Grid
 
-__all__ = ['Bytes', 'delta', 'dequantized', 'merge', 'sizes']
+__all__ = [
+  'BaseGrid',
+  'Bytes',
+  'delta',
+  'dequantized',
+  'merge',
+  'requantized',
+  'sizes',
+]
 
 
 def dequantized(holder, site: adapters_lib.Site, cfg) -> jax.Array:
@@ -123,9 +134,27 @@ def _given(adapters, site: adapters_lib.Site, names):
 
 
 def merge(
-  model, *args, variables=None, adapters=None, requantize='base', **kwargs
+  model,
+  *args,
+  variables=None,
+  adapters=None,
+  requantize='base',
+  method='rtn',
+  batches=None,
+  grid='fresh',
+  report=False,
+  **kwargs,
 ):
   """The adapters folded into re-quantized base weights, for serving.
+
+  `W' = W_deq + A B alpha / r` is quantized by `method`: 'rtn' rounds it
+  to nearest on fresh scales (`aqtr.flax.convert`); a solver of
+  `aqtr.ptq` ('gptq', ...) solves it on the fine-tuning domain's inputs
+  `batches` (the float merged model, then `aqtr.ptq.quantize`), which
+  minimizes `||X (W' - Q)||` against the unmerged model's weight.
+  `grid='base'` keeps each base's own grid (its scales, recomputed from
+  `W_deq`, on which `W_deq` is exact): Q then differs from the base
+  only where the adapters move a weight across a rounding boundary.
 
   Args:
     model: a LoRA model (`aqtr.lora.attach`), trained.
@@ -137,10 +166,22 @@ def merge(
       `LoraConfig.base`), or one format for all (a `LoraConfig.base`
       value: 'nf4', a preset name such as 'int8_weight_only', a
       DotGeneralConfig, or None: float).
+    method: 'rtn', a registered `aqtr.ptq` method name or an
+      `aqtr.ptq.Method` (e.g. `aqtr.ptq.Gptq(act_order=True)`).
+    batches: calibration inputs (model inputs of the fine-tuning domain,
+      one per batch, all of the first's shapes); needed by every method
+      but 'rtn'.
+    grid: 'fresh' (the merged weight's own scales) or 'base' (the base
+      weight's scales; needs requantize='base' and a method that solves
+      on a given grid: 'rtn' or 'gptq').
+    report: also return the `aqtr.ptq.PtqReport` (per weight: output
+      error of fresh RTN and of the method); needs `batches`.
 
   Returns:
-    nnx: the merged serving model. linen: (module, variables).
+    nnx: the merged serving model. linen: (module, variables). With
+    `report=True`: (that, PtqReport).
   """
+  _check_method(method, batches, requantize, grid, report)
   lspec = adapters_lib.spec(model)
   found = adapters_lib.sites(model, *args, variables=variables, **kwargs)
   linen = isinstance(model, nn.Module)
@@ -151,6 +192,7 @@ def merge(
   else:
     out = nnx.clone(model)
     modules = dict(nnx.iter_modules(out))
+  bases = {}
   for site in found:
     cfg = lspec.configs[site.rule]
     if linen:
@@ -174,6 +216,7 @@ def merge(
     holder = get(site.param)
     if isinstance(holder, FrozenKernel | FrozenBox):
       w = dequantized(holder, site, base_config(cfg.base))
+      bases['/'.join(map(str, (*site.module_path, site.op_id)))] = w
     else:
       w = _weight(nn.meta.unbox(holder))
     w = (w + delta(site, a, b, cfg.scale)).astype(site.weight.dtype)
@@ -190,25 +233,171 @@ def merge(
   if not (isinstance(requantize, str) and requantize == 'base'):
     fmt = base_config(requantize)
     rules = [dataclasses.replace(r, config=fmt) for r in rules]
-  quantized = any(r.config is not None for r in rules)
   base = type(model).aqtr_base
   if linen:
-    module = model.copy()
-    module.__class__ = base
+    merged = model.copy()
+    merged.__class__ = base
     fvars = dict(variables, params=params)
-    if not quantized:
-      return module, fvars
-    q = quantize(module, rules)
   else:
     out.__class__ = base
-    if not quantized:
-      return out
-    q = quantize(out, rules)
+    merged, fvars = out, None
+  if not any(r.config is not None for r in rules):
+    served = (merged, fvars) if linen else merged
+    return (served, None) if report else served
+  served, rep = requantized(
+    merged,
+    rules,
+    *args,
+    variables=fvars,
+    method=method,
+    batches=batches,
+    base_weights=bases if grid == 'base' else None,
+    **kwargs,
+  )
+  return (served, rep) if report else served
+
+
+def requantized(
+  merged,
+  rules,
+  *args,
+  variables=None,
+  method='rtn',
+  batches=None,
+  base_weights=None,
+  **kwargs,
+):
+  """A float merged model quantized by `rules`: (served, PtqReport | None).
+
+  The composition `merge` ends with, for any model `aqtr.ptq.quantize`
+  takes (nnx, linen, a Pax template with `variables`): method 'rtn' with
+  no `batches` and no `base_weights` is `aqtr.flax.convert` of
+  `aqtr.flax.quantize(merged, rules)` (no report); otherwise
+  `aqtr.ptq.quantize(merged, rules, batches, method=...)`, on the grids
+  of `base_weights` when given (`BaseGrid`).
+
+  Args:
+    merged: the float model with `W + A B alpha / r` in its weights.
+    rules: the `aqtr.rules.Rule`s of the serving format.
+    *args, **kwargs: sample inputs (and RTN's calibration batch when
+      `batches` is None).
+    variables: linen / Pax: the merged float variables.
+    method: as `merge`'s.
+    batches: calibration inputs (see `merge`).
+    base_weights: None, or {op path: the base weight dequantized, in the
+      weight's layout} whose grids to keep (ops not in it: fresh grids).
+
+  Returns:
+    (served, report): served as the model kind's convert returns it.
+  """
+  if batches is None and _is_rtn(method) and base_weights is None:
+    with warnings.catch_warnings():
+      warnings.simplefilter('ignore', UserWarning)
+      return serving.convert(
+        quantize(merged, rules),
+        *args,
+        variables=variables,
+        check=False,
+        **kwargs,
+      ), None
+  if batches is None:
+    if kwargs or not _is_rtn(method):
+      raise ValueError(
+        f'aqtr.lora.merge: method={_name(method)!r} needs batches= of '
+        'positional model inputs.'
+      )
+    batches = [args if len(args) != 1 else args[0]]
+  meth = methods.get(method)
+  if base_weights is not None:
+    meth = BaseGrid(then=meth, weights=base_weights)
   with warnings.catch_warnings():
     warnings.simplefilter('ignore', UserWarning)
-    return serving.convert(
-      q, *args, variables=fvars if linen else None, check=False, **kwargs
+    return ptq.quantize(
+      merged, rules, batches, variables=variables, method=meth
     )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BaseGrid(methods.Method):
+  """A solver on the base weight's grid instead of the merged weight's.
+
+  The grid (scales, zero points) of op `p` is the one the rule's
+  calibration gives `weights[p]`, the base dequantized: for absmax
+  formats that is the base's own grid (`W_deq` is exact on it), so the
+  merged `W_deq + D` only moves the codes D carries across a boundary.
+  `then` (RTN or GPTQ, arXiv 2210.17323) solves the merged weight on
+  it; ops missing from `weights` keep the fresh grid.
+
+  Attributes:
+    then: the solver: `aqtr.ptq.Rtn()` or `aqtr.ptq.Gptq(...)`
+      (static groups: the grid is given).
+    weights: {op path: base weight dequantized, in the weight's layout}.
+  """
+
+  then: methods.Method = dataclasses.field(default_factory=ptq.Rtn)
+  weights: dict = dataclasses.field(default_factory=dict)
+
+  def __post_init__(self):
+    t = self.then
+    ok = isinstance(t, ptq.Rtn) or (isinstance(t, ptq.Gptq) and t.static_groups)
+    if not ok:
+      raise ValueError(
+        "BaseGrid.then must solve on a given grid: 'rtn' or 'gptq' with "
+        f'static_groups=True, got {t!r}.'
+      )
+
+  def check(self, site) -> None:
+    self.then.check(site)
+
+  def solve(self, site, grid: Grid, stats) -> gptq.Solution:
+    w = self.weights.get(site.path)
+    if w is not None:
+      base = Grid.of(site, w)
+      grid = dataclasses.replace(grid, scale2=base.scale2, zero2=base.zero2)
+    sol = self.then.solve(site, grid, stats)
+    return sol._replace(scale=grid.scale2, zero=grid.zero2)
+
+
+def _is_rtn(method) -> bool:
+  return isinstance(method, ptq.Rtn) or (
+    isinstance(method, str) and method == 'rtn'
+  )
+
+
+def _check_method(method, batches, requantize, grid, report) -> None:
+  """One line for each bad combination of merge's solver arguments."""
+  if not isinstance(method, ptq.Method) and method not in methods.names():
+    raise ValueError(
+      f'aqtr.lora.merge: method must be one of {methods.names()} or an '
+      f'aqtr.ptq.Method, got {method!r}.'
+    )
+  if grid not in ('fresh', 'base'):
+    raise ValueError(
+      f"aqtr.lora.merge: grid must be 'fresh' or 'base', got {grid!r}."
+    )
+  if requantize is None and not (_is_rtn(method) and grid == 'fresh'):
+    raise ValueError(
+      f'aqtr.lora.merge: requantize=None merges into float weights: there '
+      f'is nothing for method={_name(method)!r} / grid={grid!r} to solve; '
+      "drop them or set requantize='base'."
+    )
+  if grid == 'base' and not (
+    isinstance(requantize, str) and requantize == 'base'
+  ):
+    raise ValueError(
+      "aqtr.lora.merge: grid='base' keeps the base's scales, so it needs "
+      f"requantize='base', got requantize={requantize!r}."
+    )
+  if batches is None and (not _is_rtn(method) or report):
+    raise ValueError(
+      f'aqtr.lora.merge: method={_name(method)!r}'
+      f'{" with report=True" if report else ""} needs batches= (calibration '
+      "inputs of the fine-tuning domain); only method='rtn' needs none."
+    )
+
+
+def _name(method) -> str:
+  return method if isinstance(method, str) else type(method).name
 
 
 @dataclasses.dataclass(frozen=True)

@@ -119,3 +119,106 @@ def test_sizes_bytes_of_each_part():
   )
   assert dq.base == 64 * 256 // 2 + 256 + 4 + 4  # int8 scales, c, mean
   assert dq.ratio < s.ratio < 0.25
+
+
+XS = [jax.random.normal(jax.random.key(10 + i), (32, 128)) for i in range(2)]
+XC = jnp.concatenate(XS)
+
+
+def _err(served, m):
+  y = m(XC)
+  return float(jnp.mean((served(XC) - y) ** 2) / jnp.mean(y**2))
+
+
+def _parts(served):
+  (entry,) = served.kernel.entries()['dot_general0_rhs'].values()
+  return entry['rhs']
+
+
+@pytest.mark.parametrize('grid', ['fresh', 'base'])
+def test_gptq_merge_serves_the_base_format_closer_than_rtn(grid):
+  m = _lora('nf4')
+  rtn = lora.merge(m, X, grid=grid)
+  got, rep = lora.merge(m, X, method='gptq', batches=XS, grid=grid, report=True)
+  assert isinstance(got.kernel, FrozenKernel)
+  assert not hasattr(got, 'lora_a_dot_general0')
+  want = _parts(rtn)
+  assert jax.tree.map(lambda a: (a.shape, a.dtype), _parts(got)) == (
+    jax.tree.map(lambda a: (a.shape, a.dtype), want)
+  )
+  assert _err(got, m) < _err(rtn, m)  # on the calibration inputs
+  (layer,) = rep.layers
+  assert layer.tokens == 64 and layer.error < layer.rtn_error
+  if grid == 'base':  # the base's scales, not the merged weight's
+    np.testing.assert_array_equal(_parts(got)['scale'], want['scale'])
+
+
+def test_base_grid_keeps_the_base_scales():
+  m = _lora('nf4')
+  base = _parts(lora.merge(m, X, adapters=_zero_adapters(m)))
+  fresh, kept = _parts(lora.merge(m, X)), _parts(lora.merge(m, X, grid='base'))
+  np.testing.assert_array_equal(kept['scale'], base['scale'])
+  assert not np.array_equal(fresh['scale'], base['scale'])
+
+
+def _zero_adapters(m):
+  return jax.tree.map(
+    jnp.zeros_like, nnx.to_pure_dict(nnx.state(m, lora.Adapter))
+  )
+
+
+def test_rtn_through_ptq_is_todays_merge():
+  m = _lora('nf4')
+  np.testing.assert_array_equal(
+    lora.merge(m, X, batches=XS)(X), lora.merge(m, X)(X)
+  )
+
+
+def test_linen_gptq_merge():
+  model = _Mlp()
+  v = model.init(jax.random.key(0), X)
+  lm, lv = lora.attach(
+    model, lora.LoraConfig(rank=4, base='nf4'), X, variables=v
+  )
+  sm, sv = lora.merge(lm, X, variables=lv, method='gptq', batches=XS)
+  assert sm.apply(sv, X).shape == (4, 8)
+  assert 'lora_a_dot_general0' not in sv['params']['Dense_0']
+
+
+@pytest.mark.parametrize(
+  'kwargs, match',
+  [
+    (
+      {'method': 'gptq'},
+      r"method='gptq' needs batches= \(calibration inputs of the "
+      r"fine-tuning domain\); only method='rtn' needs none",
+    ),
+    (
+      {'report': True},
+      r"method='rtn' with report=True needs batches=",
+    ),
+    (
+      {'method': 'nope', 'batches': XS},
+      r"method must be one of \['awq', 'gptq', 'rtn', 'smoothquant'\] or "
+      r"an aqtr.ptq.Method, got 'nope'",
+    ),
+    (
+      {'method': 'gptq', 'batches': XS, 'requantize': None},
+      r'requantize=None merges into float weights: there is nothing for '
+      r"method='gptq'",
+    ),
+    (
+      {'grid': 'base', 'requantize': 'int8_weight_only'},
+      r"grid='base' keeps the base's scales, so it needs requantize='base'",
+    ),
+    ({'grid': 'old'}, r"grid must be 'fresh' or 'base', got 'old'"),
+    (
+      {'method': 'awq', 'batches': XS, 'grid': 'base'},
+      r"BaseGrid.then must solve on a given grid: 'rtn' or 'gptq'",
+    ),
+  ],
+)
+def test_bad_solver_arguments(kwargs, match):
+  with pytest.raises(ValueError, match=match) as e:
+    lora.merge(_lora('nf4'), X, **kwargs)
+  assert '\n' not in str(e.value)
