@@ -4,7 +4,10 @@
 re-quantizes it with the base's format: `W' = Q(W_deq + A B alpha / r)`
 (`W_deq`: the frozen base dequantized, `aqtr.QTensor.dequant`), giving an
 ordinary serving model (`aqtr.flax.convert`'s; float base: the float
-model with `W + A B alpha / r`) with no adapter matmul left.
+model with `W + A B alpha / r`) with no adapter matmul left. Q rounds to
+nearest by default; `method='gptq'` with calibration `batches` solves it
+against the unmerged weight, optionally on the base's own grid
+(`aqtr.lora.requant`).
 
 `sizes(model, *sample_inputs)` counts what training holds: trainable
 adapters, AdamW's two moments of them, the frozen base (as stored), the
@@ -28,7 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import warnings
 
 import flax
 import flax.linen as nn
@@ -37,23 +39,17 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, traverse_util
 
-import aqtr.ptq as ptq
-from aqtr.flax import serving
 from aqtr.flax.frozen import FrozenBox, FrozenKernel, kernel_bytes
-from aqtr.flax.quantized import quantize
 from aqtr.freezers import configure, lifecycle
 from aqtr.lora import adapters as adapters_lib
 from aqtr.lora.config import base_config
-from aqtr.ptq import gptq, methods
-from aqtr.ptq.grid import Grid
+from aqtr.lora.requant import check_solver, requantized
 
 __all__ = [
-  'BaseGrid',
   'Bytes',
   'delta',
   'dequantized',
   'merge',
-  'requantized',
   'sizes',
 ]
 
@@ -171,9 +167,11 @@ def merge(
     batches: calibration inputs (model inputs of the fine-tuning domain,
       one per batch, all of the first's shapes); needed by every method
       but 'rtn'.
-    grid: 'fresh' (the merged weight's own scales) or 'base' (the base
-      weight's scales; needs requantize='base' and a method that solves
-      on a given grid: 'rtn' or 'gptq').
+    grid: 'fresh' (the merged weight's own scales), 'base' (the base
+      weight's scales) or 'best' (per op, whichever of the two gives the
+      lower output error on `batches`); 'base' and 'best' need
+      requantize='base' and a method that solves on a given grid: 'rtn'
+      or 'gptq'.
     report: also return the `aqtr.ptq.PtqReport` (per weight: output
       error of fresh RTN and of the method); needs `batches`.
 
@@ -181,7 +179,7 @@ def merge(
     nnx: the merged serving model. linen: (module, variables). With
     `report=True`: (that, PtqReport).
   """
-  _check_method(method, batches, requantize, grid, report)
+  check_solver(method, batches, grid, report, requantize)
   lspec = adapters_lib.spec(model)
   found = adapters_lib.sites(model, *args, variables=variables, **kwargs)
   linen = isinstance(model, nn.Module)
@@ -251,153 +249,11 @@ def merge(
     variables=fvars,
     method=method,
     batches=batches,
-    base_weights=bases if grid == 'base' else None,
+    grid=grid,
+    base_weights=bases,
     **kwargs,
   )
   return (served, rep) if report else served
-
-
-def requantized(
-  merged,
-  rules,
-  *args,
-  variables=None,
-  method='rtn',
-  batches=None,
-  base_weights=None,
-  **kwargs,
-):
-  """A float merged model quantized by `rules`: (served, PtqReport | None).
-
-  The composition `merge` ends with, for any model `aqtr.ptq.quantize`
-  takes (nnx, linen, a Pax template with `variables`): method 'rtn' with
-  no `batches` and no `base_weights` is `aqtr.flax.convert` of
-  `aqtr.flax.quantize(merged, rules)` (no report); otherwise
-  `aqtr.ptq.quantize(merged, rules, batches, method=...)`, on the grids
-  of `base_weights` when given (`BaseGrid`).
-
-  Args:
-    merged: the float model with `W + A B alpha / r` in its weights.
-    rules: the `aqtr.rules.Rule`s of the serving format.
-    *args, **kwargs: sample inputs (and RTN's calibration batch when
-      `batches` is None).
-    variables: linen / Pax: the merged float variables.
-    method: as `merge`'s.
-    batches: calibration inputs (see `merge`).
-    base_weights: None, or {op path: the base weight dequantized, in the
-      weight's layout} whose grids to keep (ops not in it: fresh grids).
-
-  Returns:
-    (served, report): served as the model kind's convert returns it.
-  """
-  if batches is None and _is_rtn(method) and base_weights is None:
-    with warnings.catch_warnings():
-      warnings.simplefilter('ignore', UserWarning)
-      return serving.convert(
-        quantize(merged, rules),
-        *args,
-        variables=variables,
-        check=False,
-        **kwargs,
-      ), None
-  if batches is None:
-    if kwargs or not _is_rtn(method):
-      raise ValueError(
-        f'aqtr.lora.merge: method={_name(method)!r} needs batches= of '
-        'positional model inputs.'
-      )
-    batches = [args if len(args) != 1 else args[0]]
-  meth = methods.get(method)
-  if base_weights is not None:
-    meth = BaseGrid(then=meth, weights=base_weights)
-  with warnings.catch_warnings():
-    warnings.simplefilter('ignore', UserWarning)
-    return ptq.quantize(
-      merged, rules, batches, variables=variables, method=meth
-    )
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class BaseGrid(methods.Method):
-  """A solver on the base weight's grid instead of the merged weight's.
-
-  The grid (scales, zero points) of op `p` is the one the rule's
-  calibration gives `weights[p]`, the base dequantized: for absmax
-  formats that is the base's own grid (`W_deq` is exact on it), so the
-  merged `W_deq + D` only moves the codes D carries across a boundary.
-  `then` (RTN or GPTQ, arXiv 2210.17323) solves the merged weight on
-  it; ops missing from `weights` keep the fresh grid.
-
-  Attributes:
-    then: the solver: `aqtr.ptq.Rtn()` or `aqtr.ptq.Gptq(...)`
-      (static groups: the grid is given).
-    weights: {op path: base weight dequantized, in the weight's layout}.
-  """
-
-  then: methods.Method = dataclasses.field(default_factory=ptq.Rtn)
-  weights: dict = dataclasses.field(default_factory=dict)
-
-  def __post_init__(self):
-    t = self.then
-    ok = isinstance(t, ptq.Rtn) or (isinstance(t, ptq.Gptq) and t.static_groups)
-    if not ok:
-      raise ValueError(
-        "BaseGrid.then must solve on a given grid: 'rtn' or 'gptq' with "
-        f'static_groups=True, got {t!r}.'
-      )
-
-  def check(self, site) -> None:
-    self.then.check(site)
-
-  def solve(self, site, grid: Grid, stats) -> gptq.Solution:
-    w = self.weights.get(site.path)
-    if w is not None:
-      base = Grid.of(site, w)
-      grid = dataclasses.replace(grid, scale2=base.scale2, zero2=base.zero2)
-    sol = self.then.solve(site, grid, stats)
-    return sol._replace(scale=grid.scale2, zero=grid.zero2)
-
-
-def _is_rtn(method) -> bool:
-  return isinstance(method, ptq.Rtn) or (
-    isinstance(method, str) and method == 'rtn'
-  )
-
-
-def _check_method(method, batches, requantize, grid, report) -> None:
-  """One line for each bad combination of merge's solver arguments."""
-  if not isinstance(method, ptq.Method) and method not in methods.names():
-    raise ValueError(
-      f'aqtr.lora.merge: method must be one of {methods.names()} or an '
-      f'aqtr.ptq.Method, got {method!r}.'
-    )
-  if grid not in ('fresh', 'base'):
-    raise ValueError(
-      f"aqtr.lora.merge: grid must be 'fresh' or 'base', got {grid!r}."
-    )
-  if requantize is None and not (_is_rtn(method) and grid == 'fresh'):
-    raise ValueError(
-      f'aqtr.lora.merge: requantize=None merges into float weights: there '
-      f'is nothing for method={_name(method)!r} / grid={grid!r} to solve; '
-      "drop them or set requantize='base'."
-    )
-  if grid == 'base' and not (
-    isinstance(requantize, str) and requantize == 'base'
-  ):
-    raise ValueError(
-      "aqtr.lora.merge: grid='base' keeps the base's scales, so it needs "
-      f"requantize='base', got requantize={requantize!r}."
-    )
-  if batches is None and (not _is_rtn(method) or report):
-    raise ValueError(
-      f'aqtr.lora.merge: method={_name(method)!r}'
-      f'{" with report=True" if report else ""} needs batches= (calibration '
-      "inputs of the fine-tuning domain); only method='rtn' needs none."
-    )
-
-
-def _name(method) -> str:
-  return method if isinstance(method, str) else type(method).name
 
 
 @dataclasses.dataclass(frozen=True)
