@@ -13,7 +13,9 @@ files by:
 
 and each is scored in bits per character on the family's validation files
 (split by file, `aqtr.data.stdlib.is_validation`). LoRA runs are also
-served merged (`aqtr.lora.merge`: adapters folded in and re-quantized).
+served merged (`aqtr.lora.merge`: adapters folded in and re-quantized by
+round to nearest, and QLoRA's also solved by `MERGE_SOLVER`, GPTQ on
+`merge_batches` calibration batches of the family's train files).
 Step times are measured in one process; bytes by `aqtr.lora.sizes`.
 
 Run: `python -m aqtr.train.lora_runs --out=DIR` (writes DIR/lora.json and
@@ -55,6 +57,8 @@ __all__ = [
 ]
 
 RUNS = ('frozen', 'lora', 'qlora_nf4', 'full')
+# How QLoRA's merged weights are solved (`aqtr.lora.merge`'s arguments).
+MERGE_SOLVER = {'method': 'gptq', 'grid': 'best'}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -76,6 +80,7 @@ class Settings:
   rank: int = 8
   alpha: float = 16.0
   eval_windows: int = 64
+  merge_batches: int = 8
   seed: int = 0
 
   def __post_init__(self):
@@ -174,6 +179,7 @@ def run(s: Settings) -> dict[str, Any]:
     'step_s': {},
     'sizes': {},
     'merged_bpc': {},
+    'merged_gptq_bpc': {},
     'merged_int8_bpc': {},
   }
   print(f'pretrained: {out["bpc"]["frozen"]:.4f} bpc', flush=True)
@@ -190,6 +196,11 @@ def run(s: Settings) -> dict[str, Any]:
     out['step_s'][name] = per
     out['sizes'][name] = dataclasses.asdict(lora.sizes(m, sample))
     out['merged_bpc'][name] = bpc(lora.merge(m, sample), data['val'], s)
+    if base is not None:
+      it = _batches(data['train'], s, 3)
+      cal = [next(it)[0] for _ in range(s.merge_batches)]
+      solved = lora.merge(m, sample, batches=cal, **MERGE_SOLVER)
+      out['merged_gptq_bpc'][name] = bpc(solved, data['val'], s)
     int8 = lora.merge(m, sample, requantize='int8_weight_only')
     out['merged_int8_bpc'][name] = bpc(int8, data['val'], s)
     print(
@@ -223,19 +234,22 @@ def table(r: dict[str, Any]) -> str:
     f'Fine-tuning domain: stdlib `{r["settings"]["family"]}/` (validation '
     'files); bpc: bits per character.',
     '',
-    '| run | bpc | merged bpc | merged int8 bpc | step ms | trainable B | '
-    'optimizer B | frozen base B | bits/base weight | bytes / full FT |',
-    '|---|---|---|---|---|---|---|---|---|---|',
+    '| run | bpc | merged bpc | merged (gptq) bpc | merged int8 bpc | '
+    'step ms | trainable B | optimizer B | frozen base B | bits/base weight '
+    '| bytes / full FT |',
+    '|---|---|---|---|---|---|---|---|---|---|---|',
   ]
   for name in RUNS:
     sz = r['sizes'].get(name)
     step = r['step_s'].get(name)
     merged = r['merged_bpc'].get(name)
+    solved = r.get('merged_gptq_bpc', {}).get(name)
     m8 = r['merged_int8_bpc'].get(name)
     row = [
       name,
       f'{r["bpc"][name]:.4f}',
       f'{merged:.4f}' if merged is not None else '',
+      f'{solved:.4f}' if solved is not None else '',
       f'{m8:.4f}' if m8 is not None else '',
       f'{step * 1e3:.1f}' if step is not None else '',
     ]
