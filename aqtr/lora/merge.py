@@ -167,11 +167,9 @@ def merge(
     batches: calibration inputs (model inputs of the fine-tuning domain,
       one per batch, all of the first's shapes); needed by every method
       but 'rtn'.
-    grid: 'fresh' (the merged weight's own scales), 'base' (the base
-      weight's scales) or 'best' (per op, whichever of the two gives the
-      lower output error on `batches`); 'base' and 'best' need
-      requantize='base' and a method that solves on a given grid: 'rtn'
-      or 'gptq'.
+    grid: 'fresh' (the merged weight's own scales) or 'base' (the base
+      weight's scales; needs requantize='base' and a method that solves
+      on a given grid: 'rtn' or 'gptq').
     report: also return the `aqtr.ptq.PtqReport` (per weight: output
       error of fresh RTN and of the method); needs `batches`.
 

@@ -7,7 +7,7 @@ included). Re-rounding W' to nearest on fresh scales costs a whole new
 quantization error; a solver (GPTQ, Frantar et al. 2022, arXiv
 2210.17323) instead minimizes the output error `||X (W' - Q)||^2` on
 calibration inputs X of the fine-tuning domain, and `BaseGrid` keeps the
-base's own grid (on which `W_deq` is exact), or per op the better grid.
+base's own grid (on which `W_deq` is exact).
 
 Example:
   >>> import jax, jax.numpy as jnp
@@ -33,11 +33,10 @@ from aqtr.flax import serving
 from aqtr.flax.quantized import quantize
 from aqtr.ptq import gptq, methods
 from aqtr.ptq.grid import Grid
-from aqtr.ptq.stats import relative_error
 
 __all__ = ['BaseGrid', 'check_solver', 'requantized']
 
-_GRIDS = ('fresh', 'base', 'best')
+_GRIDS = ('fresh', 'base')
 
 
 def requantized(
@@ -58,7 +57,7 @@ def requantized(
   the fresh grid with no `batches` is `aqtr.flax.convert` of
   `aqtr.flax.quantize(merged, rules)` (no report); otherwise
   `aqtr.ptq.quantize(merged, rules, batches, method=...)`, with grid
-  'base' / 'best' on the grids of `base_weights` (`BaseGrid`).
+  'base' on the grids of `base_weights` (`BaseGrid`).
 
   Args:
     merged: the float model with `W + A B alpha / r` in its weights.
@@ -71,7 +70,7 @@ def requantized(
     grid: as `merge`'s.
     base_weights: {op path ('/'.join(module path + op id), `aqtr.ptq`'s
       path): the base weight dequantized, in the weight's layout}: the
-      grids grid 'base' / 'best' keep (ops not in it: fresh grids).
+      grids grid='base' keeps (ops not in it: fresh grids).
 
   Returns:
     (served, report): served as the model kind's convert returns it.
@@ -99,7 +98,7 @@ def requantized(
     batches = [args if len(args) != 1 else args[0]]
   meth = methods.get(method)
   if grid != 'fresh':
-    meth = BaseGrid(then=meth, weights=base_weights or {}, best=grid == 'best')
+    meth = BaseGrid(then=meth, weights=base_weights or {})
   with warnings.catch_warnings():
     warnings.simplefilter('ignore', UserWarning)
     return ptq.quantize(
@@ -122,20 +121,14 @@ class BaseGrid(methods.Method):
     then: the solver: `aqtr.ptq.Rtn()` or `aqtr.ptq.Gptq(...)`
       (static groups: the grid is given).
     weights: {op path: base weight dequantized, in the weight's layout}.
-    best: per op, keep whichever grid (the base's or the merged
-      weight's) gives the lower output error on the calibration inputs,
-      `tr(dW^T X^T X dW)`.
   """
 
   then: methods.Method = dataclasses.field(default_factory=ptq.Rtn)
   weights: dict = dataclasses.field(default_factory=dict)
-  best: bool = False
 
   def __post_init__(self):
     t = self.then
     ok = isinstance(t, ptq.Rtn) or (isinstance(t, ptq.Gptq) and t.static_groups)
-    if not isinstance(self.best, bool):
-      raise TypeError(f'BaseGrid.best must be a bool, got {self.best!r}.')
     if not ok:
       raise ValueError(
         "BaseGrid.then must solve on a given grid: 'rtn' or 'gptq' with "
@@ -151,16 +144,8 @@ class BaseGrid(methods.Method):
       return self.then.solve(site, grid, stats)
     base = Grid.of(site, w)
     kept = dataclasses.replace(grid, scale2=base.scale2, zero2=base.zero2)
-    sol = self.then.solve(site, kept, stats)._replace(
-      scale=kept.scale2, zero=kept.zero2
-    )
-    if not self.best:
-      return sol
-    other = self.then.solve(site, grid, stats)
-    err = [
-      relative_error(s.wq - grid.w2, grid.w2, stats.xtx) for s in (sol, other)
-    ]
-    return sol if err[0] <= err[1] else other
+    sol = self.then.solve(site, kept, stats)
+    return sol._replace(scale=kept.scale2, zero=kept.zero2)
 
 
 def _is_rtn(method) -> bool:
@@ -178,7 +163,7 @@ def check_solver(method, batches, grid, report, requantize='base') -> None:
     )
   if grid not in _GRIDS:
     raise ValueError(
-      f"aqtr.lora.merge: grid must be 'fresh', 'base' or 'best', got {grid!r}."
+      f"aqtr.lora.merge: grid must be 'fresh' or 'base', got {grid!r}."
     )
   if requantize is None and not (_is_rtn(method) and grid == 'fresh'):
     raise ValueError(
@@ -197,7 +182,6 @@ def check_solver(method, batches, grid, report, requantize='base') -> None:
     w
     for w, yes in (
       (f'method={_name(method)!r}', not _is_rtn(method)),
-      ("grid='best'", grid == 'best'),
       ('report=True', report),
     )
     if yes
@@ -205,8 +189,7 @@ def check_solver(method, batches, grid, report, requantize='base') -> None:
   if batches is None and needs:
     raise ValueError(
       f'aqtr.lora.merge: {" with ".join(needs)} needs batches= (calibration '
-      "inputs of the fine-tuning domain); only method='rtn' on grid 'fresh' "
-      "or 'base' needs none."
+      "inputs of the fine-tuning domain); only method='rtn' needs none."
     )
 
 
