@@ -28,6 +28,8 @@ from __future__ import annotations
 import dataclasses
 import warnings
 
+import fiddle as fdl
+
 import aqtr.ptq as ptq
 from aqtr.flax import serving
 from aqtr.flax.quantized import quantize
@@ -55,7 +57,8 @@ def requantized(
   The composition `merge` ends with, for any model `aqtr.ptq.quantize`
   takes (nnx, linen, a Pax template with `variables`): method 'rtn' on
   the fresh grid with no `batches` is `aqtr.flax.convert` of
-  `aqtr.flax.quantize(merged, rules)` (no report); otherwise
+  `aqtr.flax.quantize(merged, rules)` (no report; a Pax template: RTN
+  by `aqtr.ptq.quantize` on the sample inputs, and its report); otherwise
   `aqtr.ptq.quantize(merged, rules, batches, method=...)`, with grid
   'base' on the grids of `base_weights` (`BaseGrid`).
 
@@ -79,7 +82,8 @@ def requantized(
     ValueError: one line for a bad method / grid / missing batches.
   """
   check_solver(method, batches, grid, False)
-  if batches is None and _is_rtn(method) and grid == 'fresh':
+  pax = isinstance(merged, fdl.Buildable)
+  if batches is None and _is_rtn(method) and grid == 'fresh' and not pax:
     with warnings.catch_warnings():
       warnings.simplefilter('ignore', UserWarning)
       return serving.convert(

@@ -14,8 +14,10 @@ files by:
 and each is scored in bits per character on the family's validation files
 (split by file, `aqtr.data.stdlib.is_validation`). LoRA runs are also
 served merged (`aqtr.lora.merge`: adapters folded in and re-quantized by
-round to nearest, and QLoRA's also solved by `MERGE_SOLVER`, GPTQ on
-`merge_batches` calibration batches of the family's train files).
+round to nearest, and QLoRA's also solved by `MERGE_SOLVER`: GPTQ on
+`merge_batches` calibration batches of the family's train files, on the
+base's own grid). bpc is over the first `eval_windows` windows of `seq`
+bytes (default: the whole validation split).
 Step times are measured in one process; bytes by `aqtr.lora.sizes`.
 
 Run: `python -m aqtr.train.lora_runs --out=DIR` (writes DIR/lora.json and
@@ -44,6 +46,7 @@ import optax
 from flax import nnx
 
 import aqtr.lora as lora
+import aqtr.ptq as ptq
 from aqtr.data import stdlib
 from aqtr.train.lora_job import family_data, read
 from aqtr.train.stock_lm import StockLm
@@ -57,8 +60,9 @@ __all__ = [
 ]
 
 RUNS = ('frozen', 'lora', 'qlora_nf4', 'full')
-# How QLoRA's merged weights are solved (`aqtr.lora.merge`'s arguments).
-MERGE_SOLVER = {'method': 'gptq', 'grid': 'best'}
+# How QLoRA's merged weights are solved (`aqtr.lora.merge`'s arguments):
+# GPTQ with act-order on the base's own nf4 grid (measured best).
+MERGE_SOLVER = {'method': ptq.Gptq(act_order=True), 'grid': 'base'}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -79,7 +83,7 @@ class Settings:
   full_lr: float = 1e-3
   rank: int = 8
   alpha: float = 16.0
-  eval_windows: int = 64
+  eval_windows: int = 1024
   merge_batches: int = 8
   seed: int = 0
 

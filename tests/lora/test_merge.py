@@ -9,10 +9,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import aqtr
 import aqtr.ptq
 from aqtr import lora
 from aqtr.flax.frozen import FrozenKernel
 from aqtr.lora.requant import BaseGrid, requantized
+from aqtr.train import models
 
 X = jax.random.normal(jax.random.key(1), (4, 128))
 
@@ -236,3 +238,24 @@ def test_base_grid_refuses_a_solver_that_makes_its_own_grid():
 def test_requantized_checks_its_own_arguments():
   with pytest.raises(ValueError, match=r"method='gptq' needs batches="):
     requantized(nnx.Linear(4, 4, rngs=nnx.Rngs(0)), [], method='gptq')
+
+
+@pytest.mark.slow  # ~7 s: a Pax LM's GPTQ (aqtr.ptq's own Pax tests run it)
+def test_requantized_serves_a_pax_template():
+  t = models.lm(
+    vocab_size=64, seq_len=16, d_model=32, num_layers=1, num_heads=2
+  )
+  ids = [
+    jax.random.randint(jax.random.key(i), (4, 16), 0, 64) for i in range(2)
+  ]
+  v = models.build(t).init(jax.random.key(1), ids[0])
+  rules = [
+    aqtr.pax.Rule(aqtr.presets.int8_weight_only(), tag=aqtr.pax.tags.WeightOp)
+  ]
+  (tmpl, sv), rep = requantized(
+    t, rules, ids[0], variables=v, method='gptq', batches=ids
+  )
+  assert len(rep.layers) == 7
+  assert all(r.error <= r.rtn_error for r in rep.layers)
+  y = jax.jit(models.build(tmpl).apply)(sv, ids[0])
+  assert y.shape == (4, 16, 64) and bool(jnp.isfinite(y).all())
