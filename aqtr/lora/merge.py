@@ -177,8 +177,9 @@ def merge(
     nnx: the merged serving model. linen: (module, variables). With
     `report=True`: (that, PtqReport).
   """
-  check_solver(method, batches, grid, report, requantize)
   lspec = adapters_lib.spec(model)
+  floats = all(base_config(c.base) is None for c in lspec.configs)
+  check_solver(method, batches, grid, report, requantize, floats)
   found = adapters_lib.sites(model, *args, variables=variables, **kwargs)
   linen = isinstance(model, nn.Module)
   if adapters is not None and not isinstance(adapters, dict):

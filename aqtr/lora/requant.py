@@ -158,8 +158,11 @@ def _is_rtn(method) -> bool:
   )
 
 
-def check_solver(method, batches, grid, report, requantize='base') -> None:
-  """One line for each bad combination of merge's solver arguments."""
+def check_solver(
+  method, batches, grid, report, requantize='base', float_bases=False
+) -> None:
+  """One line for each bad combination of merge's solver arguments
+  (`float_bases`: every adapted weight's base is float)."""
   if not isinstance(method, ptq.Method) and method not in methods.names():
     raise ValueError(
       f'aqtr.lora.merge: method must be one of {methods.names()} or an '
@@ -169,15 +172,16 @@ def check_solver(method, batches, grid, report, requantize='base') -> None:
     raise ValueError(
       f"aqtr.lora.merge: grid must be 'fresh' or 'base', got {grid!r}."
     )
-  if requantize is None and not (_is_rtn(method) and grid == 'fresh'):
+  base = isinstance(requantize, str) and requantize == 'base'
+  floats = requantize is None or (base and float_bases)
+  if floats and not (_is_rtn(method) and grid == 'fresh'):
+    why = 'requantize=None' if requantize is None else 'float bases'
     raise ValueError(
-      f'aqtr.lora.merge: requantize=None merges into float weights: there '
-      f'is nothing for method={_name(method)!r} / grid={grid!r} to solve; '
-      "drop them or set requantize='base'."
+      f'aqtr.lora.merge: the merged weights are float ({why}): there is '
+      f'nothing for method={_name(method)!r} / grid={grid!r} to solve; '
+      'drop them or requantize to a quantized format.'
     )
-  if grid != 'fresh' and not (
-    isinstance(requantize, str) and requantize == 'base'
-  ):
+  if grid != 'fresh' and not base:
     raise ValueError(
       f"aqtr.lora.merge: grid={grid!r} keeps the base's scales, so it needs "
       f"requantize='base', got requantize={requantize!r}."

@@ -205,8 +205,8 @@ def test_linen_gptq_merge():
     ),
     (
       {'method': 'gptq', 'batches': XS, 'requantize': None},
-      r'requantize=None merges into float weights: there is nothing for '
-      r"method='gptq'",
+      r'the merged weights are float \(requantize=None\): there is nothing '
+      r"for method='gptq'",
     ),
     (
       {'grid': 'base', 'requantize': 'int8_weight_only'},
@@ -214,8 +214,8 @@ def test_linen_gptq_merge():
     ),
     (
       {'method': 'gptq', 'batches': XS, 'grid': 'base', 'requantize': None},
-      r'requantize=None merges into float weights: there is nothing for '
-      r"method='gptq' / grid='base'",
+      r'the merged weights are float \(requantize=None\): there is nothing '
+      r"for method='gptq' / grid='base'",
     ),
     ({'grid': 'old'}, r"grid must be 'fresh' or 'base', got 'old'"),
     (
@@ -228,6 +228,16 @@ def test_bad_solver_arguments(kwargs, match):
   with pytest.raises(ValueError, match=match) as e:
     lora.merge(_lora('nf4'), X, **kwargs)
   assert '\n' not in str(e.value)
+
+
+def test_a_float_base_has_nothing_to_solve():
+  m = _lora(None)
+  with pytest.raises(
+    ValueError, match=r'the merged weights are float \(float bases\)'
+  ):
+    lora.merge(m, X, method='gptq', batches=XS)
+  solved = lora.merge(m, X, method='gptq', batches=XS, requantize='nf4')
+  assert isinstance(solved.kernel, FrozenKernel)
 
 
 def test_base_grid_refuses_a_solver_that_makes_its_own_grid():
