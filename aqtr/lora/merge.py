@@ -30,6 +30,7 @@ import dataclasses
 import math
 import warnings
 
+import fiddle as fdl
 import flax
 import flax.linen as nn
 import jax
@@ -128,7 +129,8 @@ def merge(
   """The adapters folded into re-quantized base weights, for serving.
 
   Args:
-    model: a LoRA model (`aqtr.lora.attach`), trained.
+    model: a LoRA model (`aqtr.lora.attach`), trained; or a LoRA Pax
+      template (`aqtr.lora.pax.merge`, which also takes `method=`).
     *args, **kwargs: sample inputs.
     variables: linen: the LoRA variables.
     adapters: other adapters to merge instead of the model's (a nested
@@ -141,6 +143,17 @@ def merge(
   Returns:
     nnx: the merged serving model. linen: (module, variables).
   """
+  if isinstance(model, fdl.Buildable):  # A Pax template.
+    from aqtr.lora import pax  # noqa: PLC0415 (pax builds on this module)
+
+    return pax.merge(
+      model,
+      *args,
+      variables=variables,
+      adapters=adapters,
+      requantize=requantize,
+      **kwargs,
+    )
   lspec = adapters_lib.spec(model)
   found = adapters_lib.sites(model, *args, variables=variables, **kwargs)
   linen = isinstance(model, nn.Module)
@@ -246,6 +259,10 @@ class Bytes:
 
 def sizes(model, *args, variables=None, **kwargs) -> Bytes:
   """Training bytes of a LoRA model vs full fine-tuning (AdamW)."""
+  if isinstance(model, fdl.Buildable):  # A Pax template.
+    from aqtr.lora import pax  # noqa: PLC0415 (pax builds on this module)
+
+    return pax.sizes(model, *args, variables=variables, **kwargs)
   found = adapters_lib.sites(model, *args, variables=variables, **kwargs)
   bases = {(*s.module_path, s.param) for s in found}
   ad = base = base_float = other = 0
