@@ -69,6 +69,7 @@ __all__ = [
   'Site',
   'attach',
   'base_rules_of',
+  'check_used',
   'codebook_table',
   'dropout',
   'initial',
@@ -191,8 +192,19 @@ def sites(model, *args, variables=None, **kwargs) -> list[Site]:
     for site in s.sites:
       found.setdefault(site.where, site)
   out = list(found.values())
-  used = {s.rule for s in out}
-  for i, sel in enumerate(lspec.selectors):
+  check_used(lspec.selectors, {s.rule for s in out}, hits)
+  return out
+
+
+def check_used(selectors, used: set[int], hits: set[int]) -> None:
+  """One line for the first rule that set no adapter.
+
+  Args:
+    selectors: the rules' selectors, in order.
+    used: indices of rules that set an adapter.
+    hits: indices of rules that matched activation x activation ops.
+  """
+  for i, sel in enumerate(selectors):
     if i in used:
       continue
     if i in hits:
@@ -205,7 +217,6 @@ def sites(model, *args, variables=None, **kwargs) -> list[Site]:
       f'aqtr.lora: rule {i} {sel.label()} matches no weight op (or only '
       'ops an earlier rule took); fix its path / layer / op.'
     )
-  return out
 
 
 def codebook_table(cfg: LoraConfig) -> tuple[float, ...] | None:

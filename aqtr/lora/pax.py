@@ -308,19 +308,7 @@ def _swap(template, pairs) -> None:
     site.replace(node)
     used.add(rule)
     n += 1
-  for i, (sel, _) in enumerate(pairs):
-    if i in used:
-      continue
-    if i in hits:
-      raise ValueError(
-        f'aqtr.lora: rule {i} {sel.label()} matches only ops without a '
-        'weight operand (activation x activation, e.g. attention scores); '
-        'adapters need a parameter: point it at the weight ops.'
-      )
-    raise ValueError(
-      f'aqtr.lora: rule {i} {sel.label()} matches no weight op (or only '
-      'ops an earlier rule took); fix its path / layer / op.'
-    )
+  adapters_lib.check_used([sel for sel, _ in pairs], used, hits)
 
 
 def _get(tree, path):
