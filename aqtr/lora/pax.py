@@ -213,7 +213,7 @@ class LoraEinsum(ops.EinsumOp):
       _OP,
       'rhs',
       name,
-      -1,
+      -1,  # Pax sites carry their LoraConfig itself (PaxSite.lora).
       plan.a_shape,
       plan.b_shape,
       plan.dn,

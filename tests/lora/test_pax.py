@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from typing import Annotated
 
 import fiddle as fdl
 import flax.linen as nn
@@ -208,3 +209,23 @@ def test_bad_templates_and_adapters(lm):
 def test_lora_op_is_a_pax_op():
   assert issubclass(lora_pax.LoraEinsum, aqtr.pax.EinsumOp)
   assert issubclass(lora_pax.LoraEinsum, nn.Module)
+
+
+class Transposed(nn.Module):
+  """A layer whose weight op reads its kernel transposed (derived)."""
+
+  einsum: Annotated[aqtr.pax.EinsumOp | None, aqtr.pax.tags.WeightOp] = None
+
+  @nn.compact
+  def __call__(self, x):
+    w = self.param('kernel', nn.initializers.lecun_normal(), (4, x.shape[-1]))
+    return aqtr.pax.ops.einsum(self.einsum, '...d,df->...f', x, w.T)
+
+
+def test_a_derived_weight_takes_no_adapter():
+  t = fdl.Config(Transposed, einsum=fdl.Config(aqtr.pax.EinsumOp))
+  x = jnp.ones((2, 8))
+  v = jax.jit(fdl.build(t).init)(jax.random.key(0), x)
+  with pytest.raises(ValueError, match='not a parameter of the layer') as e:
+    lora.attach(t, {'.*': lora.LoraConfig(rank=2)}, x, variables=v)
+  assert '\n' not in str(e.value)
