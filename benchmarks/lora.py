@@ -1,9 +1,11 @@
 """LoRA / QLoRA vs full fine-tuning: bytes and step time.
 
-The stock nnx Llama-style LM of `aqtr.train.stock_lm` (bytes, vocab 256,
-2 blocks, d_model 128, 4 heads, SwiGLU 512, tied embedding; batch 16 x
-128 random tokens) trained by one jitted step (forward, backward, AdamW
-update) as:
+`--model=stock`: the stock nnx Llama-style LM of `aqtr.train.stock_lm`
+(bytes, vocab 256, 2 blocks, d_model 128, 4 heads, SwiGLU 512, tied
+embedding); `--model=pax`: the main job's LM (`aqtr.train.models.lm`, an
+`aqtr.pax` template: 2 blocks, d_model 128, 4 heads, GELU 512, untied;
+adapters injected into the template). Batch 16 x 128 random tokens, one
+jitted step (forward, backward, AdamW update) as:
 
   full        every parameter float, AdamW on all of them
   lora        r=8 adapters on every block projection, float base frozen
@@ -18,7 +20,7 @@ weight), the other float parameters (embedding, norms), and the training
 total (adapters + optimizer + frozen base + other) over full
 fine-tuning's (float weights + two AdamW moments).
 
-Run: python benchmarks/lora.py [--rounds 5] [--steps 5]
+Run: python benchmarks/lora.py [--model=stock|pax] [--rounds 5] [--steps 5]
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import optax
 from flax import nnx
 
 from aqtr import lora
+from aqtr.train import models
 from aqtr.train.stock_lm import StockLm
 
 BATCH, SEQ, VOCAB = 16, 128, 256
@@ -44,19 +47,55 @@ CONFIGS = {
 }
 
 
-def _setups(x):
+def _setups_stock(x):
+  """{run: (apply(p, rest, x), trainable, rest, sizes or None)}."""
   model = StockLm(VOCAB, 128, 2, 4, rngs=nnx.Rngs(0))
-  out = {'full': (model, nnx.Param, None)}
-  for name, cfg in CONFIGS.items():
-    m = lora.attach(model, {'.*blocks.*': cfg}, x[:1])
-    out[name] = (m, lora.Adapter, lora.sizes(m, x[:1]))
+  out = {}
+  for name, cfg in {'full': None, **CONFIGS}.items():
+    m = model if cfg is None else lora.attach(model, {'.*blocks.*': cfg}, x[:1])
+    graphdef, p, rest = nnx.split(
+      m, nnx.Param if cfg is None else lora.Adapter, ...
+    )
+
+    def apply(p, rest, x, graphdef=graphdef):
+      return nnx.merge(graphdef, p, rest)(x)
+
+    out[name] = (apply, p, rest, None if cfg is None else lora.sizes(m, x[:1]))
   return out
 
 
-def _step(graphdef, tx):
+def _setups_pax(x):
+  """As `_setups_stock`, for the main job's Pax LM template."""
+  template = models.lm(VOCAB, SEQ, 128, 2, 4)
+  variables = jax.jit(models.build(template).init)(jax.random.key(0), x[:1])
+  full = models.build(template)
+  out = {
+    'full': (
+      lambda p, rest, x: full.apply({'params': p}, x),
+      variables['params'],
+      {},
+      None,
+    )
+  }
+  for name, cfg in CONFIGS.items():
+    lt, lv = lora.attach(
+      template, {'layers.*': cfg}, x[:1], variables=variables
+    )
+    module = models.build(lt)
+    p, frozen = lora.partition(lv['params'])
+
+    def apply(p, rest, x, module=module):
+      return module.apply(dict(rest, params=lora.combine(p, rest['params'])), x)
+
+    sizes = lora.sizes(lt, x[:1], variables=lv)
+    out[name] = (apply, p, dict(lv, params=frozen), sizes)
+  return out
+
+
+def _step(apply, tx):
   def step(p, rest, o, x, y):
     def loss(p):
-      logits = nnx.merge(graphdef, p, rest)(x)
+      logits = apply(p, rest, x)
       return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
     value, g = jax.value_and_grad(loss)(p)
@@ -66,16 +105,16 @@ def _step(graphdef, tx):
   return step
 
 
-def bench(rounds: int, steps: int):
+def bench(rounds: int, steps: int, model: str = 'stock'):
   key = jax.random.key(0)
   x = jax.random.randint(key, (BATCH, SEQ), 0, VOCAB)
   y = jnp.roll(x, -1, axis=1)
   tx = optax.adamw(1e-3)
   compiled, state, times, sizes = {}, {}, {}, {}
-  for name, (m, wrt, sz) in _setups(x).items():
-    graphdef, p, rest = nnx.split(m, wrt, ...)
+  setups = _setups_pax(x) if model == 'pax' else _setups_stock(x)
+  for name, (apply, p, rest, sz) in setups.items():
     o = tx.init(p)
-    c = jax.jit(_step(graphdef, tx), donate_argnums=(0, 2))
+    c = jax.jit(_step(apply, tx), donate_argnums=(0, 2))
     compiled[name] = c.lower(p, rest, o, x, y).compile()
     state[name] = jax.tree.map(jnp.copy, (p, rest, o))  # Unshared buffers.
     times[name] = []
@@ -94,10 +133,10 @@ def bench(rounds: int, steps: int):
   return {n: statistics.median(t) for n, t in times.items()}, sizes
 
 
-def table(times, sizes) -> str:
+def table(times, sizes, model: str = 'stock') -> str:
   full = next(s for s in sizes.values() if s is not None).full
   lines = [
-    f'Host: {host.cpu_model()}',
+    f'Host: {host.cpu_model()}; model: {model}',
     '',
     '| run | step ms | x full | trainable B | AdamW B | frozen base B | '
     'bits/base weight | other B | total / full FT |',
@@ -121,10 +160,12 @@ def table(times, sizes) -> str:
 
 def main(argv=None) -> None:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument('--model', choices=('stock', 'pax'), default='stock')
   ap.add_argument('--rounds', type=int, default=5)
   ap.add_argument('--steps', type=int, default=5)
   args = ap.parse_args(argv)
-  print(table(*bench(args.rounds, args.steps)))
+  times, sizes = bench(args.rounds, args.steps, args.model)
+  print(table(times, sizes, args.model))
 
 
 if __name__ == '__main__':

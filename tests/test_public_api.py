@@ -136,6 +136,7 @@ LORA = {
   'Adapter',
   'Bytes',
   'LoraConfig',
+  'LoraEinsum',
   'Site',
   'attach',
   'check',

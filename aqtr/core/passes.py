@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import get_abstract_mesh
 
 from aqtr.core.config import DotGeneralRaw, TensorConfig
 from aqtr.core.dimension_numbers import OperandLayout
@@ -351,7 +353,36 @@ def contract(
     out = out * a.scale
   if b.scale is not None:
     out = out * (b.scale.transpose(0, 1, 3, 2) if b.form == 'fk' else b.scale)
-  return out[:, 0] if n == 1 else out.sum(axis=1)
+  return tile_sum(out)
+
+
+_FAN = 32  # Slices one unrolled add sums (bounds the program's size).
+
+
+def tile_sum(x: jax.Array) -> jax.Array:
+  """`x.sum(axis=1)`: the per-tile partial products summed over tiles.
+
+  On CPU, as chained adds of whole slices (`_FAN` at a time; more tiles
+  are summed in consecutive chunks first, zero-padded): XLA:CPU reduces a
+  non-minor axis element by element, 10-200x slower than it adds slices
+  (benchmarks/subchannel_sum.py). The order of the additions differs from
+  `sum`'s in the last bits. Elsewhere, and under a mesh context (the tile
+  axis may be split over devices: one all-reduce, not a chain of
+  transfers), `sum`.
+  """
+  if x.shape[1] == 1:
+    return x[:, 0]
+  if jax.default_backend() != 'cpu' or not get_abstract_mesh().empty:
+    return x.sum(axis=1)
+  while x.shape[1] > _FAN:
+    n = x.shape[1]
+    m = -(-n // _FAN)
+    if m * _FAN > n:
+      pad = jnp.zeros((x.shape[0], m * _FAN - n, *x.shape[2:]), x.dtype)
+      x = jnp.concatenate([x, pad], axis=1)
+    x = x.reshape(x.shape[0], m, _FAN, *x.shape[2:])
+    x = functools.reduce(operator.add, [x[:, :, i] for i in range(_FAN)])
+  return functools.reduce(operator.add, [x[:, i] for i in range(x.shape[1])])
 
 
 def qdot(a: Operand, b: Operand, raw: DotGeneralRaw, precision, tile):

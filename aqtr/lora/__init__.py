@@ -3,7 +3,9 @@
   LoraConfig        rank, alpha, dropout, base format ('nf4': QLoRA),
                     double_quant, adapter matmul config
   attach            adapters on a stock linen / nnx model's weight ops,
-                    by rules; bases frozen in place of their kernels
+                    by rules; bases frozen in place of their kernels; or
+                    on an `aqtr.pax` template (`LoraEinsum` injected by
+                    Fiddle, `aqtr.lora.pax`)
   Adapter           the nnx variable type of A and B (the trainable set)
   trainable, partition, combine, optimizer, nnx_optimizer, check
                     only the adapters train; a trainable base is refused
@@ -35,6 +37,7 @@ except ImportError as e:
 from aqtr.lora.adapters import Adapter, Site, attach, dropout, sites  # noqa: E402
 from aqtr.lora.config import LoraConfig, nf4  # noqa: E402
 from aqtr.lora.merge import Bytes, merge, sizes  # noqa: E402
+from aqtr.lora.pax import LoraEinsum  # noqa: E402
 from aqtr.lora.training import (  # noqa: E402
   check,
   check_nnx,
@@ -49,6 +52,7 @@ __all__ = [
   'Adapter',
   'Bytes',
   'LoraConfig',
+  'LoraEinsum',
   'Site',
   'attach',
   'check',

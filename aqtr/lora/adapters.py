@@ -37,6 +37,7 @@ import math
 import warnings
 from typing import Any
 
+import fiddle as fdl
 import flax
 import flax.linen as nn
 import jax
@@ -68,7 +69,10 @@ __all__ = [
   'Site',
   'attach',
   'base_rules_of',
+  'check_used',
+  'codebook_table',
   'dropout',
+  'initial',
   'lora_rules',
   'sites',
   'spec',
@@ -188,8 +192,19 @@ def sites(model, *args, variables=None, **kwargs) -> list[Site]:
     for site in s.sites:
       found.setdefault(site.where, site)
   out = list(found.values())
-  used = {s.rule for s in out}
-  for i, sel in enumerate(lspec.selectors):
+  check_used(lspec.selectors, {s.rule for s in out}, hits)
+  return out
+
+
+def check_used(selectors, used: set[int], hits: set[int]) -> None:
+  """One line for the first rule that set no adapter.
+
+  Args:
+    selectors: the rules' selectors, in order.
+    used: indices of rules that set an adapter.
+    hits: indices of rules that matched activation x activation ops.
+  """
+  for i, sel in enumerate(selectors):
     if i in used:
       continue
     if i in hits:
@@ -202,10 +217,10 @@ def sites(model, *args, variables=None, **kwargs) -> list[Site]:
       f'aqtr.lora: rule {i} {sel.label()} matches no weight op (or only '
       'ops an earlier rule took); fix its path / layer / op.'
     )
-  return out
 
 
-def _table(cfg: LoraConfig):
+def codebook_table(cfg: LoraConfig) -> tuple[float, ...] | None:
+  """The base's codebook values when it is stored as codes (nf4), or None."""
   bc = base_config(cfg.base)
   n = None if bc is None else bc.fwd.rhs.numerics
   return tuple(n.table) if isinstance(n, Codebook) else None
@@ -213,7 +228,7 @@ def _table(cfg: LoraConfig):
 
 def _compact(holder, cfg: LoraConfig, ref_ndim: int, linen: bool):
   """A converted holder stored compactly (4-bit codes, 8-bit scales)."""
-  table = _table(cfg)
+  table = codebook_table(cfg)
   stored, shapes = storage.encode(
     raw_entries(holder), table, cfg.double_quant, ref_ndim
   )
@@ -237,7 +252,7 @@ def _compact(holder, cfg: LoraConfig, ref_ndim: int, linen: bool):
   )
 
 
-def _init(key, site: Site, lead: tuple[int, ...]):
+def initial(key, site: Site, lead: tuple[int, ...] = ()):
   """A: Kaiming-uniform (bound 1/sqrt(d_in)); B: zeros."""
   d_in = math.prod(site.a_shape[:-1])
   bound = 1.0 / math.sqrt(d_in)
@@ -251,7 +266,8 @@ def attach(model, rules, *args, variables=None, seed: int = 0, **kwargs):
   """Adapters on the weight ops `rules` select; the bases frozen.
 
   Args:
-    model: a float linen Module (unbound) or nnx Module (not changed).
+    model: a float linen Module (unbound) or nnx Module (not changed), or
+      the Fiddle template of an `aqtr.pax` model (`aqtr.lora.pax.attach`).
     rules: a LoraConfig (every weight op), {path regex: LoraConfig}, or
       (Rule, LoraConfig) pairs, first match wins (`lora_rules`).
     *args, **kwargs: sample inputs of one call (shapes matter).
@@ -259,12 +275,19 @@ def attach(model, rules, *args, variables=None, seed: int = 0, **kwargs):
     seed: PRNG seed of the A matrices.
 
   Returns:
-    nnx: the LoRA model (a new one). linen: (LoRA module, variables).
+    nnx: the LoRA model (a new one). linen: (LoRA module, variables). Pax:
+    (LoRA template, variables).
 
   Raises:
     ValueError: a rule matches no weight op or only activation ops, a
       rank exceeds min(d_in, d_out), an op reads a derived weight.
   """
+  if isinstance(model, fdl.Buildable):  # A Pax template: Fiddle injection.
+    from aqtr.lora import pax  # noqa: PLC0415 (pax builds on this module)
+
+    return pax.attach(
+      model, rules, *args, variables=variables, seed=seed, **kwargs
+    )
   pairs = lora_rules(rules)
   if isinstance(model, nn.Module) and variables is None:
     raise TypeError('aqtr.lora.attach: a linen model needs variables=.')
@@ -313,7 +336,7 @@ def attach(model, rules, *args, variables=None, seed: int = 0, **kwargs):
     else:
       full = jnp.shape(nn.meta.unbox(value) if linen else value.get_value())
     lead = tuple(full[: len(full) - len(site.weight.shape)])
-    a, b = _init(jax.random.fold_in(key, i), site, lead)
+    a, b = initial(jax.random.fold_in(key, i), site, lead)
     an, bn = site.names
     if linen:
       parent[an], parent[bn] = a, b

@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import fiddle as fdl
 import flax
 import flax.linen as nn
 import jax
@@ -153,7 +154,8 @@ def merge(
   only where the adapters move a weight across a rounding boundary.
 
   Args:
-    model: a LoRA model (`aqtr.lora.attach`), trained.
+    model: a LoRA model (`aqtr.lora.attach`), trained; or a LoRA Pax
+      template (`aqtr.lora.pax.merge`, which also takes `method=`).
     *args, **kwargs: sample inputs.
     variables: linen: the LoRA variables.
     adapters: other adapters to merge instead of the model's (a nested
@@ -177,6 +179,17 @@ def merge(
     nnx: the merged serving model. linen: (module, variables). With
     `report=True`: (that, PtqReport).
   """
+  if isinstance(model, fdl.Buildable):  # A Pax template.
+    from aqtr.lora import pax  # noqa: PLC0415 (pax builds on this module)
+
+    return pax.merge(
+      model,
+      *args,
+      variables=variables,
+      adapters=adapters,
+      requantize=requantize,
+      **kwargs,
+    )
   lspec = adapters_lib.spec(model)
   floats = all(base_config(c.base) is None for c in lspec.configs)
   check_solver(method, batches, grid, report, requantize, floats)
@@ -290,6 +303,10 @@ class Bytes:
 
 def sizes(model, *args, variables=None, **kwargs) -> Bytes:
   """Training bytes of a LoRA model vs full fine-tuning (AdamW)."""
+  if isinstance(model, fdl.Buildable):  # A Pax template.
+    from aqtr.lora import pax  # noqa: PLC0415 (pax builds on this module)
+
+    return pax.sizes(model, *args, variables=variables, **kwargs)
   found = adapters_lib.sites(model, *args, variables=variables, **kwargs)
   bases = {(*s.module_path, s.param) for s in found}
   ad = base = base_float = other = 0

@@ -53,6 +53,7 @@ __all__ = [
   'LoraSpec',
   'Site',
   'dropout',
+  'low_rank',
   'raw_entries',
 ]
 
@@ -240,31 +241,35 @@ class LoraSession(Session):
           f'{label}: adapters of shapes {a.shape}, {b.shape} but the op '
           f'needs {a_shape}, {b_shape} (rank {cfg.rank}).'
         )
-      return self._low_rank(lhs, a, b, lc, cfg, precision)
+      self.n += 1
+      return low_rank(lhs, a, b, lc, cfg, precision, self.n - 1)
 
     run = swapped(adapter_dot) if side == 'lhs' else adapter_dot
     delta = op.run(run, op.lhs, op.rhs)
     return out + delta.astype(out.dtype)
 
-  def _low_rank(self, x, a, b, lc, cfg: LoraConfig, precision):
-    """dropout(x) A B * alpha / r, x's contracted axes `lc` against A's."""
-    key = getattr(_local, 'key', None)
-    if cfg.dropout and key is not None:
-      k = jax.random.fold_in(key, self.n)
-      keep = jax.random.bernoulli(k, 1.0 - cfg.dropout, jnp.shape(x))
-      x = jnp.where(keep, x / (1.0 - cfg.dropout), 0).astype(x.dtype)
-    self.n += 1
-    qc = adapter_config(cfg)
-    dot = (
-      jax.lax.dot_general
-      if qc is None
-      else functools.partial(aqtr_dot_general, config=qc)
-    )
-    x = x.astype(a.dtype)
-    dn_a = ((tuple(lc), tuple(range(len(lc)))), ((), ()))
-    xa = dot(x, a, dn_a, precision=precision)
-    dn_b = (((xa.ndim - 1,), (0,)), ((), ()))
-    return dot(xa, b, dn_b, precision=precision) * cfg.scale
+
+def low_rank(x, a, b, lc, cfg: LoraConfig, precision, index: int):
+  """dropout(x) A B * alpha / r, x's contracted axes `lc` against A's.
+
+  Inside `dropout(key)`, the mask's key is `fold_in(key, index)`.
+  """
+  key = getattr(_local, 'key', None)
+  if cfg.dropout and key is not None:
+    k = jax.random.fold_in(key, index)
+    keep = jax.random.bernoulli(k, 1.0 - cfg.dropout, jnp.shape(x))
+    x = jnp.where(keep, x / (1.0 - cfg.dropout), 0).astype(x.dtype)
+  qc = adapter_config(cfg)
+  dot = (
+    jax.lax.dot_general
+    if qc is None
+    else functools.partial(aqtr_dot_general, config=qc)
+  )
+  x = x.astype(a.dtype)
+  dn_a = ((tuple(lc), tuple(range(len(lc)))), ((), ()))
+  xa = dot(x, a, dn_a, precision=precision)
+  dn_b = (((xa.ndim - 1,), (0,)), ((), ()))
+  return dot(xa, b, dn_b, precision=precision) * cfg.scale
 
 
 def _adapters(module, names, label):

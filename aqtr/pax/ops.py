@@ -158,6 +158,10 @@ class EinsumOp(Op):
 
   @nn.compact
   def __call__(self, eqn: str, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
+    return self.contract(eqn, lhs, rhs)
+
+  def contract(self, eqn: str, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
+    """The op's einsum in its mode (subclasses add to it in `__call__`)."""
     if self._frozen_modes():
       return common.einsum_op(self._host(), eqn, lhs, rhs)
     return aqtr.einsum(eqn, lhs, rhs, config=self.config, key=self._key())

@@ -111,6 +111,10 @@ class OpSite:
       return self.parent.__arguments__.get(self.key.name)
     return self.key.follow(self.parent)
 
+  def replace(self, node: fdl.Buildable) -> None:
+    """Puts `node` in the op's slot (e.g. a subclass of the op)."""
+    _put(self.parent, self.key, node)
+
   def set_config(self, config: Any) -> None:
     """Sets the op's `config`, creating the op node when it is unset."""
     op = self.op

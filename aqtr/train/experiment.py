@@ -120,13 +120,15 @@ RUNS: dict[str, Callable[[], aqtr.DotGeneralConfig]] = (
     # the config shown is its weight ops' config).
     'stock_float': aqtr.presets.float,
     'stock_int8': aqtr.presets.int8,
-    # LoRA / QLoRA fine-tunes of the stock float LM (`aqtr.train.lora_job`;
-    # the config shown is the frozen base's).
+    # LoRA / QLoRA fine-tunes of the float LM and of the stock float LM
+    # (`aqtr.train.lora_job`; the config shown is the frozen base's).
     'lora': aqtr.presets.float,
     'qlora_nf4': lora_config.nf4,
+    'stock_lora': aqtr.presets.float,
+    'stock_qlora_nf4': lora_config.nf4,
   }
 )
-LORA_RUNS = ('lora', 'qlora_nf4')
+LORA_RUNS = ('lora', 'qlora_nf4', 'stock_lora', 'stock_qlora_nf4')
 
 
 # Numeric fields: (type, allowed range as text, range test).
@@ -193,8 +195,9 @@ class Experiment:
       high-precision layers, see `high_precision`), the NVFP4 ablations
       'nvfp4_recipe_no_rht' / '_no_sr' / '_no_2d', 'nvfp4_naive', the
       stock nnx LM runs 'stock_float', 'stock_int8' (task 'lm';
-      `aqtr.train.stock_lm`), and its LoRA fine-tunes 'lora',
-      'qlora_nf4' (`aqtr.train.lora_job`; see `init_from`).
+      `aqtr.train.stock_lm`), and the LoRA fine-tunes of the float LM
+      'lora', 'qlora_nf4' and of the stock LM 'stock_lora',
+      'stock_qlora_nf4' (`aqtr.train.lora_job`; see `init_from`).
     custom: a user-chosen DotGeneralConfig (Fiddle tree), run last under
       the name 'custom'; None: no custom run.
     steps: optimizer steps per run.
@@ -227,10 +230,11 @@ class Experiment:
       `ptq_formats`; rows 'ptq:<method>:<format>' (`aqtr.train.ptq_stage`).
     ptq_formats: names of `aqtr.train.ptq_stage.FORMATS`.
     ptq_batches: training batches the ptq methods calibrate on.
-    init_from: the float stock LM the LoRA runs ('lora', 'qlora_nf4';
-      `aqtr.train.lora_job`) fine-tune: a 'stock_float' run folder's
-      `float_params` checkpoint; None: the job's own 'stock_float' run
-      (which must come before them in `runs`).
+    init_from: the float models the LoRA runs (`aqtr.train.lora_job`)
+      fine-tune: an earlier job's folder (its 'float/float_params' for
+      'lora', 'qlora_nf4'; 'stock_float/float_params' for the stock
+      ones) or one such `float_params` checkpoint; None: the job's own
+      'float' / 'stock_float' run (which must come before them in `runs`).
     finetune_family: the stdlib package the LoRA runs fine-tune on (and
       that the job's LM corpus then leaves out).
     lora_rank: the LoRA runs' adapter rank r (alpha = 2r).

@@ -263,7 +263,8 @@ def run(
   params = loop.init_params(template, task, exp.seed)
   float_bytes = common.nbytes(params)
   rows, records, samples = [], [], []
-  base = float_lm = None
+  base = None
+  lora_bases = {}  # 'float' / 'stock_float' -> the LoRA runs' float base.
   try:
     with report.Metrics(out / 'metrics.jsonl') as metrics:
 
@@ -277,15 +278,24 @@ def run(
         marker = report.mark_incomplete(run_dir, f'run {name!r}')
         stock = name.startswith('stock_')
         if name in lora_job.RUNS:
-          if float_lm is None:
-            float_lm = lora_job.load_base(exp.init_from, template, exp.seed)
+          want = lora_job.base_run(name)
+          if want not in lora_bases:
+            lora_bases[want] = lora_job.load_base(
+              lora_job.base_path(exp.init_from, name), template, exp.seed, name
+            )
           r, serve = lora_job.run(
-            name, exp, float_lm, run_dir, on_record=on_record
+            name,
+            exp,
+            lora_bases[want],
+            run_dir,
+            template=template,
+            on_record=on_record,
           )
           say(
             f'  {name}: {exp.finetune_family}/ validation bpc: frozen base '
             f'{serve["frozen_bpc"]:.4f}, fine-tuned {r.final["bpc"]:.4f}, '
-            f'merged {serve["merged_bpc"]:.4f}; serve == train: '
+            f'merged (RTN) {serve["merged_bpc"]:.4f}, merged (GPTQ) '
+            f'{serve["merged_gptq_bpc"]:.4f}; serve == train: '
             f'{serve["serve_equal"]}',
             flush=True,
           )
@@ -296,10 +306,10 @@ def run(
         if stock:
           r = stock_lm.train(name, exp, task, template, on_record=on_record)
           if name == 'stock_float' and any(
-            n in lora_job.RUNS for n in exp.runs
+            lora_job.base_run(n) == name for n in exp.runs if n in lora_job.RUNS
           ):
-            float_lm = r.injected
-            lora_job.save_base(float_lm, run_dir)
+            lora_bases[name] = r.injected
+            lora_job.save_base(r.injected, run_dir)
         else:
           r = loop.train(
             name,
@@ -327,6 +337,11 @@ def run(
         samples += _samples(r, exp, run_dir, serve is not None) or []
         if name == 'float' and not r.diverged:
           base = r
+          if any(
+            lora_job.base_run(n) == name for n in exp.runs if n in lora_job.RUNS
+          ):
+            lora_bases[name] = r.params
+            lora_job.save_base(r.params, run_dir)
         own = stock_lm.float_bytes(r) if stock else float_bytes
         rows.append(_row(r, task.metric, base, serve, own))
         metrics.write({'run': name, 'summary': rows[-1]})

@@ -1,33 +1,40 @@
-"""The main job's LoRA runs: 'lora' and 'qlora_nf4' (`aqtr.lora`).
+"""The main job's LoRA runs: on the Pax LM and on the stock nnx LM.
 
-Both fine-tune a float stock nnx LM (`aqtr.train.stock_lm.StockLm`): the
-'stock_float' run of the same job (which then pretrains without the
-fine-tuning family: `tasks.make` leaves `Experiment.finetune_family` out
-of the corpus), or the checkpoint `Experiment.init_from` names (a
-'stock_float' run folder's `float_params`, written when a job has LoRA
-runs). They fine-tune on the family's train files (`family_split`),
-the job's steps and optimizer, adapters r =
-`Experiment.lora_rank` (alpha 2r) on every block projection:
+  lora              LoRA on the job's LM (`aqtr.pax` template; adapters
+                    injected by `aqtr.lora.attach`), float base
+  qlora_nf4         QLoRA on the job's LM: nf4 g64 base, double-quantized
+                    scales (Dettmers et al. 2023, arXiv 2305.14314)
+  stock_lora        LoRA on the stock nnx LM (`aqtr.train.stock_lm`,
+                    adapters by interception)
+  stock_qlora_nf4   QLoRA on the stock nnx LM
 
-  lora        float base (LoRA, arXiv 2106.09685)
-  qlora_nf4   nf4 g64 base, double-quantized scales (QLoRA, arXiv
-              2305.14314)
+Each fine-tunes a float model: the job's own 'float' run (Pax LM) or
+'stock_float' run (stock LM), which then pretrain without the fine-tuning
+family (`tasks.make` leaves `Experiment.finetune_family` out of the
+corpus), or the checkpoint `Experiment.init_from` names (a job folder, or a
+run folder's `float_params`, written when a job has LoRA runs). They train
+on the family's train files (`family_split`) with the job's steps and
+optimizer, adapters of rank `Experiment.lora_rank` (alpha 2r) on every
+block projection (LoRA, Hu et al. 2021, arXiv 2106.09685).
 
 The summary row's bpc is on the family's validation files; the run's
-`lora.json` adds the frozen base's and the merged model's bpc there, and
-the bytes of `aqtr.lora.sizes`.
+`lora.json` adds the frozen base's bpc, the merged models' (adapters folded
+in and re-quantized to the base's format by round to nearest and by GPTQ
+on `ptq_batches` family batches) and the bytes of `aqtr.lora.sizes`.
 
 Example:
   >>> sorted(RUNS)
-  ['lora', 'qlora_nf4']
+  ['lora', 'qlora_nf4', 'stock_lora', 'stock_qlora_nf4']
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import pathlib
 import time
+import warnings
 from typing import Any
 
 import jax
@@ -40,23 +47,42 @@ import aqtr
 import aqtr.flax.checkpoint as ckpt
 from aqtr import lora
 from aqtr.data import loader, stdlib
-from aqtr.train import loop, stock_lm
+from aqtr.train import loop, models, stock_lm
 from aqtr.train.tasks import cross_entropy, evaluate_logits
 
 __all__ = [
-  'check_fields',
   'BASE_DIR',
   'RUNS',
+  'base_path',
+  'check_fields',
   'family_data',
   'family_split',
+  'is_stock',
   'load_base',
   'read',
   'run',
   'save_base',
 ]
 
-RUNS = {'lora': None, 'qlora_nf4': 'nf4'}
-BASE_DIR = 'float_params'  # In the 'stock_float' run's folder.
+RUNS = {
+  'lora': None,
+  'qlora_nf4': 'nf4',
+  'stock_lora': None,
+  'stock_qlora_nf4': 'nf4',
+}
+BASE_DIR = 'float_params'  # In the 'float' / 'stock_float' run's folder.
+PAX_RULES = r'layers.*'  # Every block projection of the Pax LM.
+STOCK_RULES = r'.*blocks.*'  # ... of the stock LM.
+
+
+def is_stock(name: str) -> bool:
+  """Whether LoRA run `name` fine-tunes the stock nnx LM."""
+  return name.startswith('stock_')
+
+
+def base_run(name: str) -> str:
+  """The run whose float model LoRA run `name` fine-tunes."""
+  return 'stock_float' if is_stock(name) else 'float'
 
 
 def read(names: list[str], cap: int | None) -> np.ndarray:
@@ -86,58 +112,55 @@ def family_data(family: str) -> tuple[np.ndarray, np.ndarray]:
   return read(train, None), read(val, None)
 
 
-def save_base(model: nnx.Module, run_dir: pathlib.Path) -> pathlib.Path:
-  """Saves the float stock LM for `init_from` (orbax)."""
+def save_base(base: Any, run_dir: pathlib.Path) -> pathlib.Path:
+  """Saves a float base for `init_from`: the stock LM or the Pax params."""
   path = pathlib.Path(run_dir).absolute() / BASE_DIR
-  ckpt.save(path, nnx.state(model))
+  ckpt.save(path, nnx.state(base) if isinstance(base, nnx.Module) else base)
   return path
 
 
-def load_base(path: str, template: Any, seed: int) -> nnx.Module:
-  """The float stock LM saved by `save_base` at `path`."""
-  model = stock_lm.StockLm(**stock_lm.sizes(template), rngs=nnx.Rngs(seed))
-  nnx.update(model, ckpt.restore(path, nnx.state(model)))
-  return model
+def base_path(init_from: str, name: str) -> str:
+  """The checkpoint of run `name`'s base: `init_from` may be a job folder."""
+  inside = pathlib.Path(init_from) / base_run(name) / BASE_DIR
+  return str(inside) if inside.is_dir() else init_from
 
 
-def _eval(model, eval_set):
-  graphdef, state = nnx.split(model)
-  f = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x))
-  return evaluate_logits(lambda x: f(state, x), eval_set, 'bpc'), f, state
+def load_base(path: str, template: Any, seed: int, name: str = 'lora'):
+  """The float base saved by `save_base`: stock LM or Pax LM params."""
+  if is_stock(name):
+    model = stock_lm.StockLm(**stock_lm.sizes(template), rngs=nnx.Rngs(seed))
+    nnx.update(model, ckpt.restore(path, nnx.state(model)))
+    return model
+  x = jnp.zeros((1, 2), jnp.int32)
+  shapes = jax.eval_shape(models.build(template).init, jax.random.key(0), x)
+  return ckpt.restore(path, shapes['params'])
 
 
-def run(name: str, exp: Any, base: nnx.Module, run_dir, *, on_record=None):
-  """Fine-tunes `base` with the LoRA run `name`; (RunResult, serve dict)."""
-  emit = on_record or (lambda r: None)
-  train, val = family_data(exp.finetune_family)
-  b, t = exp.batch_size, exp.seq_len
-  eval_set = loader.eval_windows(val, b, t, exp.eval_batches)
-  r = exp.lora_rank
-  cfg = lora.LoraConfig(
-    rank=r, alpha=2.0 * r, base=RUNS[name], double_quant=RUNS[name] is not None
+def _config(name: str, exp: Any) -> lora.LoraConfig:
+  r, base = exp.lora_rank, RUNS[name]
+  return lora.LoraConfig(
+    rank=r, alpha=2.0 * r, base=base, double_quant=base is not None
   )
-  x0 = jnp.zeros((1, t), jnp.int32)
-  model = lora.attach(base, {'.*blocks.*': cfg}, x0, seed=exp.seed)
-  graphdef, params, rest = nnx.split(model, lora.Adapter, ...)
+
+
+def _finetune(name, exp, apply, params, rest, train, emit):
+  """Trains `params` (the adapters): (params, history, losses, times)."""
   tx = loop.optimizer(exp)
   opt = tx.init(params)
 
   def step_fn(p, rest, o, x, y):
-    def loss(p):
-      return cross_entropy(nnx.merge(graphdef, p, rest)(x), y)
-
-    value, g = jax.value_and_grad(loss)(p)
+    value, g = jax.value_and_grad(
+      lambda p: cross_entropy(apply(p, rest, x), y)
+    )(p)
     upd, o = tx.update(g, o, p)
     return optax.apply_updates(p, upd), o, value
 
   # Plain jit (the uint4 codes' layout is fixed at the first call): the
   # compile time is the first step's.
   step_c = jax.jit(step_fn)
-  frozen, _, _ = _eval(base, eval_set)
-  history, losses, window, train_s = [], [], [], 0.0
-  batches = loader.windows(train, b, t, exp.seed)
+  history, losses, window, train_s, compile_s = [], [], [], 0.0, 0.0
+  batches = loader.windows(train, exp.batch_size, exp.seq_len, exp.seed)
   tick = time.perf_counter()
-  compile_s = 0.0
   for i in range(1, exp.steps + 1):
     loop.check_stop()
     x, y = next(batches)
@@ -156,42 +179,171 @@ def run(name: str, exp: Any, base: nnx.Module, run_dir, *, on_record=None):
       history.append(rec)
       emit(rec)
       tick = time.perf_counter()
+  return params, history, losses, compile_s, train_s
+
+
+def _bpc(fn, eval_set) -> float:
+  return evaluate_logits(fn, eval_set, 'bpc')['bpc']
+
+
+def _stock(name, exp, base, train, eval_set, emit):
+  """LoRA on the stock nnx LM `base`; (trained, numbers)."""
+  x0 = jnp.zeros((1, exp.seq_len), jnp.int32)
+  model = lora.attach(
+    base, {STOCK_RULES: _config(name, exp)}, x0, seed=exp.seed
+  )
+  graphdef, params, rest = nnx.split(model, lora.Adapter, ...)
+
+  def apply(p, r, x):
+    return nnx.merge(graphdef, p, r)(x)
+
+  def served(m):  # A model served alone: its own jitted forward.
+    g, state = nnx.split(m)
+    f = jax.jit(lambda s, x: nnx.merge(g, s)(x))
+    return lambda x: f(state, x)
+
+  frozen = _bpc(served(base), eval_set)
+  params, *log = _finetune(name, exp, apply, params, rest, train, emit)
   model = nnx.merge(graphdef, params, rest)
-  final, serve_fn, state = _eval(model, eval_set)
-  emit({'run': name, 'step': exp.steps, **final})
-  forward = jax.jit(lambda p, r, x: nnx.merge(graphdef, p, r)(x))
+  cal = _calibration(train, exp)
+  merged = {
+    'rtn': lora.merge(model, x0),
+    'gptq': lora.merge(model, x0, method='gptq', batches=cal),
+  }
+  return _Tuned(
+    params,
+    rest,
+    apply,
+    served(model),
+    frozen,
+    {k: served(m) for k, m in merged.items()},
+    lora.sizes(model, x0),
+    log,
+  )
+
+
+def _pax(name, exp, template, float_params, train, eval_set, emit):
+  """LoRA on the Pax LM (`template`, float `float_params`)."""
+  x0 = jnp.zeros((1, exp.seq_len), jnp.int32)
+  lt, lv = lora.attach(
+    template,
+    {PAX_RULES: _config(name, exp)},
+    x0,
+    variables={'params': float_params},
+    seed=exp.seed,
+  )
+  module = models.build(lt)
+  params, frozen_params = lora.partition(lv['params'])
+  rest = dict(lv, params=frozen_params)
+
+  def apply(p, r, x):
+    return module.apply(dict(r, params=lora.combine(p, r['params'])), x)
+
+  def served(t, v):  # A template and variables served alone.
+    f = jax.jit(models.build(t).apply)
+    return lambda x: f(v, x)
+
+  frozen = _bpc(served(template, {'params': float_params}), eval_set)
+  params, *log = _finetune(name, exp, apply, params, rest, train, emit)
+  trained = dict(rest, params=lora.combine(params, frozen_params))
+  cal = _calibration(train, exp)
+  with warnings.catch_warnings():
+    warnings.simplefilter('ignore', UserWarning)
+    merged = {
+      'rtn': lora.merge(lt, x0, variables=trained),
+      'gptq': lora.merge(lt, x0, variables=trained, method='gptq', batches=cal),
+    }
+  return _Tuned(
+    params,
+    rest,
+    apply,
+    served(lt, trained),
+    frozen,
+    {k: served(*m) for k, m in merged.items()},
+    lora.sizes(lt, x0, variables=trained),
+    log,
+  )
+
+
+def _calibration(train: np.ndarray, exp: Any) -> list:
+  """`ptq_batches` family training inputs (GPTQ's merge calibration)."""
+  got = loader.windows(train, exp.batch_size, exp.seq_len, exp.seed + 1)
+  return [jnp.asarray(x) for x, _ in itertools.islice(got, exp.ptq_batches)]
+
+
+@dataclasses.dataclass
+class _Tuned:
+  params: Any
+  rest: Any
+  apply: Any
+  serve: Any  # x -> logits of the trained model served alone.
+  frozen_bpc: float
+  merged: dict  # method -> (x -> logits).
+  sizes: lora.Bytes
+  log: list  # history, losses, compile_s, train_s
+
+
+def run(
+  name: str, exp: Any, base: Any, run_dir, *, template=None, on_record=None
+):
+  """Fine-tunes `base` with LoRA run `name`; (RunResult, serve dict).
+
+  Args:
+    name: a key of `RUNS`.
+    exp: the Experiment.
+    base: the float stock LM (stock runs) or the Pax LM's float params.
+    run_dir: the run's folder (`lora.json` is written there).
+    template: the Pax LM's float template (Pax runs).
+    on_record: called with each metrics record.
+  """
+  emit = on_record or (lambda r: None)
+  train, val = family_data(exp.finetune_family)
+  eval_set = loader.eval_windows(
+    val, exp.batch_size, exp.seq_len, exp.eval_batches
+  )
+  if is_stock(name):
+    tuned = _stock(name, exp, base, train, eval_set, emit)
+  else:
+    tuned = _pax(name, exp, template, base, train, eval_set, emit)
+  history, losses, compile_s, train_s = tuned.log
+  forward = jax.jit(tuned.apply)
 
   def train_fn(p, x):
-    return forward(p, rest, x)
+    return forward(p, tuned.rest, x)
 
+  final = evaluate_logits(lambda x: train_fn(tuned.params, x), eval_set, 'bpc')
+  emit({'run': name, 'step': exp.steps, **final})
   same = all(
-    bool(np.array_equal(train_fn(params, x), serve_fn(state, x)))
+    bool(np.array_equal(train_fn(tuned.params, x), tuned.serve(x)))
     for x, _ in eval_set
   )
-  merged = lora.merge(model, x0)
-  merged_rec, _, _ = _eval(merged, eval_set)
-  sizes = lora.sizes(model, x0)
+  merged = {k: _bpc(f, eval_set) for k, f in tuned.merged.items()}
+  sizes = tuned.sizes
   info = {
     'family': exp.finetune_family,
+    'model': 'stock nnx LM' if is_stock(name) else 'Pax LM',
     'bpc': {
-      'frozen_base': frozen['bpc'],
+      'frozen_base': tuned.frozen_bpc,
       name: final['bpc'],
-      f'{name}_merged': merged_rec['bpc'],
+      **{f'{name}_merged_{k}': v for k, v in merged.items()},
     },
     'bytes': dataclasses.asdict(sizes) | {'ratio_to_full_ft': sizes.ratio},
+    'step_s': train_s / max(exp.steps - 1, 1),
   }
   pathlib.Path(run_dir, 'lora.json').write_text(json.dumps(info, indent=1))
+  cfg = _config(name, exp)
+  rules = STOCK_RULES if is_stock(name) else PAX_RULES
   result = loop.RunResult(
     name=name,
     config=lora.nf4() if RUNS[name] else aqtr.presets.float(),
-    injected=model,
-    report=f'{name}: {cfg} on .*blocks.* (family {exp.finetune_family})',
-    params=params,
+    injected=None,
+    report=f'{name}: {cfg} on {rules} (family {exp.finetune_family})',
+    params=tuned.params,
     step=exp.steps,
     train_loss=losses[-1],
     final=final,
     history=history,
-    steps_per_s=exp.steps / max(train_s, 1e-9),
+    steps_per_s=(exp.steps - 1) / max(train_s, 1e-9),
     compile_s=compile_s,
     train_s=train_s,
     logits_fn=train_fn,
@@ -201,8 +353,9 @@ def run(name: str, exp: Any, base: nnx.Module, run_dir, *, on_record=None):
     'serving_bytes': sizes.base + sizes.adapters + sizes.other,
     'float_bytes': sizes.full // 3,
     'serve_equal': same,
-    'merged_bpc': merged_rec['bpc'],
-    'frozen_bpc': frozen['bpc'],
+    'merged_bpc': merged['rtn'],
+    'merged_gptq_bpc': merged['gptq'],
+    'frozen_bpc': tuned.frozen_bpc,
   }
   return result, serve
 
@@ -220,24 +373,27 @@ def check_fields(exp, lora_runs: tuple[str, ...]) -> None:
     raise ValueError(
       f'init_from must be a checkpoint path or None, got {exp.init_from!r}.'
     )
-  first = exp.runs.index(names[0])
-  if exp.init_from is None and 'stock_float' not in exp.runs[:first]:
-    raise ValueError(
-      f'runs: {names[0]!r} fine-tunes a float stock LM: put '
-      "'stock_float' before it in runs, or set init_from=<a job's "
-      'stock_float/float_params>.'
-    )
+  for i, n in enumerate(exp.runs):
+    want = base_run(n) if n in lora_runs else None
+    if want and exp.init_from is None and want not in exp.runs[:i]:
+      model = 'stock LM' if is_stock(n) else 'LM'
+      raise ValueError(
+        f'runs: {n!r} fine-tunes the float {model}: put {want!r} before it '
+        f"in runs, or set init_from=<a job's folder or its "
+        f'{want}/{BASE_DIR}>.'
+      )
   if not isinstance(exp.finetune_family, str) or not exp.finetune_family:
     raise ValueError(
       'finetune_family must name a stdlib package (e.g. email), got '
       f'{exp.finetune_family!r}.'
     )
   group = lora.nf4().fwd.rhs.tiling.tile_size
-  if 'qlora_nf4' in names and exp.model is not None:
+  nf4 = [n for n in names if RUNS[n] == 'nf4']
+  if nf4 and exp.model is not None:
     d = stock_lm.sizes(exp.model)['d_model']
     if d % group:
       raise ValueError(
-        f"runs: 'qlora_nf4' stores nf4 weights in groups of {group} inputs "
+        f'runs: {nf4[0]!r} stores nf4 weights in groups of {group} inputs '
         f"but the LM's d_model is {d}; use a model with d_model a multiple "
         f'of {group} (e.g. config:default).'
       )

@@ -66,7 +66,7 @@ def make(exp: Experiment) -> Task:
 
 def _lm(exp: Experiment) -> Task:
   exclude = stdlib.EXCLUDE
-  lora_runs = ('lora', 'qlora_nf4')
+  lora_runs = ('lora', 'qlora_nf4', 'stock_lora', 'stock_qlora_nf4')
   if exp.init_from is None and any(n in lora_runs for n in exp.runs):
     exclude += (exp.finetune_family,)  # Held out for the LoRA fine-tunes.
   corpus = stdlib.load(exp.val_percent, exp.max_corpus_bytes, exclude=exclude)

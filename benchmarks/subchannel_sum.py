@@ -1,0 +1,126 @@
+"""Sub-channel dots on CPU: summing the per-tile products.
+
+A sub-channel (tiled) dot computes one partial product per tile of the
+contraction, `P [B, T, M, N]`, scales it and sums over the tiles.
+XLA:CPU reduces over that non-minor axis T element by element; the
+engine (`aqtr.core.passes.tile_sum`) adds whole slices instead. Part 1
+times the two sums alone; part 2 a whole `aqtr.einsum` forward + backward
+(`jax.grad` of the mean square) for weight configs with tiles, against
+the float dot, with the engine's sum and with `x.sum(axis=1)` patched
+back in (same process, interleaved rounds, median ms).
+
+Run: python benchmarks/subchannel_sum.py [--rounds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import time
+
+import host
+import jax
+import jax.numpy as jnp
+
+import aqtr
+from aqtr.core import passes
+from aqtr.lora.config import nf4
+from aqtr.tilings.subchannel import SubChannel
+
+M, K, N = 2048, 512, 512
+
+
+def _time(f, args, rounds: int, reps: int = 3) -> float:
+  jax.block_until_ready(f(*args))
+  got = []
+  for _ in range(rounds):
+    t = time.perf_counter()
+    for _ in range(reps):
+      out = f(*args)
+    jax.block_until_ready(out)
+    got.append((time.perf_counter() - t) / reps * 1e3)
+  return statistics.median(got)
+
+
+def _sums(rounds: int) -> list[str]:
+  lines = [
+    '| tiles T | P shape | sum(axis=1) ms | tile_sum ms | speed-up |',
+    '|---:|---|---:|---:|---:|',
+  ]
+  for t in (2, 8, 32, 128):
+    m = M if t <= 32 else M // 4
+    p = jax.random.normal(jax.random.key(t), (1, t, m, N))
+    a = _time(jax.jit(lambda p: p.sum(axis=1)), (p,), rounds)
+    b = _time(jax.jit(passes.tile_sum), (p,), rounds)
+    lines.append(
+      f'| {t} | {tuple(p.shape)} | {a:.1f} | {b:.1f} | {a / b:.1f}x |'
+    )
+  return lines
+
+
+def _tiled(cfg, tile: int):
+  """`cfg` with its weight (rhs) in sub-channel tiles of `tile` inputs."""
+  w = dataclasses.replace(
+    cfg.fwd.rhs, tiling=SubChannel(tile_size=tile, tile_count=0)
+  )
+  return dataclasses.replace(
+    cfg,
+    fwd=dataclasses.replace(cfg.fwd, rhs=w),
+    dlhs=dataclasses.replace(cfg.dlhs, rhs=w),
+  )
+
+
+def _configs():
+  return {
+    'nf4 g64 (weight only)': nf4(64),
+    'int4 g128 (weight only)': _tiled(aqtr.presets.int4_weight_only(), 128),
+    'int8 per-channel (no tiles)': aqtr.presets.int8_weight_only(),
+  }
+
+
+def _dots(rounds: int) -> list[str]:
+  x = jax.random.normal(jax.random.key(0), (M, K))
+  w = jax.random.normal(jax.random.key(1), (K, N))
+
+  def grad_of(cfg):
+    def loss(x, w):
+      return jnp.mean(aqtr.einsum('mk,kn->mn', x, w, config=cfg) ** 2)
+
+    return jax.jit(jax.grad(loss, argnums=(0, 1)))
+
+  base = _time(grad_of(None), (x, w), rounds)
+  lines = [
+    f'float dot fwd+bwd: {base:.1f} ms',
+    '',
+    '| config | engine ms | x float | with sum(axis=1) ms | x float |',
+    '|---|---:|---:|---:|---:|',
+  ]
+  fast = passes.tile_sum
+  for name, cfg in _configs().items():
+    a = _time(grad_of(cfg), (x, w), rounds)
+    passes.tile_sum = lambda p: p.sum(axis=1)
+    jax.clear_caches()  # The engine's inner jit re-traces with the patch.
+    try:
+      b = _time(grad_of(cfg), (x, w), rounds)
+    finally:
+      passes.tile_sum = fast
+      jax.clear_caches()
+    lines.append(
+      f'| {name} | {a:.1f} | {a / base:.2f} | {b:.1f} | {b / base:.2f} |'
+    )
+  return lines
+
+
+def main(argv=None) -> None:
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument('--rounds', type=int, default=5)
+  args = ap.parse_args(argv)
+  print(f'Host: {host.cpu_model()}; M, K, N = {M}, {K}, {N}\n')
+  print('\n'.join(_sums(args.rounds)))
+  print()
+  print('\n'.join(_dots(args.rounds)))
+
+
+if __name__ == '__main__':
+  main()
