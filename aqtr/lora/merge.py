@@ -155,7 +155,7 @@ def merge(
 
   Args:
     model: a LoRA model (`aqtr.lora.attach`), trained; or a LoRA Pax
-      template (`aqtr.lora.pax.merge`, which also takes `method=`).
+      template (`aqtr.lora.pax.merge`: `method`, `batches`; fresh grids).
     *args, **kwargs: sample inputs.
     variables: linen: the LoRA variables.
     adapters: other adapters to merge instead of the model's (a nested
@@ -182,12 +182,19 @@ def merge(
   if isinstance(model, fdl.Buildable):  # A Pax template.
     from aqtr.lora import pax  # noqa: PLC0415 (pax builds on this module)
 
+    if grid != 'fresh' or report:
+      raise ValueError(
+        "aqtr.lora.merge: grid='base' and report=True are for linen / nnx "
+        "models; a Pax template merges on fresh grids (grid='fresh')."
+      )
     return pax.merge(
       model,
       *args,
       variables=variables,
       adapters=adapters,
       requantize=requantize,
+      method=method,
+      batches=batches,
       **kwargs,
     )
   lspec = adapters_lib.spec(model)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fiddle as fdl
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -228,6 +229,11 @@ def test_bad_solver_arguments(kwargs, match):
   with pytest.raises(ValueError, match=match) as e:
     lora.merge(_lora('nf4'), X, **kwargs)
   assert '\n' not in str(e.value)
+
+
+def test_a_pax_template_merges_on_fresh_grids():
+  with pytest.raises(ValueError, match='a Pax template merges on fresh grids'):
+    lora.merge(fdl.Config(dict), X, variables={}, grid='base')
 
 
 def test_a_float_base_has_nothing_to_solve():
