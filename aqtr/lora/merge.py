@@ -155,9 +155,9 @@ def merge(
 
   Args:
     model: a LoRA model (`aqtr.lora.attach`), trained; or a LoRA Pax
-      template (`aqtr.lora.pax.merge`: `method`, `batches`; fresh grids).
+      template (`aqtr.lora.pax.merge`; `variables` required).
     *args, **kwargs: sample inputs.
-    variables: linen: the LoRA variables.
+    variables: linen / Pax: the LoRA variables.
     adapters: other adapters to merge instead of the model's (a nested
       dict as `aqtr.lora.partition` or `nnx.state(m, Adapter)` give).
     requantize: the merged weights' format: 'base' (each rule's
@@ -182,11 +182,6 @@ def merge(
   if isinstance(model, fdl.Buildable):  # A Pax template.
     from aqtr.lora import pax  # noqa: PLC0415 (pax builds on this module)
 
-    if grid != 'fresh' or report:
-      raise ValueError(
-        "aqtr.lora.merge: grid='base' and report=True are for linen / nnx "
-        "models; a Pax template merges on fresh grids (grid='fresh')."
-      )
     return pax.merge(
       model,
       *args,
@@ -195,6 +190,8 @@ def merge(
       requantize=requantize,
       method=method,
       batches=batches,
+      grid=grid,
+      report=report,
       **kwargs,
     )
   lspec = adapters_lib.spec(model)

@@ -56,13 +56,14 @@ from aqtr.lora import adapters as adapters_lib
 from aqtr.lora import storage
 from aqtr.lora.config import LoraConfig, base_config
 from aqtr.lora.merge import Bytes, delta, dequantized
+from aqtr.lora.requant import check_solver, requantized
 from aqtr.lora.session import A_PREFIX, B_PREFIX, Site, low_rank
 from aqtr.pax import ops, paths
-from aqtr.pax.inject import inject
 from aqtr.rules import Rule
 
 __all__ = [
   'LoraEinsum',
+  'Merged',
   'PaxSite',
   'attach',
   'float_merged',
@@ -429,6 +430,15 @@ def _pair(tree, ps: PaxSite, given: bool):
   return tuple(got)
 
 
+class Merged(NamedTuple):
+  """`float_merged`'s result."""
+
+  template: Any  # Float: plain `aqtr.pax.EinsumOp`s.
+  variables: dict  # With W_deq + A B alpha / r in the weights.
+  rules: list  # Per merged op: its base format (None: float).
+  bases: dict  # {op path: the base dequantized} (`requant.BaseGrid`).
+
+
 def float_merged(template, *args, variables, adapters=None, **kwargs):
   """The adapters folded into float weights: `W_deq + A B alpha / r`.
 
@@ -439,16 +449,16 @@ def float_merged(template, *args, variables, adapters=None, **kwargs):
       nested dict shaped like 'params', e.g. `aqtr.lora.partition`'s).
 
   Returns:
-    (float template with plain `aqtr.pax.EinsumOp`s, its variables, the
-    `Rule`s that re-quantize each merged op with its base format; float
-    bases get a rule with config None).
+    A `Merged`: the float template with plain `aqtr.pax.EinsumOp`s, its
+    variables, the `Rule`s that re-quantize each merged op with its base
+    format (float bases: config None), and the dequantized bases.
   """
   found = sites(template, *args, **kwargs)
   nodes = _nodes(template)
   dotted = _dotted(template)
   params = flax.core.unfreeze(variables['params'])
   frozen = flax.core.unfreeze(variables.get(aqtr_linen.FROZEN, {}))
-  rules = []
+  rules, bases = [], {}
   for ps in found:
     s, node = ps.site, nodes[ps.index]
     src = params if adapters is None else flax.core.unfreeze(adapters)
@@ -464,6 +474,7 @@ def float_merged(template, *args, variables, adapters=None, **kwargs):
         scale_shapes=node.scale_shapes,
       )
       w = dequantized(holder, s, base)
+      bases['/'.join(map(str, s.module_path))] = w
       _get(frozen, s.module_path[:-1]).pop(s.module_path[-1])
     else:
       w = nn.meta.unbox(_get(params, (*ps.layer, s.param)))
@@ -487,7 +498,7 @@ def float_merged(template, *args, variables, adapters=None, **kwargs):
   fv['params'] = params
   if any(jax.tree.leaves(frozen)):
     fv[aqtr_linen.FROZEN] = frozen
-  return out, fv, rules
+  return Merged(out, fv, rules, bases)
 
 
 def merge(
@@ -498,62 +509,46 @@ def merge(
   requantize='base',
   method='rtn',
   batches=None,
+  grid='fresh',
+  report=False,
   **kwargs,
 ):
   """A LoRA template's adapters merged into re-quantized weights.
 
-  `W' = Q(W_deq + A B alpha / r)`, `Q` the PTQ `method` (`aqtr.ptq`;
-  'rtn': round to nearest, as the base was frozen) on the base's grid.
-
-  Args:
-    template, variables: a LoRA template and its trained variables.
-    *args, **kwargs: sample inputs (also RTN's calibration batch).
-    adapters: other adapters (see `float_merged`).
-    requantize: 'base', or one format for every merged op (a
-      `LoraConfig.base` value; None: float).
-    method: an `aqtr.ptq` method name ('rtn', 'gptq', ...).
-    batches: calibration inputs (the fine-tuning domain's) for methods
-      that read activations; default: the sample inputs.
+  As `aqtr.lora.merge` (its arguments, the same solvers): the float merge
+  `float_merged`, then `requant.requantized` on the base formats.
 
   Returns:
-    (serving template in Mode.SERVE, variables); float formats: the float
+    (serving template in Mode.SERVE, variables), or with `report=True`
+    ((template, variables), PtqReport); float formats: the float
     template and variables.
   """
-  from aqtr import ptq  # noqa: PLC0415 (aqtr.ptq needs the solvers only here)
-
   if variables is None:
     raise TypeError('aqtr.lora.merge: a Pax template needs variables=.')
-  ft, fv, rules = float_merged(
+  m = float_merged(
     template, *args, variables=variables, adapters=adapters, **kwargs
   )
+  rules = m.rules
   if not (isinstance(requantize, str) and requantize == 'base'):
     fmt = base_config(requantize)
     rules = [dataclasses.replace(r, config=fmt) for r in rules]
   rules = [r for r in rules if r.config is not None]
+  check_solver(method, batches, grid, report, requantize, not rules)
   if not rules:
-    return ft, fv
-  if method == 'rtn' and batches is None:
-    return _round(ft, fv, rules, args, kwargs)
-  cal = [args if len(args) != 1 else args[0]] if batches is None else batches
-  served, _ = ptq.quantize(ft, rules, cal, variables=fv, method=method)
-  return served
-
-
-def _round(template, variables, rules, args, kwargs):
-  """RTN: the merged weights frozen by the model's serving conversion."""
-  injected, _ = inject(template, rules)
-  frozen = []
-  for node in selectors.select(injected, ops.EinsumOp):
-    cfg = node.__arguments__.get('config')
-    if cfg is not None:
-      node.config, node.mode = configure(cfg, rhs='weights'), Mode.CONVERT
-      frozen.append(node)
-  with warnings.catch_warnings():
-    warnings.simplefilter('ignore', UserWarning)
-    out = aqtr_linen.convert(fdl.build(injected), variables, *args, **kwargs)
-  for node in frozen:
-    node.mode = Mode.SERVE
-  return injected, flax.core.unfreeze(out)
+    served = (m.template, m.variables)
+    return (served, None) if report else served
+  served, rep = requantized(
+    m.template,
+    rules,
+    *args,
+    variables=m.variables,
+    method=method,
+    batches=batches,
+    grid=grid,
+    base_weights=m.bases,
+    **kwargs,
+  )
+  return (served, rep) if report else served
 
 
 def sizes(template, *args, variables=None, **kwargs) -> Bytes:

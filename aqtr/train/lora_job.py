@@ -19,8 +19,9 @@ block projection (LoRA, Hu et al. 2021, arXiv 2106.09685).
 
 The summary row's bpc is on the family's validation files; the run's
 `lora.json` adds the frozen base's bpc, the merged models' (adapters folded
-in and re-quantized to the base's format by round to nearest and by GPTQ
-on `ptq_batches` family batches) and the bytes of `aqtr.lora.sizes`.
+in and re-quantized to the base's format by round to nearest, and solved
+by `MERGE_SOLVER` on `ptq_batches` family batches) and the bytes of
+`aqtr.lora.sizes`.
 
 Example:
   >>> sorted(RUNS)
@@ -45,7 +46,7 @@ from flax import nnx
 
 import aqtr
 import aqtr.flax.checkpoint as ckpt
-from aqtr import lora
+from aqtr import lora, ptq
 from aqtr.data import loader, stdlib
 from aqtr.train import loop, models, stock_lm
 from aqtr.train.tasks import cross_entropy, evaluate_logits
@@ -72,6 +73,9 @@ RUNS = {
 }
 BASE_DIR = 'float_params'  # In the 'float' / 'stock_float' run's folder.
 PAX_RULES = r'layers.*'  # Every block projection of the Pax LM.
+# How the merged weights are solved (`aqtr.lora.merge`'s arguments): GPTQ
+# (arXiv 2210.17323) with act-order on each base's own grid.
+MERGE_SOLVER = {'method': ptq.Gptq(act_order=True), 'grid': 'base'}
 STOCK_RULES = r'.*blocks.*'  # ... of the stock LM.
 
 
@@ -208,7 +212,7 @@ def _stock(name, exp, base, train, eval_set, emit):
   cal = _calibration(train, exp)
   merged = {
     'rtn': lora.merge(model, x0),
-    'gptq': lora.merge(model, x0, method='gptq', batches=cal),
+    'gptq': lora.merge(model, x0, batches=cal, **MERGE_SOLVER),
   }
   return _Tuned(
     params,
@@ -251,7 +255,9 @@ def _pax(name, exp, template, float_params, train, eval_set, emit):
     warnings.simplefilter('ignore', UserWarning)
     merged = {
       'rtn': lora.merge(lt, x0, variables=trained),
-      'gptq': lora.merge(lt, x0, variables=trained, method='gptq', batches=cal),
+      'gptq': lora.merge(
+        lt, x0, variables=trained, batches=cal, **MERGE_SOLVER
+      ),
     }
   return _Tuned(
     params,

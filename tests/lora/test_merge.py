@@ -231,9 +231,9 @@ def test_bad_solver_arguments(kwargs, match):
   assert '\n' not in str(e.value)
 
 
-def test_a_pax_template_merges_on_fresh_grids():
-  with pytest.raises(ValueError, match='a Pax template merges on fresh grids'):
-    lora.merge(fdl.Config(dict), X, variables={}, grid='base')
+def test_a_pax_template_needs_its_variables():
+  with pytest.raises(TypeError, match='a Pax template needs variables='):
+    lora.merge(fdl.Config(dict), X, grid='base')
 
 
 def test_a_float_base_has_nothing_to_solve():

@@ -15,6 +15,7 @@ import pytest
 
 import aqtr
 import aqtr.pax
+import aqtr.ptq
 from aqtr import lora
 from aqtr.lora import pax as lora_pax
 from aqtr.lora.config import base_config
@@ -123,7 +124,7 @@ def test_merge_folds_the_adapters_in(lm, base):
   lt, lv = lora.attach(t, {LAYERS: cfg}, X, variables=v)
   lv = _with_b(lv)
   want = _apply(lt, lv)
-  ft, fv, _ = lora_pax.float_merged(lt, X, variables=lv)
+  ft, fv, *_ = lora_pax.float_merged(lt, X, variables=lv)
   np.testing.assert_allclose(_apply(ft, fv), want, atol=2e-5)
   mt, mv = lora.merge(lt, X, variables=lv)
   got = _apply(mt, mv)
@@ -145,19 +146,33 @@ def test_merge_with_gptq_uses_calibration_batches(lm):
   cfg = lora.LoraConfig(rank=4, base='nf4')
   lt, lv = lora.attach(t, {LAYERS: cfg}, X, variables=v)
   lv = _with_b(lv)
-  want = _apply(lt, lv)
   batches = [(jnp.arange(64).reshape(8, 8) * (i + 3)) % 64 for i in range(4)]
+  want = _apply(lt, lv, batches[0])
+
+  def err(tv):
+    return float(jnp.mean((_apply(*tv, batches[0]) - want) ** 2))
+
+  rtn = lora.merge(lt, X, variables=lv)
   with warnings.catch_warnings():
     warnings.simplefilter('ignore', UserWarning)
-    gt, gv = lora.merge(lt, X, variables=lv, method='gptq', batches=batches)
-  rt, rv = lora.merge(lt, X, variables=lv)
-
-  def err(tt, vv):
-    got = _apply(tt, vv, batches[0]) - _apply(lt, lv, batches[0])
-    return float(jnp.mean(got**2))
-
-  assert err(gt, gv) < err(rt, rv)
-  assert want.shape == _apply(gt, gv).shape
+    fresh = lora.merge(lt, X, variables=lv, method='gptq', batches=batches)
+    solved, rep = lora.merge(
+      lt,
+      X,
+      variables=lv,
+      method=aqtr.ptq.Gptq(act_order=True),
+      grid='base',
+      batches=batches,
+      report=True,
+    )
+  assert err(fresh) < err(rtn) and err(solved) < err(rtn)
+  assert len(rep.layers) == 6
+  # grid='base': the merged weights keep the base's scales.
+  (b,) = lv['aqtr']['layers_0']['ffn']['wi']['einsum'].values()
+  (m,) = solved[1]['aqtr']['layers_0']['ffn']['wi']['einsum'].values()
+  np.testing.assert_allclose(m['rhs']['scale'], b['rhs']['scale'], rtol=1e-6)
+  with pytest.raises(ValueError, match='needs batches='):
+    lora.merge(lt, X, variables=lv, method='gptq')
 
 
 def test_dropout_only_inside_its_context(lm):
