@@ -60,6 +60,7 @@ def test_the_family_is_held_out_of_pretraining():
   assert names and not any(n.startswith('email/') for n in names)
 
 
+@pytest.mark.slow  # ~20 s; the Pax run below covers the same job path.
 def test_stock_qlora_run_from_a_saved_float_base(tmp_path):
   exp, template, _ = experiment.split(
     _cfg(runs=('stock_float', 'stock_qlora_nf4'), steps=3, eval_batches=2)

@@ -105,7 +105,7 @@ def test_adapters_train_alone_and_serve_as_trained(lm):
     return optax.apply_updates(a, upd), o, value
 
   first = None
-  for _ in range(20):
+  for _ in range(12):
     adapters, opt, value = step(adapters, opt)
     first = value if first is None else first
   assert float(loss(adapters)) < 0.8 * float(first)
@@ -117,7 +117,10 @@ def test_adapters_train_alone_and_serve_as_trained(lm):
   )
 
 
-@pytest.mark.parametrize('base', [None, 'int8_weight_only', 'nf4'])
+@pytest.mark.parametrize(
+  'base',
+  [None, pytest.param('int8_weight_only', marks=pytest.mark.slow), 'nf4'],
+)
 def test_merge_folds_the_adapters_in(lm, base):
   t, v = lm
   cfg = lora.LoraConfig(rank=4, base=base, double_quant=base == 'nf4')
@@ -155,7 +158,6 @@ def test_merge_with_gptq_uses_calibration_batches(lm):
   rtn = lora.merge(lt, X, variables=lv)
   with warnings.catch_warnings():
     warnings.simplefilter('ignore', UserWarning)
-    fresh = lora.merge(lt, X, variables=lv, method='gptq', batches=batches)
     solved, rep = lora.merge(
       lt,
       X,
@@ -165,7 +167,7 @@ def test_merge_with_gptq_uses_calibration_batches(lm):
       batches=batches,
       report=True,
     )
-  assert err(fresh) < err(rtn) and err(solved) < err(rtn)
+  assert err(solved) < err(rtn)
   assert len(rep.layers) == 6
   # grid='base': the merged weights keep the base's scales.
   (b,) = lv['aqtr']['layers_0']['ffn']['wi']['einsum'].values()
