@@ -37,7 +37,7 @@ except ImportError as e:
 from aqtr.lora.adapters import Adapter, Site, attach, dropout, sites  # noqa: E402
 from aqtr.lora.config import LoraConfig, nf4  # noqa: E402
 from aqtr.lora.merge import Bytes, merge, sizes  # noqa: E402
-from aqtr.lora.pax import LoraEinsum  # noqa: E402
+from aqtr.lora.pax_op import LoraEinsum  # noqa: E402
 from aqtr.lora.training import (  # noqa: E402
   check,
   check_nnx,

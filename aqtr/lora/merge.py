@@ -155,7 +155,7 @@ def merge(
 
   Args:
     model: a LoRA model (`aqtr.lora.attach`), trained; or a LoRA Pax
-      template (`aqtr.lora.pax.merge`; `variables` required).
+      template (`variables` required; `aqtr.lora.pax_merge`).
     *args, **kwargs: sample inputs.
     variables: linen / Pax: the LoRA variables.
     adapters: other adapters to merge instead of the model's (a nested
@@ -179,21 +179,21 @@ def merge(
     nnx: the merged serving model. linen: (module, variables). With
     `report=True`: (that, PtqReport).
   """
+  solver = {'method': method, 'batches': batches, 'grid': grid}
   if isinstance(model, fdl.Buildable):  # A Pax template.
-    from aqtr.lora import pax  # noqa: PLC0415 (pax builds on this module)
+    from aqtr.lora import pax_merge  # noqa: PLC0415 (it builds on this)
 
-    return pax.merge(
-      model,
-      *args,
-      variables=variables,
-      adapters=adapters,
-      requantize=requantize,
-      method=method,
-      batches=batches,
-      grid=grid,
-      report=report,
-      **kwargs,
+    if variables is None:
+      raise TypeError('aqtr.lora.merge: a Pax template needs variables=.')
+    m = pax_merge.float_merged(
+      model, *args, variables=variables, adapters=adapters, **kwargs
     )
+    rules = _formats(m.rules, requantize)
+    check_solver(
+      method, batches, grid, report, requantize, not _quantized(rules)
+    )
+    served = (m.template, m.variables)
+    return _solved(served, rules, m.bases, report, solver, args, kwargs)
   lspec = adapters_lib.spec(model)
   floats = all(base_config(c.base) is None for c in lspec.configs)
   check_solver(method, batches, grid, report, requantize, floats)
@@ -243,33 +243,45 @@ def merge(
       parent[site.param] = w
     else:
       setattr(parent, site.param, nnx.Param(w))
-  rules = adapters_lib.base_rules_of(lspec)
-  if not (isinstance(requantize, str) and requantize == 'base'):
-    fmt = base_config(requantize)
-    rules = [dataclasses.replace(r, config=fmt) for r in rules]
+  rules = _formats(adapters_lib.base_rules_of(lspec), requantize)
   base = type(model).aqtr_base
   if linen:
     merged = model.copy()
     merged.__class__ = base
-    fvars = dict(variables, params=params)
+    served = (merged, dict(variables, params=params))
   else:
     out.__class__ = base
-    merged, fvars = out, None
-  if not any(r.config is not None for r in rules):
-    served = (merged, fvars) if linen else merged
+    served = out
+  return _solved(served, rules, bases, report, solver, args, kwargs)
+
+
+def _formats(rules: list, requantize) -> list:
+  """The merged ops' rules: their bases' formats, or `requantize`'s."""
+  if isinstance(requantize, str) and requantize == 'base':
+    return rules
+  fmt = base_config(requantize)
+  return [dataclasses.replace(r, config=fmt) for r in rules]
+
+
+def _quantized(rules: list) -> list:
+  return [r for r in rules if r.config is not None]
+
+
+def _solved(served, rules, bases, report, solver, args, kwargs):
+  """The float merged model `served` quantized by `rules` (if any)."""
+  if not _quantized(rules):
     return (served, None) if report else served
-  served, rep = requantized(
-    merged,
-    rules,
+  model, fvars = served if isinstance(served, tuple) else (served, None)
+  out, rep = requantized(
+    model,
+    _quantized(rules),
     *args,
     variables=fvars,
-    method=method,
-    batches=batches,
-    grid=grid,
     base_weights=bases,
+    **solver,
     **kwargs,
   )
-  return (served, rep) if report else served
+  return (out, rep) if report else out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -308,9 +320,9 @@ class Bytes:
 def sizes(model, *args, variables=None, **kwargs) -> Bytes:
   """Training bytes of a LoRA model vs full fine-tuning (AdamW)."""
   if isinstance(model, fdl.Buildable):  # A Pax template.
-    from aqtr.lora import pax  # noqa: PLC0415 (pax builds on this module)
+    from aqtr.lora import pax_merge  # noqa: PLC0415 (it builds on this)
 
-    return pax.sizes(model, *args, variables=variables, **kwargs)
+    return pax_merge.sizes(model, *args, variables=variables, **kwargs)
   found = adapters_lib.sites(model, *args, variables=variables, **kwargs)
   bases = {(*s.module_path, s.param) for s in found}
   ad = base = base_float = other = 0

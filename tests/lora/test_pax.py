@@ -17,7 +17,7 @@ import aqtr
 import aqtr.pax
 import aqtr.ptq
 from aqtr import lora
-from aqtr.lora import pax as lora_pax
+from aqtr.lora import pax_merge, pax_op
 from aqtr.lora.config import base_config
 from aqtr.train import models
 
@@ -127,7 +127,7 @@ def test_merge_folds_the_adapters_in(lm, base):
   lt, lv = lora.attach(t, {LAYERS: cfg}, X, variables=v)
   lv = _with_b(lv)
   want = _apply(lt, lv)
-  ft, fv, *_ = lora_pax.float_merged(lt, X, variables=lv)
+  ft, fv, *_ = pax_merge.float_merged(lt, X, variables=lv)
   np.testing.assert_allclose(_apply(ft, fv), want, atol=2e-5)
   mt, mv = lora.merge(lt, X, variables=lv)
   got = _apply(mt, mv)
@@ -224,8 +224,8 @@ def test_bad_templates_and_adapters(lm):
 
 
 def test_lora_op_is_a_pax_op():
-  assert issubclass(lora_pax.LoraEinsum, aqtr.pax.EinsumOp)
-  assert issubclass(lora_pax.LoraEinsum, nn.Module)
+  assert issubclass(pax_op.LoraEinsum, aqtr.pax.EinsumOp)
+  assert issubclass(pax_op.LoraEinsum, nn.Module)
 
 
 class Transposed(nn.Module):
