@@ -38,7 +38,7 @@ from absl import flags
 from fiddle import absl_flags as fdl_flags
 
 from aqtr import fiddlers
-from aqtr.train import experiment
+from aqtr.train import experiment, stock_lm
 
 __all__ = [
   'BASE_DIRECTIVES',
@@ -71,7 +71,7 @@ def _namespace() -> types.ModuleType:
   for name, fn in experiment.CONFIGS.items():
     setattr(names, name, fn)
   names.custom = experiment.custom
-  names.stock_rule = experiment.stock_rule
+  names.stock_rule = stock_lm.stock_rule
   names.high_precision = experiment.high_precision
   for name in fiddlers.__all__:
     setattr(names, name, getattr(fiddlers, name))

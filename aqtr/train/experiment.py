@@ -85,7 +85,6 @@ __all__ = [
   'long',
   'run_config',
   'split',
-  'stock_rule',
   'tiny',
 ]
 
@@ -93,6 +92,7 @@ TASKS = ('lm', 'digits')
 
 # The runs an experiment may name in `runs`: name -> DotGeneralConfig maker.
 # Every preset; add an entry here to offer another run by name.
+LORA_RUNS = ('lora', 'qlora_nf4', 'stock_lora', 'stock_qlora_nf4')
 RUNS: dict[str, Callable[[], aqtr.DotGeneralConfig]] = (
   {name: getattr(aqtr.presets, name) for name in aqtr.presets.__all__}
   | {
@@ -122,13 +122,12 @@ RUNS: dict[str, Callable[[], aqtr.DotGeneralConfig]] = (
     'stock_int8': aqtr.presets.int8,
     # LoRA / QLoRA fine-tunes of the float LM and of the stock float LM
     # (`aqtr.train.lora_job`; the config shown is the frozen base's).
-    'lora': aqtr.presets.float,
-    'qlora_nf4': lora_config.nf4,
-    'stock_lora': aqtr.presets.float,
-    'stock_qlora_nf4': lora_config.nf4,
+    **{
+      n: lora_config.nf4 if 'qlora' in n else aqtr.presets.float
+      for n in LORA_RUNS
+    },
   }
 )
-LORA_RUNS = ('lora', 'qlora_nf4', 'stock_lora', 'stock_qlora_nf4')
 
 
 # Numeric fields: (type, allowed range as text, range test).
@@ -459,23 +458,6 @@ def custom(
     4
   """
   cfg.custom = aqtr_fiddle.config(preset, *args, **kwargs)
-
-
-def stock_rule(cfg: fdl.Config, config: Any = 'int8', **criteria: Any) -> None:
-  """Fiddler: appends `Rule(config, **criteria)` to `stock_rules`.
-
-  The rules (first match wins) quantize the stock nnx LM of the run
-  'stock_custom' (`aqtr.train.stock_lm`); criteria are `aqtr.rules.Rule`'s
-  (path, layer, op, weight).
-
-  Example:
-    >>> cfg = tiny()
-    >>> stock_rule(cfg, 'int4_weight_only', path='.*(gate|up|down)')
-    >>> stock_rule(cfg, 'int8', weight=True)
-    >>> [r.config for r in cfg.stock_rules]
-    ['int4_weight_only', 'int8']
-  """
-  cfg.stock_rules = (*cfg.stock_rules, fdl.Config(Rule, config, **criteria))
 
 
 def split(cfg: fdl.Config) -> tuple[Experiment, Any, Any]:

@@ -34,6 +34,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import fiddle as fdl
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -55,6 +56,7 @@ __all__ = [
   'rules_of',
   'serve',
   'sizes',
+  'stock_rule',
   'train',
 ]
 
@@ -331,3 +333,21 @@ def serve(r: loop.RunResult, task: Task) -> dict[str, Any]:
     'max_abs_diff': diff,
     'checkpoint': 'in memory',
   }
+
+
+def stock_rule(cfg: fdl.Config, config: Any = 'int8', **criteria: Any) -> None:
+  """Fiddler: appends `Rule(config, **criteria)` to `stock_rules`.
+
+  The rules (first match wins) quantize the stock nnx LM of the run
+  'stock_custom' (`aqtr.train.stock_lm`); criteria are `aqtr.rules.Rule`'s
+  (path, layer, op, weight).
+
+  Example:
+    >>> from aqtr.train import experiment
+    >>> cfg = experiment.tiny()
+    >>> stock_rule(cfg, 'int4_weight_only', path='.*(gate|up|down)')
+    >>> stock_rule(cfg, 'int8', weight=True)
+    >>> [r.config for r in cfg.stock_rules]
+    ['int4_weight_only', 'int8']
+  """
+  cfg.stock_rules = (*cfg.stock_rules, fdl.Config(Rule, config, **criteria))

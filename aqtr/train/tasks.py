@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from aqtr.data import digits, loader, stdlib
-from aqtr.train.experiment import Experiment
+from aqtr.train.experiment import LORA_RUNS, Experiment
 
 __all__ = ['Task', 'cross_entropy', 'evaluate_logits', 'make']
 
@@ -66,8 +66,7 @@ def make(exp: Experiment) -> Task:
 
 def _lm(exp: Experiment) -> Task:
   exclude = stdlib.EXCLUDE
-  lora_runs = ('lora', 'qlora_nf4', 'stock_lora', 'stock_qlora_nf4')
-  if exp.init_from is None and any(n in lora_runs for n in exp.runs):
+  if exp.init_from is None and any(n in LORA_RUNS for n in exp.runs):
     exclude += (exp.finetune_family,)  # Held out for the LoRA fine-tunes.
   corpus = stdlib.load(exp.val_percent, exp.max_corpus_bytes, exclude=exclude)
   b, t = exp.batch_size, exp.seq_len
