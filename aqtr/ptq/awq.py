@@ -120,12 +120,7 @@ class Awq(methods.Method):
       or not (0.0 <= m < 1.0)
     ):
       raise ValueError(f'Awq.max_shrink must be in [0, 1), got {m!r}.')
-    fm = self.fold_map
-    if fm is not None and not isinstance(fm, fold.FoldMap):
-      raise TypeError(
-        'Awq.fold_map must be an aqtr.ptq.fold.FoldMap or None, got '
-        f'{type(fm).__name__}.'
-      )
+    fold.check_field('Awq.fold_map', self.fold_map)
 
   def rewrite(self, target, collected):
     """Scales, folds and clips the target's weights (float rewrite)."""

@@ -55,6 +55,7 @@ __all__ = [
   'along',
   'apply',
   'check',
+  'check_field',
   'check_inputs',
   'detect',
   'expand',
@@ -145,6 +146,16 @@ class FoldMap:
     names = [g.name for g in self.groups]
     if len(set(names)) != len(names):
       raise ValueError(f'FoldMap.groups: duplicate group names in {names}.')
+
+
+def check_field(field: str, fold_map: Any) -> None:
+  """One line unless `fold_map` (the method field `field`) is a FoldMap
+  or None."""
+  if fold_map is not None and not isinstance(fold_map, FoldMap):
+    raise TypeError(
+      f'{field} must be an aqtr.ptq.fold.FoldMap or None, got '
+      f'{type(fold_map).__name__}.'
+    )
 
 
 def _key(tree: Mapping, part: str) -> Any:

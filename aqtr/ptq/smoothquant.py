@@ -181,12 +181,7 @@ class SmoothQuant(methods.Method):
 
   def __post_init__(self):
     _check_alpha('SmoothQuant.alpha', self.alpha)
-    fm = self.fold_map
-    if fm is not None and not isinstance(fm, fold.FoldMap):
-      raise TypeError(
-        'SmoothQuant.fold_map must be an aqtr.ptq.fold.FoldMap or None, '
-        f'got {type(fm).__name__}.'
-      )
+    fold.check_field('SmoothQuant.fold_map', self.fold_map)
 
   def rewrite(self, target, collected):
     """Smooths the target's parameters (the float model is unchanged)."""
