@@ -8,7 +8,15 @@ parameter: op key `<kind><n>_<side>`, e.g. 'einsum0_rhs'):
   nnx    a `FrozenKernel` Variable in the layer's attribute
   linen  a `FrozenBox` in the 'params' collection at the kernel's name
 
-Both read as zeros of the kernel's shape (the stock layer still reads its
+An op whose weight is derived from a parameter (`x @ table.T`) or whose
+parameter is also read elsewhere (an embedding table looked up too) keeps
+the parameter float; its frozen entries sit in the model's op store,
+{op path (dots for slashes): {op key: entries}}:
+
+  nnx    a `FrozenOps` Variable, the model's `aqtr_frozen` attribute
+  linen  the variable 'ops' of the collection 'aqtr_frozen'
+
+Holders read as zeros of the kernel's shape (the stock layer still reads its
 kernel; the intercepted op ignores it in SERVE and XLA drops the zeros under
 jit). Because the holder sits where the kernel sat, every transform that
 moved the kernel (`nn.scan` / `nnx.scan` over stacked layers, vmap, remat,
@@ -98,6 +106,18 @@ class FrozenBox(struct.PyTreeNode, meta.AxisMetadata):
     return self.frozen
 
 
+STORE = 'aqtr_frozen'  # the op store: nnx attribute / linen collection
+
+
+class FrozenOps(nnx.Variable):
+  """nnx: the op store, {op path: {op key: entries}} (see the module doc)."""
+
+
+def store_key(where: str) -> str:
+  """The op store's key of op path `where`."""
+  return where.replace('/', '.')
+
+
 def holder_entries(value) -> dict | None:
   """The entries of a FrozenKernel / FrozenBox, else None."""
   if isinstance(value, FrozenKernel | FrozenBox):
@@ -113,4 +133,12 @@ def kernel_bytes(value) -> int:
   return z.size * jnp.dtype(z.dtype).itemsize
 
 
-__all__ = ['FrozenBox', 'FrozenKernel', 'holder_entries', 'kernel_bytes']
+__all__ = [
+  'STORE',
+  'FrozenBox',
+  'FrozenKernel',
+  'FrozenOps',
+  'holder_entries',
+  'kernel_bytes',
+  'store_key',
+]

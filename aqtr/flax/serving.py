@@ -8,6 +8,7 @@ in the parameter's place (`aqtr.flax.frozen`).
 
 Example:
   >>> import jax.numpy as jnp
+import numpy as np
   >>> from flax import nnx
   >>> from aqtr.flax.quantized import quantize
   >>> from aqtr.rules import Rule
@@ -23,23 +24,20 @@ from __future__ import annotations
 import re
 import warnings
 
-import flax
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from flax import nnx
+import numpy as np
 
 from aqtr import rules as rules_lib
-from aqtr.flax import common
-from aqtr.flax.frozen import FrozenBox, FrozenKernel, kernel_bytes
-from aqtr.flax.quantized import (
+from aqtr.flax import common, hosts
+from aqtr.flax.frozen import STORE, kernel_bytes, store_key
+from aqtr.flax.quantized import set_mode, spec_of
+from aqtr.flax.session import (
   Session,
   WeightUse,
   engine_dot,
   frozen_entry,
   observers,
-  set_mode,
-  spec_of,
   swapped,
 )
 from aqtr.freezers import Mode, lifecycle
@@ -61,16 +59,9 @@ def trace(model, fn) -> list[Session]:
 
 
 def abstract_call(model, variables, args, kwargs, method='__call__'):
-  if isinstance(model, nnx.Module):
-    graphdef, state = nnx.split(model)
-
-    def call(state):
-      return getattr(nnx.merge(graphdef, state), method)(*args, **kwargs)
-
-    return lambda: jax.eval_shape(call, state)
-  return lambda: jax.eval_shape(
-    lambda v: model.apply(v, *args, method=method, **kwargs), variables
-  )
+  """A thunk tracing one call of the model abstractly (no compute)."""
+  fn, state = hosts.call_fn(model, variables, args, kwargs, method)
+  return lambda: jax.eval_shape(fn, state)
 
 
 def report(model, *args, variables=None, strict=False, **kwargs) -> Report:
@@ -143,9 +134,9 @@ def _freeze_all(todo: dict) -> dict:
   """{where: {op key: entry}} of every weight in `todo`, in one jit."""
   fns = {
     where: {u.key: _freeze(u, w, where) for u in uses}
-    for where, (uses, w, _, _) in todo.items()
+    for where, (uses, w, _) in todo.items()
   }
-  weights = {where: w for where, (_, w, _, _) in todo.items()}
+  weights = {where: w for where, (_, w, _) in todo.items()}
 
   def run(weights):
     return {
@@ -181,24 +172,26 @@ def convert(
 ):
   """Freezes a quantized model's weights for serving (PTQ if untrained).
 
-  Records every weight op of one call (abstractly), quantizes each matched
-  parameter once with its op's config (the 'weights' freezer: what TRAIN
-  computes, so SERVE equals TRAIN bit for bit) and puts the frozen values
-  in the parameter's place (`aqtr.flax.frozen`): the float kernel is gone
-  from the serving tree. Stacked parameters (scan over layers) are frozen
-  layer by layer (`jax.vmap` over their leading axes).
+  Records every weight op of one call (abstractly) and quantizes each
+  matched weight once with its op's config (the 'weights' freezer: what
+  TRAIN computes, so SERVE equals TRAIN). A parameter read only by weight
+  operands of quantized ops is replaced by a holder of its frozen values
+  (`aqtr.flax.frozen`): the float kernel is gone from the serving tree;
+  stacked parameters (scan over layers) are frozen layer by layer
+  (`jax.vmap` over their leading axes). A weight derived from a parameter
+  (`x @ table.T`) or a parameter also read elsewhere (a tied embedding
+  looked up too) keeps the parameter; its op's frozen values go in the
+  model's op store. Inside a loop body (scan, while) such ops quantize on
+  the fly in SERVE.
 
   Args:
     model: a quantized model in Mode.TRAIN.
     *args, **kwargs: sample inputs (shapes are what matters).
     variables: linen: the trained variables (nnx: the model holds them).
-    keep: a regex over parameter paths ('/'-joined) to keep float (e.g.
-      an embedding table that is also looked up): their ops quantize on
-      the fly in SERVE.
-    check: run the served and the trained model once on the sample inputs
-      and raise unless they agree bit for bit (a frozen parameter that
-      other code reads too, e.g. a tied embedding's lookup, would read
-      zeros: keep it float with `keep`).
+    keep: a regex over parameter paths ('/'-joined) to keep float: their
+      ops quantize on the fly in SERVE.
+    check: run the served and the trained model once under `jit` on the
+      sample inputs and compare (`check_served`).
 
   Returns:
     nnx: the serving model (a new one; Mode.SERVE). linen: (serving
@@ -210,86 +203,138 @@ def convert(
       'aqtr.flax.convert: the model is already converted (Mode.SERVE); '
       'convert the trained model (Mode.TRAIN).'
     )
-  if isinstance(model, nn.Module) and variables is None:
+  if hosts.is_linen(model) and variables is None:
     raise TypeError('aqtr.flax.convert: a linen model needs variables=.')
+  rx = _keep_regex(keep)
   sessions = trace(model, abstract_call(model, variables, args, kwargs))
   merge_report(spec, sessions, strict=False)
   groups: dict[tuple, list[WeightUse]] = {}
+  float_read: set[tuple] = set()  # read by an op that stays float
   for s in sessions:
     for u in s.uses:
       groups.setdefault((*u.module_path, u.param), []).append(u)
-  rx = None if keep is None else re.compile(keep)
-  if isinstance(model, nnx.Module):
-    served = nnx.clone(model)
-    modules = dict(nnx.iter_modules(served))
-  else:
-    params = flax.core.unfreeze(variables['params'])
-  todo = {}  # where -> (uses, weight, holder's parent, name)
+    for e in s.entries:
+      w = s.weights.get(e.path)
+      if w is not None and e.config is None:
+        float_read.add(w.path)
+  todo, derived = {}, set()
   for path, uses in groups.items():
     where = '/'.join(map(str, path))
     if rx is not None and any(
-      rx.fullmatch(s) for s in rules_lib.spellings(where)
+      rx.fullmatch(x) for x in rules_lib.spellings(where)
     ):
       continue
-    if len({u.weight.shape for u in uses}) > 1:
-      continue  # read in several shapes: kept float (quantized on the fly)
-    if isinstance(model, nnx.Module):
-      parent = modules[path[:-1]]
-      w = getattr(parent, path[-1]).get_value()
+    whole = (
+      path not in float_read
+      and all(u.info.direct and not u.info.elsewhere for u in uses)
+      and len({u.weight.shape for u in uses}) == 1
+    )
+    if whole:
+      todo[where] = (uses, hosts.read_param(model, variables, path), path)
     else:
-      parent = params
-      for k in path[:-1]:
-        parent = parent[k]
-      w = nn.meta.unbox(parent[path[-1]])
-    todo[where] = (uses, w, parent, path[-1])
+      derived |= {u.where for u in uses if not u.info.in_loop}
   frozen = _freeze_all(todo)  # one compiled program for every weight
-  for where, (uses, w, parent, name) in todo.items():
+  holders = {}
+  for where, (uses, w, path) in todo.items():
     ref = jax.tree.leaves(_entry_shapes(uses[0]))[0]
     shape, dtype = tuple(uses[0].weight.shape), jnp.dtype(w.dtype)
-    if isinstance(model, nnx.Module):
-      holder = FrozenKernel(
-        frozen[where],
-        kernel_shape=shape,
-        kernel_dtype=dtype,
-        ref_ndim=ref.ndim,
-      )
-      setattr(parent, name, holder)
-    else:
-      parent[name] = FrozenBox(
-        frozen[where], shape=shape, dtype=dtype, ref_ndim=ref.ndim
-      )
-  frozen_paths = list(todo)
-  if isinstance(model, nnx.Module):
-    served = set_mode(served, Mode.SERVE, converted_=True)
-    out = None
-  else:
-    out = dict(variables, params=params)
+    holders[path] = (frozen[where], shape, dtype, ref.ndim)
+  ops = _freeze_ops(model, variables, args, kwargs, derived)
+  served, out = hosts.with_frozen(model, variables, holders, ops)
+  if hosts.is_linen(model):
     served = set_mode(model, Mode.SERVE, converted_=True)
+  else:
+    served = set_mode(served, Mode.SERVE, converted_=True)
   if check:
-    _check(model, variables, served, out, frozen_paths, args, kwargs)
+    check_served(model, variables, served, out, args, kwargs)
   return served if out is None else (served, out)
 
 
-def _run(model, variables, args, kwargs):
-  if isinstance(model, nnx.Module):
-    return nnx.jit(lambda m: m(*args, **kwargs))(model)
-  return jax.jit(lambda v: model.apply(v, *args, **kwargs))(variables)
+def _keep_regex(keep):
+  if keep is None:
+    return None
+  try:
+    return re.compile(keep)
+  except re.error as e:
+    raise ValueError(
+      f'aqtr.flax.convert: keep={keep!r} is not a valid regex ({e}); pass '
+      "a regex over '/'-joined parameter paths, e.g. keep='embed/.*'."
+    ) from None
 
 
-def _check(model, variables, served, served_vars, frozen, args, kwargs):
-  want = jax.tree.leaves(_run(model, variables, args, kwargs))
-  got = jax.tree.leaves(_run(served, served_vars, args, kwargs))
-  same = all(
-    bool(jnp.array_equal(a, b, equal_nan=True))
+class _Freezer(list):
+  """An observer: has each new Session freeze the ops in `wanted`."""
+
+  def __init__(self, wanted):
+    super().__init__()
+    self.wanted = wanted
+
+  def append(self, session) -> None:
+    session.freeze = self.wanted
+    super().append(session)
+
+
+def _freeze_ops(model, variables, args, kwargs, wanted: set) -> dict:
+  """The op store: frozen values of the ops in `wanted`, from their own
+  weight operands, in one jitted TRAIN call of the model."""
+  if not wanted:
+    return {}
+  fn, state = hosts.call_fn(model, variables, args, kwargs)
+  stack = getattr(observers, 'stack', None)
+  if stack is None:
+    stack = observers.stack = []
+
+  def run(state):
+    got = _Freezer(wanted)
+    stack.append(got)
+    try:
+      fn(state)
+    finally:
+      stack.remove(got)
+    out = {}
+    for s in got:
+      for where, entry in s.collected.items():
+        out.setdefault(store_key(where), {}).update(entry)
+    return out
+
+  return jax.jit(run)(state)
+
+
+def check_served(model, variables, served, served_vars, args, kwargs):
+  """Raises unless the served model's jitted outputs are the trained
+  model's, bit for bit, on the sample inputs."""
+  want = jax.tree.leaves(hosts.run_jit(model, variables, args, kwargs))
+  got = jax.tree.leaves(hosts.run_jit(served, served_vars, args, kwargs))
+  bad = [
+    (a, b)
     for a, b in zip(want, got, strict=True)
-  )
-  if not same:
+    if not bool(jnp.array_equal(a, b, equal_nan=True))
+  ]
+  if bad:
+    ulp = max(_ulps(a, b) for a, b in bad)
     raise ValueError(
       'aqtr.flax.convert: the served model differs from the trained one on '
-      'the sample inputs: a frozen parameter is also read outside its '
-      f'quantized ops (frozen: {", ".join(frozen)}). Keep it float with '
-      'keep=<regex>, or pass check=False.'
+      f'the sample inputs by up to {ulp} ULP under jit; pass check=False '
+      'to accept it, and report the model to aqtr.'
     )
+
+
+def _ulps(a, b) -> int:
+  """The largest distance in units in the last place between a and b."""
+  a, b = np.asarray(a), np.asarray(b)
+  if not np.issubdtype(a.dtype, np.floating) or a.dtype.itemsize not in (
+    2,
+    4,
+    8,
+  ):
+    return int(np.max(np.abs(a.astype(np.float64) - b.astype(np.float64))))
+  bits = {2: np.int16, 4: np.int32, 8: np.int64}[a.dtype.itemsize]
+  ia = a.view(bits).astype(np.int64)
+  ib = b.view(bits).astype(np.int64)
+  top = np.int64(1) << np.int64(8 * a.dtype.itemsize - 1)
+  ia = np.where(ia < 0, -top - ia, ia)  # sign-magnitude order -> a line
+  ib = np.where(ib < 0, -top - ib, ib)
+  return int(np.max(np.abs(ia - ib)))
 
 
 def _entry_shapes(use: WeightUse):
@@ -297,26 +342,29 @@ def _entry_shapes(use: WeightUse):
 
 
 def sizes(served, variables=None) -> common.Report:
-  """Bytes of a served model: float kernels removed, frozen, whole tree."""
-  if isinstance(served, nnx.Module):
-    tree = nnx.state(served)
-    holders = [
-      v
-      for _, m in nnx.iter_modules(served)
-      for v in vars(m).values()
-      if isinstance(v, FrozenKernel)
-    ]
-  else:
-    tree = variables
-    holders = [
-      x
-      for x in jax.tree.leaves(
-        variables, is_leaf=lambda x: isinstance(x, FrozenBox)
-      )
-      if isinstance(x, FrozenBox)
-    ]
+  """Bytes of a served model: float kernels removed, frozen, whole tree.
+
+  Args:
+    served: a converted model (`convert`).
+    variables: linen: the serving variables `convert` returned.
+  """
+  if hosts.is_linen(served) and variables is None:
+    raise TypeError(
+      'aqtr.flax.sizes: a linen model needs variables= (the serving '
+      'variables aqtr.flax.convert returned).'
+    )
+  holders = hosts.frozen_holders(served, variables)
   removed = sum(kernel_bytes(h) for h in holders)
   frozen = sum(common.nbytes(h.entries()) for h in holders)
+  tree = hosts.state_of(served, variables)
+  store = (
+    variables.get(STORE, {})
+    if hosts.is_linen(served)
+    else getattr(served, STORE, None)
+  )
+  if store is not None and not isinstance(store, dict):
+    store = store.get_value()
+  frozen += common.nbytes(store or {})
   return common.Report(removed, frozen, common.nbytes(tree))
 
 

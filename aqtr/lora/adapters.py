@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from aqtr.flax import serving
+from aqtr.flax import hosts, serving
 from aqtr.flax.frozen import FrozenBox, FrozenKernel
 from aqtr.flax.quantized import intercepting, quantize, spec_of
 from aqtr.lora import storage
@@ -147,7 +147,9 @@ def _intercepting(method):
   """`method` with a LoraSession active for its duration."""
   return intercepting(
     method,
-    lambda cls: LoraSession(cls.aqtr_spec, cls.aqtr_lora),
+    lambda m, weights: LoraSession(
+      type(m).aqtr_spec, type(m).aqtr_lora, weights, hosts.stored_ops(m)
+    ),
     'aqtr.lora',
     'Attach adapters before jitting the model.',
   )

@@ -35,13 +35,8 @@ from flax import nnx
 from aqtr.core.dot_general import dot_general as aqtr_dot_general
 from aqtr.flax import intercept
 from aqtr.flax.frozen import FrozenBox, FrozenKernel
-from aqtr.flax.quantized import (
-  OpSite,
-  Session,
-  own_params,
-  path_of,
-  swapped,
-)
+from aqtr.flax.hosts import own_params, path_of
+from aqtr.flax.session import OpSite, Session, swapped
 from aqtr.lora.config import LoraConfig, adapter_config
 from aqtr.rules import Rule
 
@@ -134,8 +129,8 @@ def raw_entries(holder) -> dict:
 class LoraSession(Session):
   """One call of a LoRA model: the base op, plus its adapter."""
 
-  def __init__(self, spec_, lspec: LoraSpec):
-    super().__init__(spec_)
+  def __init__(self, spec_, lspec: LoraSpec, weights=None, stored=None):
+    super().__init__(spec_, weights, stored=stored)
     self.lspec = lspec
     self.sites: list[Site] = []
     self.activation_hits: set[int] = set()

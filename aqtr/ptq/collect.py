@@ -49,7 +49,8 @@ import aqtr.pax
 from aqtr import fiddle as aqtr_fiddle
 from aqtr.core.config import DotGeneralConfig
 from aqtr.flax import common, intercept
-from aqtr.flax.quantized import WeightUse, observers, spec_of, swapped
+from aqtr.flax.quantized import spec_of
+from aqtr.flax.session import WeightUse, observers, swapped
 from aqtr.ptq.stats import LayerStats, merge
 
 _local = threading.local()

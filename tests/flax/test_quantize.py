@@ -202,16 +202,24 @@ class _Tied(nnx.Module):
     return self.embed.attend(h)
 
 
-def test_frozen_parameter_read_elsewhere_needs_keep():
+def test_parameter_read_elsewhere_stays_and_its_ops_are_stored():
   q = af.quantize(_Tied(nnx.Rngs(0)), [Rule('int8')])
   assert [e.weight for e in af.report(q, IDS).ops] == ['rhs', 'rhs']
-  # `attend` reads embedding.T: quantized on the fly, the table stays. `w`
-  # is also averaged outside its dot: freezing it changes the output.
-  with pytest.raises(ValueError, match=r'read outside .* \(frozen: w\)'):
-    af.convert(q, IDS)
-  served = af.convert(q, IDS, keep='w')
+  # `attend` reads embedding.T (derived) and the table is also looked up;
+  # `w` is also averaged outside its dot: both stay float, their ops'
+  # frozen values go in the op store, and serve == train under jit.
+  served = af.convert(q, IDS)
   assert isinstance(served.embed.embedding, nnx.Param)
+  assert isinstance(served.w, nnx.Param)
+  assert set(served.aqtr_frozen.get_value()) == {
+    'dot_general0',
+    'embed.dot_general0',
+  }
   _same(_nnx_call(served, IDS), _nnx_call(q, IDS))
+  # keep= still keeps a parameter's ops on the fly (nothing stored).
+  kept = af.convert(q, IDS, keep='w')
+  assert set(kept.aqtr_frozen.get_value()) == {'embed.dot_general0'}
+  _same(_nnx_call(kept, IDS), _nnx_call(q, IDS))
 
 
 def test_llama_on_a_2x4_mesh(llama):

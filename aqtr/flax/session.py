@@ -1,0 +1,355 @@
+"""One call of a model quantized by rules: each intercepted op decided.
+
+A `Session` is the interception handler (`aqtr.flax.intercept`) of one
+call of a model made by `aqtr.flax.quantize`. For each op it finds the
+running module and the op's path (`'<module path>/<kind><n>'`), which
+rule matches, which operand is the weight (`Weight`, decided on the jaxpr
+by `aqtr.flax.analysis`, never from tracers), and runs it through the
+engine in the model's mode (`engine_dot`). `WeightUse`s record what
+`convert` and the PTQ calibration pass need.
+
+Example:
+  >>> swapped(lambda l, r, dn, p, e: l)  # doctest: +ELLIPSIS
+  <function swapped.<locals>.run at ...>
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from aqtr.core.config import DotGeneralConfig
+from aqtr.core.ragged_dot import ragged_dot
+from aqtr.flax import common, hosts, intercept
+from aqtr.flax.frozen import holder_entries, store_key
+from aqtr.freezers import Mode, configure, lifecycle
+from aqtr.rules import OpEntry, Rule
+
+_HOW = 'Run aqtr.flax.convert(model, ...) on the trained model first.'
+
+
+def engine_dot(call: lifecycle.DotCall, mode, frozen, where: str):
+  """THE call into aqtr's freezers: one dot in `mode`, (out, frozen).
+
+  Errors about an operand get the op's name (`where`) here, at the
+  boundary.
+  """
+  try:
+    r = lifecycle.run(call, mode, frozen=frozen)
+  except lifecycle.FreezerError as e:
+    raise lifecycle.in_op(e, where) from None
+  return r.out, r.frozen
+
+
+def _weight_config(config: DotGeneralConfig) -> DotGeneralConfig:
+  """The op's config when its rhs is a weight: frozen by 'weights'."""
+  if not config.fwd.rhs.quantized:
+    return config
+  return configure(config, rhs='weights')
+
+
+def _served(entries: dict, config, where: str) -> dict:
+  """SERVE: the op's frozen entry for `config` (a clear error otherwise)."""
+  return lifecycle.find_frozen(
+    entries, config, where, 'the frozen kernel', _HOW
+  )
+
+
+def frozen_entry(config, frozen) -> dict:
+  """CONVERT: the holder's entry of one op."""
+  return {lifecycle.entry_name(config): frozen}
+
+
+@dataclasses.dataclass
+class OpSite:
+  """What a rule sees of one intercepted op (`aqtr.rules.Rule.matches`)."""
+
+  path: str
+  prefixes: tuple[str, ...]
+  layers: tuple[type, ...]
+  op_cls: type
+  kind: str
+  weight: bool | None
+  tags: frozenset = frozenset()
+
+
+@dataclasses.dataclass
+class WeightUse:
+  """A weight operand met while recording: what convert must freeze."""
+
+  module_path: tuple
+  param: str
+  key: str
+  call: intercept.OpCall
+  side: str
+  config: DotGeneralConfig
+  weight: jax.ShapeDtypeStruct
+  other: jax.ShapeDtypeStruct
+  where: str = ''
+  info: Any = None
+
+
+def swapped(dot):
+  """`dot` with its operands swapped (the weight moved to the rhs)."""
+
+  def run(lhs, rhs, dn, precision, preferred):
+    (lc, rc), (lb, rb) = dn
+    out = dot(rhs, lhs, ((rc, lc), (rb, lb)), precision, preferred)
+    nb, nr = len(lb), jnp.ndim(rhs) - len(rc) - len(rb)
+    nl = jnp.ndim(lhs) - len(lc) - len(lb)
+    perm = (
+      *range(nb),
+      *range(nb + nr, nb + nr + nl),
+      *range(nb, nb + nr),
+    )
+    return out.transpose(perm)
+
+  return run
+
+
+@dataclasses.dataclass(frozen=True)
+class Weight:
+  """Which operand of an op is a weight, and from which parameter.
+
+  Attributes:
+    side: 'lhs' or 'rhs'.
+    path: the parameter's path (module path, then its name); for a weight
+      computed from several parameters, the first.
+    direct: the operand is the parameter itself (one layer's slice of it
+      in a scan over layers), not derived from it (a transpose, ...).
+    in_loop: the op runs inside a loop body (scan / while / cond).
+    elsewhere: the parameter is also read outside weight operands.
+  """
+
+  side: str
+  path: tuple
+  direct: bool
+  in_loop: bool
+  elsewhere: bool
+
+
+class Session:
+  """One call of a quantized model: decides and runs each intercepted op.
+
+  Args:
+    spec: the model's rules, configs and mode.
+    weights: op path -> its `Weight` (from `analyze`); ops absent have no
+      weight operand.
+    prefix: the path of the model called, put before the paths of its
+      ops (the analysis trace runs an unbound copy of a linen module).
+    observed: offered to the observers (`aqtr.ptq`'s calibration pass).
+    stored: the model's op store (`aqtr.flax.frozen`).
+  """
+
+  def __init__(
+    self,
+    spec: Spec | None,
+    weights=None,
+    prefix: tuple = (),
+    observed=True,
+    stored=None,
+  ):
+    self.spec = spec
+    self.weights = {} if weights is None else weights
+    self.stored = {} if stored is None else stored
+    self.prefix = prefix
+    # Set by `convert`: op paths whose weight is frozen from the operand
+    # itself (derived weights, parameters read elsewhere) into `collected`.
+    self.freeze: set | None = None
+    self.collected: dict = {}
+    self.entries: list[OpEntry] = []
+    self.uses: list[WeightUse] = []
+    self.matched: list[tuple[int, ...]] = []
+    self.count: dict[Any, collections.Counter] = {}
+    self.alive: list[Any] = []
+    # Set by an observer (`aqtr.ptq`'s calibration pass): called with each
+    # WeightUse in TRAIN instead of the quantized dot; returns its output.
+    self.tap = None
+    for observer in getattr(observers, 'stack', ()) if observed else ():
+      observer.append(self)
+
+  def _op_id(self, module, kind: str) -> str:
+    owner = module.scope if isinstance(module, nn.Module) else module
+    self.alive.append(owner)
+    counter = self.count.setdefault(id(owner), collections.Counter())
+    n = counter[kind]
+    counter[kind] += 1
+    return f'{kind}{n}'
+
+  def locate(self, op, stack):
+    """(module, module path, op id, op path) of `op` run by `stack[0]`."""
+    module = stack[0] if stack else None
+    mpath = self.prefix + hosts.path_in_stack(stack)
+    text = '/'.join(map(str, mpath))
+    op_id = self._op_id(module, op.kind)
+    return module, mpath, op_id, f'{text}/{op_id}' if text else op_id
+
+  def __call__(self, op: intercept.OpCall):
+    stack = intercept.modules()
+    module, mpath, op_id, where = self.locate(op, stack)
+    text = '/'.join(map(str, mpath))
+    params = hosts.own_params(module) if module is not None else {}
+    side, weight, frozen = self._weight(op, op_id, where, params)
+    site = OpSite(
+      text,
+      tuple('/'.join(map(str, mpath[:i])) for i in range(1, len(mpath))),
+      tuple(type(m) for m in stack),
+      type(module),
+      op.kind,
+      side is not None,
+    )
+    matched = tuple(
+      i for i, rule in enumerate(self.spec.rules) if rule.matches(site)
+    )
+    chosen = matched[0] if matched else None
+    config = None if chosen is None else self.spec.configs[chosen]
+    self.matched.append(matched)
+    quantize = not common.is_float(config) and op.why == ''
+    name = op.name if op.why == '' else f'{op.name} ({op.why}: float)'
+    self.entries.append(
+      OpEntry(
+        where,
+        name,
+        config if quantize else None,
+        chosen,
+        op.kind,
+        side,
+        op.shapes(),
+      )
+    )
+    if not quantize:
+      return op.float()
+    label = f'{where} ({op.name} of shapes {op.shapes()})'
+    if getattr(config, 'needs_key', False):
+      raise ValueError(
+        f'{label}: the config rounds stochastically and interception passes '
+        'no PRNG key; use a round-to-nearest config for this rule.'
+      )
+    try:
+      origin = (op_id, where, weight)
+      return self._run(op, config, side, frozen, origin, label)
+    except (ValueError, TypeError) as e:
+      if str(e).startswith(where):
+        raise
+      raise type(e)(f'{label}: {e}') from e
+
+  def _weight(self, op, op_id, where, params):
+    """(weight side, its `Weight` or None, frozen entries) of the op."""
+    for value in params.values():
+      entries = holder_entries(value) or {}
+      for side in ('lhs', 'rhs'):
+        if f'{op_id}_{side}' in entries:
+          return side, None, entries[f'{op_id}_{side}']
+    w = self.weights.get(where)
+    entries = self.stored.get(store_key(where)) or {}
+    for side in ('lhs', 'rhs'):
+      if f'{op_id}_{side}' in entries:
+        return side, w, entries[f'{op_id}_{side}']
+    if w is None or (op.kind in ('conv', 'ragged_dot') and w.side != 'rhs'):
+      return None, None, None
+    return w.side, w, None
+
+  def _run(self, op, config, side, frozen, origin, label):
+    """The op in the session's mode; `origin`: (op id, op path, Weight)."""
+    op_id, where, weight = origin
+    param = None if weight is None else '/'.join(map(str, weight.path))
+    mode = self.spec.mode
+    if op.kind == 'ragged_dot':
+      return _ragged(op, config)
+    if side is not None:
+      config = _weight_config(config)
+    collect = self.freeze is not None and where in self.freeze
+    if collect and side is not None and config.fwd.rhs.quantized:
+      mode = Mode.CONVERT
+    elif mode is Mode.SERVE and frozen is not None:
+      frozen = _served(frozen, config, label)
+    elif mode is Mode.SERVE and side is not None and config.fwd.rhs.quantized:
+      if self.spec.converted:
+        mode = Mode.TRAIN  # kept float by convert(keep=...): on the fly
+      else:
+        raise ValueError(
+          f'{label}: mode SERVE reads frozen weights but the model holds '
+          f'float parameter {param!r}. {_HOW}'
+        )
+    elif frozen is not None:
+      raise ValueError(
+        f'{label}: parameter {param!r} holds frozen serving values; mode '
+        f'{mode.name} needs the float parameter. Train the quantized float '
+        'model (aqtr.flax.quantize), serve the converted one.'
+      )
+    else:
+      mode = Mode.TRAIN
+
+    def dot(lhs, rhs, dn, precision, preferred):
+      call = lifecycle.DotCall(lhs, rhs, dn, config, None, precision, preferred)
+      out, fr = engine_dot(call, mode, frozen, label)
+      if mode is Mode.CONVERT:
+        self.collected[where] = {f'{op_id}_{side}': frozen_entry(config, fr)}
+      return out
+
+    run = swapped(dot) if side == 'lhs' else dot
+    if weight is not None and mode is Mode.TRAIN and config.fwd.rhs.quantized:
+      w = getattr(op, side)
+      other = op.rhs if side == 'lhs' else op.lhs
+      use = WeightUse(
+        weight.path[:-1],
+        weight.path[-1],
+        f'{op_id}_{side}',
+        op,
+        side,
+        config,
+        jax.ShapeDtypeStruct(jnp.shape(w), jnp.result_type(w)),
+        jax.ShapeDtypeStruct(jnp.shape(other), jnp.result_type(other)),
+        where,
+        weight,
+      )
+      self.uses.append(use)
+      if self.tap is not None and weight.direct:
+        return self.tap(use)
+    return op.run(run, op.lhs, op.rhs)
+
+
+def _ragged(op, config):
+  a = op.extra
+  return ragged_dot(
+    a['lhs'],
+    a['rhs'],
+    a['group_sizes'],
+    config,
+    precision=a['precision'],
+    preferred_element_type=a['preferred_element_type'],
+    out_sharding=a['out_sharding'],
+  )
+
+
+observers = threading.local()
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+  """What a quantized model class carries: rules, built configs, mode."""
+
+  rules: tuple[Rule, ...]
+  configs: tuple[Any, ...]
+  mode: Mode
+  methods: tuple[str, ...] = ('__call__',)
+  converted: bool = False
+
+
+__all__ = [
+  'OpSite',
+  'Session',
+  'Spec',
+  'Weight',
+  'WeightUse',
+  'engine_dot',
+  'frozen_entry',
+  'observers',
+  'swapped',
+]
