@@ -205,9 +205,10 @@ def config_for(w: Stored):
     cal = MinMax(po2_scale=False)
   tiling = PerChannel() if w.channelwise else SubChannel(tile_size=w.group)
   base = presets.int8_weight_only()
-  rhs = dataclasses.replace(base.fwd.rhs, numerics=numerics, tiling=tiling)
+  fields = {'numerics': numerics, 'tiling': tiling}
   if cal is not None:
-    rhs = dataclasses.replace(rhs, calibration=cal)
+    fields['calibration'] = cal
+  rhs = dataclasses.replace(base.fwd.rhs, **fields)
   return dataclasses.replace(
     base,
     fwd=dataclasses.replace(base.fwd, rhs=rhs),
