@@ -1,7 +1,6 @@
 """aqtr.checkpoints without the reference packages: round trips, bad input."""
 
 import json
-import os
 
 import flax.linen as nn
 import jax
