@@ -249,3 +249,14 @@ def test_bad_gptq_and_stored():
     )
   with pytest.raises(ck.CheckpointError, match='argument format'):
     ck.layout('exl2')
+
+
+@pytest.mark.slow
+def test_docs_page_runs():
+  import pathlib
+  import re
+
+  text = (pathlib.Path(__file__).parents[2] / 'docs/checkpoints.md').read_text()
+  ns = {'__name__': 'docs_checkpoints'}
+  for i, block in enumerate(re.findall(r'```python\n(.*?)```', text, re.S)):
+    exec(compile(block, f'docs/checkpoints.md block {i}', 'exec'), ns)
