@@ -57,7 +57,7 @@ def served_by(name):
   'name,fmt',
   [
     ('int4_channel_sym', 'compressed-tensors'),
-    ('int8_channel', 'compressed-tensors'),
+    pytest.param('int8_channel', 'compressed-tensors', marks=pytest.mark.slow),
     ('int4_g16_asym', 'gptq'),
     ('int4_g16_asym', 'awq'),
   ],

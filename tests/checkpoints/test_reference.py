@@ -101,7 +101,7 @@ def _cfg(bits, sym, group):
 SLOW = pytest.mark.slow
 CASES = [  # bits, symmetric, group (0: per channel)
   (4, False, 16),
-  (8, True, 0),
+  pytest.param(8, True, 0, marks=SLOW),
   pytest.param(4, True, 16, marks=SLOW),
   pytest.param(4, True, 0, marks=SLOW),
   pytest.param(4, False, 0, marks=SLOW),
