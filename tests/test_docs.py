@@ -13,6 +13,7 @@ import aqtr
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # Modules of optional extras: {package prefix: the module the extra adds}.
 _OPTIONAL = {
+  'aqtr.checkpoints': 'flax',
   'aqtr.flax': 'flax',
   'aqtr.gin': 'gin',
   'aqtr.lora': 'flax',

@@ -45,6 +45,7 @@ LAYERS = {
   'qt': 5,
   'ptq': 5,
   'lora': 5,
+  'checkpoints': 5,
   'train': 6,
   'data': 6,
   'demo': 6,

@@ -1,0 +1,179 @@
+"""`export` a served model to a checkpoint folder, `load` one back.
+
+A checkpoint folder holds `model.safetensors` (or several `*.safetensors`
+shards) and `config.json`, a Hugging Face style config whose
+`quantization_config` names the layout (`aqtr.checkpoints.layouts`).
+
+Example:
+  >>> import jax.numpy as jnp, tempfile, aqtr
+  >>> from flax import nnx
+  >>> from aqtr.flax import convert, quantize
+  >>> q = quantize(nnx.Linear(32, 8, rngs=nnx.Rngs(0)),
+  ...              [aqtr.rules.Rule(aqtr.presets.int4_weight_only())])
+  >>> x = jnp.ones((2, 32))
+  >>> served = convert(q, x)
+  >>> d = tempfile.mkdtemp()
+  >>> export(served, d, format='gptq')['quantized']
+  1
+  >>> model = nnx.eval_shape(lambda: nnx.Linear(32, 8, rngs=nnx.Rngs(0)))
+  >>> back = load(model, d, x)  # no float kernel is made
+  >>> bool((back(x) == served(x)).all())
+  True
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+
+import numpy as np
+from flax import nnx
+
+from aqtr.checkpoints import files, naming, tree
+from aqtr.checkpoints.layouts import detect, layout
+from aqtr.checkpoints.stored import CheckpointError
+
+__all__ = ['export', 'load', 'read']
+
+
+def export(
+  served,
+  folder: str,
+  *,
+  format: str = 'compressed-tensors',  # noqa: A002 (the HF word)
+  variables=None,
+  names='hf',
+  config: dict | None = None,
+  bits: int | None = None,
+  **layout_fields,
+) -> dict:
+  """Writes a served model's weights as a quantized safetensors checkpoint.
+
+  Args:
+    served: a converted model (`aqtr.flax.convert`, `aqtr.ptq.quantize`,
+      `aqtr.lora.merge`): an nnx module, or a linen module with
+      `variables` (its serving variables).
+    folder: the output folder (created).
+    format: a layout name ('compressed-tensors', 'gptq', 'awq') or a
+      `Layout` instance (e.g. `Gptq(scale_dtype='float16')`).
+    variables: linen: the serving variables.
+    names: 'hf' (the Hugging Face map), a dict {Flax path: tensor name}
+      or a callable (`aqtr.checkpoints.naming`).
+    config: extra config.json fields (e.g. the model's HF config).
+    bits: the bits of every weight (None: the fewest holding its codes).
+    **layout_fields: the layout's fields (scale_dtype=...).
+
+  Returns:
+    {'quantized': n, 'float': n, 'bytes': file bytes, 'path': file}.
+  """
+  lay = layout(format, **layout_fields)
+  fn = naming.mapper(names)
+  frozen, floats = tree.read_frozen(served, variables, bits)
+  weights, tensors = {}, {}
+  for path, w in frozen.items():
+    name = naming.module_name(naming.name_of(fn, path))
+    weights[name] = w
+  for path, a in floats.items():
+    a = np.asarray(a)
+    if naming.transposed(path, a.ndim):
+      a = a.T
+    tensors[naming.name_of(fn, path)] = np.ascontiguousarray(a)
+  qt, qc = lay.encode(weights)
+  clash = sorted(set(qt) & set(tensors))
+  if clash:
+    raise CheckpointError(f'{clash[0]}: named twice by the name map.')
+  tensors.update(qt)
+  os.makedirs(folder, exist_ok=True)
+  path = os.path.join(folder, files.WEIGHTS)
+  files.write(path, tensors)
+  files.write_config(folder, dict(config or {}, quantization_config=qc))
+  return {
+    'quantized': len(weights),
+    'float': len(floats),
+    'bytes': os.path.getsize(path),
+    'path': path,
+  }
+
+
+def read(folder: str) -> tuple[dict, dict, dict]:
+  """(quantized {module: Stored}, other tensors {name: array}, config)."""
+  config = files.read_config(folder)
+  lay = detect(config)
+  paths = sorted(glob.glob(os.path.join(folder, '*.safetensors')))
+  if not paths:
+    raise CheckpointError(f'{folder}: no *.safetensors file.')
+  tensors = {}
+  for p in paths:
+    tensors.update(files.read(p))
+  weights, rest = lay.decode(tensors, config['quantization_config'])
+  return weights, rest, config
+
+
+def load(model, folder: str, *args, variables=None, names='hf', **kwargs):
+  """A quantized checkpoint as aqtr frozen weights in a Flax model.
+
+  Each quantized kernel of the checkpoint is put, as stored codes and
+  scales, in the place of the model's kernel (served by aqtr's int4 / int8
+  weight ops; no float copy of it is made); every other parameter is read
+  from the checkpoint's float tensors. Give the model abstractly
+  (`nnx.eval_shape(lambda: Model(...))`, linen: `variables=
+  jax.eval_shape(model.init, ...)`) and no float weight exists at all.
+
+  Args:
+    model: a float (unquantized) nnx Module or linen Module.
+    folder: a checkpoint folder (config.json + *.safetensors).
+    *args, **kwargs: sample inputs of one call (shapes matter).
+    variables: linen: the model's (abstract) variables.
+    names: 'hf', a dict {Flax path: tensor name} or a callable.
+
+  Returns:
+    nnx: the serving model (Mode.SERVE). linen: (module, variables).
+
+  Raises:
+    CheckpointError: one line naming the tensor and the field for a
+      config that disagrees with the tensors, an unknown format, a
+      missing tensor or a name map that leaves a tensor or parameter
+      unmapped.
+  """
+  stored, rest, _ = read(folder)
+  fn = naming.mapper(names)
+  weights, floats, used = {}, {}, set()
+  for path, like in _params(model, variables):
+    name = naming.name_of(fn, path)
+    mod = naming.module_name(name)
+    if str(path[-1]) == 'kernel' and mod in stored:
+      weights[path] = stored[mod]
+      used.add(mod)
+      continue
+    if name not in rest:
+      raise CheckpointError(
+        f'{name}: missing tensor (for parameter {tree.path_text(path)}).'
+      )
+    a = rest[name]
+    if naming.transposed(path, len(like.shape)):
+      a = a.T
+    floats[path] = a
+    used.add(name)
+  left = sorted(set(stored) - used) + sorted(set(rest) - used)
+  if left:
+    raise CheckpointError(
+      f'{left[0]}: no model parameter maps to this tensor (argument names).'
+    )
+  return tree.build(model, weights, floats, args, kwargs, variables)
+
+
+def _params(model, variables):
+  """(path, shape-like) of every parameter of a float model."""
+  if isinstance(model, nnx.Module):
+    for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+      yield tuple(path), v.get_value()
+    return
+  import flax  # noqa: PLC0415
+
+  if variables is None:
+    raise TypeError('aqtr.checkpoints.load: a linen model needs variables=.')
+  flat = flax.traverse_util.flatten_dict(
+    flax.core.unfreeze(variables['params'])
+  )
+  for path, v in flat.items():
+    yield path, flax.linen.meta.unbox(v)

@@ -1,0 +1,163 @@
+"""One stored quantized linear weight, the unit every layout codec reads.
+
+A `Stored` is the layout-free form of a frozen weight matrix in the Flax
+kernel orientation [d_in, d_out]: signed integer codes `q`, one scale per
+group of `group` consecutive input rows and output column, and (affine
+numerics) an integer zero point per scale:
+
+  w[i, o] = (q[i, o] - zero[i // group, o]) * scale[i // group, o]
+
+computed in float32 (what aqtr's `QTensor.dequant` computes). Codes and
+zero points are signed, in [-2^(b-1), 2^(b-1) - 1] (the compressed-tensors
+convention); layouts with unsigned codes add 2^(b-1) on the way out.
+
+The bit packers here are the ones the layouts share: `pack` lays values of
+`bits` bits densely into little-endian int32 words along one axis (value
+j of a row at bit j * bits of the row's bit stream; a value may straddle
+two words), `unpack` inverts it.
+
+Example:
+  >>> import numpy as np
+  >>> s = Stored(q=np.array([[1, -2], [3, 4]], np.int8),
+  ...            scale=np.array([[0.5, 0.25]], np.float32), bits=4, group=2)
+  >>> s.dequant().tolist()
+  [[0.5, -0.5], [1.5, 1.0]]
+  >>> unpack(pack(np.arange(8, dtype=np.uint8), 4), 4, 8).tolist()
+  [0, 1, 2, 3, 4, 5, 6, 7]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+__all__ = ['CheckpointError', 'Stored', 'pack', 'unpack']
+
+
+class CheckpointError(ValueError):
+  """A checkpoint (or an export request) that cannot be read or written."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+class Stored:
+  """One quantized weight matrix [d_in, d_out] (see the module docstring).
+
+  Attributes:
+    q: int8 [d_in, d_out] signed codes.
+    scale: float [groups, d_out] (float32, float16 or bfloat16).
+    zero: int8 [groups, d_out] signed zero points, or None (symmetric).
+    bits: 1..8.
+    group: input rows per scale group (d_in: one group per channel).
+  """
+
+  q: np.ndarray
+  scale: np.ndarray
+  zero: np.ndarray | None = None
+  bits: int = 4
+  group: int = 0
+
+  def __post_init__(self):
+    self.check('weight')
+
+  @property
+  def d_in(self) -> int:
+    return int(self.q.shape[0])
+
+  @property
+  def d_out(self) -> int:
+    return int(self.q.shape[1])
+
+  @property
+  def groups(self) -> int:
+    return self.d_in // self.group
+
+  @property
+  def symmetric(self) -> bool:
+    return self.zero is None
+
+  @property
+  def channelwise(self) -> bool:
+    return self.group == self.d_in
+
+  def check(self, name: str) -> None:
+    """Raises CheckpointError (one line naming `name` and the field)."""
+    b = self.bits
+    if isinstance(b, bool) or not isinstance(b, int) or not 1 <= b <= 8:
+      raise CheckpointError(f'{name}: bits must be in 1..8, got {b!r}.')
+    if self.q.ndim != 2:
+      raise CheckpointError(
+        f'{name}: codes must be [d_in, d_out], got shape {self.q.shape}.'
+      )
+    g = self.group
+    if not isinstance(g, int) or g <= 0 or self.d_in % g:
+      raise CheckpointError(
+        f'{name}: group size {g!r} must divide d_in={self.d_in}.'
+      )
+    want = (self.groups, self.d_out)
+    if tuple(self.scale.shape) != want:
+      raise CheckpointError(
+        f'{name}: scale has shape {tuple(self.scale.shape)}, but bits / '
+        f'group size give {want} (group={g}, d_in={self.d_in}).'
+      )
+    if self.zero is not None and tuple(self.zero.shape) != want:
+      raise CheckpointError(
+        f'{name}: zero point has shape {tuple(self.zero.shape)}, expected '
+        f'{want} (group={g}).'
+      )
+    lo, hi = -(2 ** (b - 1)), 2 ** (b - 1) - 1
+    for what, a in (('codes', self.q), ('zero points', self.zero)):
+      if a is None or not a.size:
+        continue
+      if int(a.min()) < lo or int(a.max()) > hi:
+        raise CheckpointError(
+          f'{name}: {what} span [{int(a.min())}, {int(a.max())}], outside '
+          f'the signed {b}-bit range [{lo}, {hi}] (field bits={b}).'
+        )
+
+  def dequant(self) -> np.ndarray:
+    """The float32 weight [d_in, d_out] the codes serve."""
+    v = self.q.astype(np.float32)
+    s = np.repeat(self.scale.astype(np.float32), self.group, axis=0)
+    if self.zero is not None:
+      v = v - np.repeat(self.zero.astype(np.float32), self.group, axis=0)
+    return v * s
+
+
+def pack(values: np.ndarray, bits: int, axis: int = -1) -> np.ndarray:
+  """Unsigned `bits`-bit values -> int32 words, densely along `axis`.
+
+  Args:
+    values: integers in [0, 2^bits) (any int dtype), any rank.
+    bits: 1..8.
+    axis: the axis packed; its length n becomes ceil(n * bits / 32).
+
+  Returns:
+    int32 words (little-endian bit order: value j at bit j * bits).
+  """
+  v = np.moveaxis(np.asarray(values), axis, -1).astype(np.uint32)
+  n = v.shape[-1]
+  shifts = np.arange(bits, dtype=np.uint32)
+  stream = ((v[..., None] >> shifts) & 1).astype(np.uint8)
+  stream = stream.reshape(*v.shape[:-1], n * bits)
+  words = -(-n * bits // 32)
+  pad = words * 32 - n * bits
+  stream = np.pad(stream, [(0, 0)] * (stream.ndim - 1) + [(0, pad)])
+  by = np.packbits(stream, axis=-1, bitorder='little')
+  out = np.ascontiguousarray(by).view('<u4').astype(np.uint32)
+  return np.ascontiguousarray(np.moveaxis(out.view(np.int32), -1, axis))
+
+
+def unpack(words: np.ndarray, bits: int, n: int, axis: int = -1) -> np.ndarray:
+  """Inverse of `pack`: int32 words -> uint8 values, `n` along `axis`."""
+  w = np.moveaxis(np.asarray(words), axis, -1)
+  by = np.ascontiguousarray(w.astype('<i4')).view(np.uint8)
+  stream = np.unpackbits(by, axis=-1, bitorder='little')
+  if stream.shape[-1] < n * bits:
+    raise CheckpointError(
+      f'packed words hold {stream.shape[-1] // bits} values of {bits} bits, '
+      f'{n} needed.'
+    )
+  stream = stream[..., : n * bits].reshape(*w.shape[:-1], n, bits)
+  vals = (stream.astype(np.uint16) << np.arange(bits, dtype=np.uint16)).sum(-1)
+  return np.moveaxis(vals.astype(np.uint8), -1, axis)

@@ -1,0 +1,364 @@
+"""The one module that knows aqtr's serving trees (the frozen containers).
+
+Everything else in `aqtr.checkpoints` works on `Stored` weights keyed by a
+parameter path (a tuple, e.g. ('layers', 0, 'q_proj', 'kernel')). Here:
+
+  read_frozen(served, variables)   {path: Stored} of every frozen kernel,
+                                   {path: array} of every float parameter
+  config_for(stored)               the DotGeneralConfig serving a Stored
+  build(model, weights, ...)       a serving model whose holders carry the
+                                   given codes (no float kernel is made)
+
+A frozen kernel of a stock Dense / Linear sits in a holder
+(`aqtr.flax.frozen`: nnx `FrozenKernel`, linen `FrozenBox`) as
+{op key: {entry: {'rhs': {qvalue, scale[, zero_point]}}}}, the values in
+the dot's 'kf' tiled view [1, groups, group, d_out] (scales [1, groups, 1,
+d_out]). Codes are int4 / int8 (signed) or uint8 (affine numerics with
+unsigned storage).
+
+Example:
+  >>> import numpy as np
+  >>> from aqtr.checkpoints.stored import Stored
+  >>> cfg = config_for(Stored(q=np.zeros((32, 4), np.int8),
+  ...                         scale=np.ones((2, 4), np.float32), group=16))
+  >>> cfg.fwd.rhs.tiling, cfg.fwd.rhs.numerics.storage
+  (SubChannel(tile_size=16, tile_count=0), 'int4')
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import warnings
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from aqtr import presets
+from aqtr.calibrations.minmax import MinMax
+from aqtr.checkpoints.stored import CheckpointError, Stored
+from aqtr.flax import serving
+from aqtr.flax.frozen import FrozenBox, FrozenKernel
+from aqtr.flax.quantized import quantize
+from aqtr.numerics.int_asymmetric import IntAsymmetric
+from aqtr.numerics.int_symmetric import IntSymmetric
+from aqtr.rules import Rule
+from aqtr.tilings.per_channel import PerChannel
+from aqtr.tilings.subchannel import SubChannel
+
+__all__ = ['build', 'config_for', 'path_text', 'read_frozen']
+
+
+def path_text(path: tuple) -> str:
+  return '/'.join(str(k) for k in path)
+
+
+def _holders(served, variables):
+  """Yields (param path, holder, kernel shape) of every frozen kernel."""
+  if isinstance(served, nnx.Module):
+    for mpath, m in nnx.iter_modules(served):
+      for name, v in vars(m).items():
+        if isinstance(v, FrozenKernel):
+          yield (*mpath, name), v, tuple(v.get_metadata('kernel_shape'))
+    return
+  flat = flax.traverse_util.flatten_dict(
+    flax.core.unfreeze(variables['params']),
+    is_leaf=lambda _, x: isinstance(x, FrozenBox),
+  )
+  for path, v in flat.items():
+    if isinstance(v, FrozenBox):
+      yield path, v, tuple(v.shape)
+
+
+def _floats(served, variables) -> dict:
+  if isinstance(served, nnx.Module):
+    state = nnx.state(served, nnx.Param)
+    flat = {}
+    for path, v in nnx.to_flat_state(state):
+      if not isinstance(v, FrozenKernel):
+        flat[tuple(path)] = v.get_value()
+    return flat
+  flat = flax.traverse_util.flatten_dict(
+    flax.core.unfreeze(variables['params']),
+    is_leaf=lambda _, x: isinstance(x, FrozenBox),
+  )
+  return {
+    p: nn.meta.unbox(v) for p, v in flat.items() if not isinstance(v, FrozenBox)
+  }
+
+
+def _parts(holder, where: str) -> dict:
+  entries = (
+    holder.entries()
+    if isinstance(holder, FrozenBox)
+    else (holder.get_raw_value())
+  )
+  found = [
+    e['rhs']
+    for op in entries.values()
+    for e in op.values()
+    if isinstance(e, dict) and 'rhs' in e
+  ]
+  if len(found) != 1:
+    raise CheckpointError(
+      f'{where}: read by {len(found)} quantized ops; a checkpoint stores '
+      'one quantized weight per kernel.'
+    )
+  return found[0]
+
+
+def _fewest_bits(lo: int, hi: int, unsigned: bool) -> int:
+  for b in range(1, 9):
+    if unsigned and 0 <= lo and hi <= 2**b - 1:
+      return b
+    if not unsigned and -(2 ** (b - 1)) <= lo and hi <= 2 ** (b - 1) - 1:
+      return b
+  raise CheckpointError(f'codes span [{lo}, {hi}]: more than 8 bits.')
+
+
+def to_stored(parts: dict, shape: tuple, where: str, bits=None) -> Stored:
+  """A holder's parts (the 'kf' view of a [d_in, d_out] kernel) as Stored."""
+  q = parts['qvalue']
+  if len(shape) != 2:
+    raise CheckpointError(
+      f'{where}: kernel shape {shape}; the layouts store 2-D [d_in, d_out] '
+      'kernels (Dense / Linear).'
+    )
+  d_in, d_out = shape
+  if (
+    q.ndim != 4
+    or q.shape[0] != 1
+    or q.shape[3] != d_out
+    or (q.shape[1] * q.shape[2] != d_in)
+  ):
+    raise CheckpointError(
+      f'{where}: frozen codes of shape {q.shape} are not the [1, groups, '
+      f'group, d_out] view of a [{d_in}, {d_out}] kernel (stacked layers '
+      'or another layout: not exportable).'
+    )
+  dt = jnp.dtype(q.dtype)
+  if not jnp.issubdtype(dt, jnp.integer):
+    raise CheckpointError(
+      f'{where}: codes of dtype {dt} (float formats such as fp8, NVFP4, '
+      'MXFP4 have no int layout here); export int weights.'
+    )
+  n, t = q.shape[1], q.shape[2]
+  codes = np.asarray(jnp.asarray(q).astype(jnp.int16)).reshape(d_in, d_out)
+  scale = np.broadcast_to(
+    np.asarray(parts['scale'], np.float32), (1, n, 1, d_out)
+  ).reshape(n, d_out)
+  zp = parts.get('zero_point')
+  zero = None
+  if zp is not None:
+    zero = np.broadcast_to(np.asarray(zp), (1, n, 1, d_out)).reshape(n, d_out)
+    zero = zero.astype(np.int16)
+  unsigned = dt == jnp.uint8
+  vals = [codes] + ([zero] if zero is not None else [])
+  lo = min(int(v.min()) for v in vals)
+  hi = max(int(v.max()) for v in vals)
+  b = bits or _fewest_bits(lo, hi, unsigned)
+  if unsigned:
+    if zero is None:
+      raise CheckpointError(f'{where}: unsigned codes without a zero point.')
+    codes, zero = codes - 2 ** (b - 1), zero - 2 ** (b - 1)
+  return Stored(
+    q=codes.astype(np.int8),
+    scale=scale,
+    zero=None if zero is None else zero.astype(np.int8),
+    bits=b,
+    group=t,
+  )
+
+
+def read_frozen(served, variables=None, bits=None) -> tuple[dict, dict]:
+  """({path: Stored} of the frozen kernels, {path: array} of the floats).
+
+  Args:
+    served: a converted model (`aqtr.flax.convert`, `aqtr.ptq.quantize`,
+      `aqtr.lora.merge`): nnx module, or linen module with `variables`.
+    variables: linen: the serving variables.
+    bits: the bits written for every weight (None: the fewest holding the
+      codes, which the numerics' range gives for a calibrated weight).
+  """
+  if isinstance(served, nn.Module) and variables is None:
+    raise TypeError('aqtr.checkpoints: a linen model needs variables=.')
+  frozen = {}
+  for path, holder, shape in _holders(served, variables):
+    where = path_text(path)
+    frozen[path] = to_stored(_parts(holder, where), shape, where, bits)
+  return frozen, _floats(served, variables)
+
+
+def config_for(w: Stored):
+  """The weight-only DotGeneralConfig whose frozen values hold `w`."""
+  if w.zero is None:
+    numerics = IntSymmetric(
+      bits=w.bits, storage='int4' if w.bits <= 4 else 'int8'
+    )
+    cal = None
+  else:
+    numerics = IntAsymmetric(bits=w.bits, storage='uint8', clip_gradient=False)
+    cal = MinMax(po2_scale=False)
+  tiling = PerChannel() if w.channelwise else SubChannel(tile_size=w.group)
+  base = presets.int8_weight_only()
+  fields = {'numerics': numerics, 'tiling': tiling}
+  if cal is not None:
+    fields['calibration'] = cal
+  rhs = dataclasses.replace(base.fwd.rhs, **fields)
+  return dataclasses.replace(
+    base,
+    fwd=dataclasses.replace(base.fwd, rhs=rhs),
+    dlhs=dataclasses.replace(base.dlhs, rhs=rhs),
+  )
+
+
+def from_stored(w: Stored, like: dict) -> dict:
+  """`w` as holder parts shaped and typed like the skeleton's `like`."""
+  qs = like['qvalue']
+  n, t, d_out = qs.shape[1], qs.shape[2], qs.shape[3]
+  if (n * t, d_out) != (w.d_in, w.d_out) or t != w.group:
+    raise CheckpointError(
+      f'codes [{w.d_in}, {w.d_out}] in groups of {w.group} do not fit the '
+      f'model view {qs.shape}.'
+    )
+  q = w.q.astype(np.int16)
+  zero = None if w.zero is None else w.zero.astype(np.float32)
+  if jnp.dtype(qs.dtype) == jnp.uint8:
+    q = q + 2 ** (w.bits - 1)
+    zero = zero + 2 ** (w.bits - 1)
+  out = {
+    'qvalue': jnp.asarray(q.reshape(qs.shape)).astype(qs.dtype),
+    'scale': jnp.asarray(
+      w.scale.astype(np.float32).reshape(like['scale'].shape)
+    ),
+  }
+  if 'zero_point' in like:
+    out['zero_point'] = jnp.asarray(zero.reshape(like['zero_point'].shape))
+  return out
+
+
+def _rules(weights: dict) -> list:
+  by_cfg: dict = {}
+  for path, w in weights.items():
+    cfg = config_for(w)
+    by_cfg.setdefault(cfg, []).append(path_text(path[:-1]))
+  return [
+    Rule(cfg, path='|'.join(re.escape(p) for p in paths))
+    for cfg, paths in by_cfg.items()
+  ]
+
+
+def build(model, weights: dict, floats: dict, args, kwargs, variables=None):
+  """The serving model holding `weights` and `floats`, no float kernel made.
+
+  Args:
+    model: a float nnx Module or linen Module (its parameters may be
+      abstract: `nnx.eval_shape` / `jax.eval_shape` of the init).
+    weights: {param path: Stored} of the kernels to freeze.
+    floats: {param path: array} of every other parameter.
+    args, kwargs: sample inputs of one call (shapes matter).
+    variables: linen: the (abstract) variables.
+
+  Returns:
+    nnx: the serving model. linen: (module, serving variables).
+  """
+  q = quantize(model, _rules(weights))
+  with warnings.catch_warnings():
+    warnings.simplefilter('ignore', UserWarning)
+    if isinstance(model, nnx.Module):
+      served = nnx.eval_shape(
+        lambda m: serving.convert(m, *args, check=False, **kwargs), q
+      )
+      svars = None
+    else:
+      if variables is None:
+        raise TypeError('aqtr.checkpoints: a linen model needs variables=.')
+      box = []
+
+      def conv(v):
+        m, sv = serving.convert(q, *args, variables=v, check=False, **kwargs)
+        box.append(m)
+        return sv
+
+      svars = flax.core.unfreeze(jax.eval_shape(conv, variables))
+      served = box[0]
+  done = set()
+  for path, holder, _ in _holders(served, svars):
+    where = path_text(path)
+    if path not in weights:
+      raise CheckpointError(f'{where}: frozen by the model but not stored.')
+    entries = jax.tree.map(lambda x: x, _entries(holder))
+    for op in entries.values():
+      for e in op.values():
+        try:
+          e['rhs'] = from_stored(weights[path], e['rhs'])
+        except CheckpointError as err:
+          raise CheckpointError(f'{where}: {err}') from None
+    _set_holder(served, svars, path, holder, entries)
+    done.add(path)
+  missing = sorted(path_text(p) for p in weights if p not in done)
+  if missing:
+    raise CheckpointError(
+      f'{missing[0]}: stored quantized, but no quantized op of the model '
+      'reads it (check the sample inputs and the name map).'
+    )
+  _set_floats(served, svars, floats)
+  return served if svars is None else (served, svars)
+
+
+def _entries(holder):
+  if isinstance(holder, FrozenBox):
+    return holder.entries()
+  return holder.get_raw_value()
+
+
+def _set_holder(served, svars, path, holder, entries):
+  if isinstance(holder, FrozenKernel):
+    holder.set_raw_value(entries)
+    return
+  node = svars['params']
+  for k in path[:-1]:
+    node = node[k]
+  node[path[-1]] = holder.replace(frozen=entries)
+
+
+def _set_floats(served, svars, floats):
+  if isinstance(served, nnx.Module):
+    for path, v in nnx.to_flat_state(nnx.state(served, nnx.Param)):
+      if isinstance(v, FrozenKernel):
+        continue
+      _put(floats, tuple(path), v.get_value(), v.set_value)
+    return
+  params = svars['params']
+  flat = flax.traverse_util.flatten_dict(
+    params, is_leaf=lambda _, x: isinstance(x, FrozenBox)
+  )
+  for path, v in flat.items():
+    if isinstance(v, FrozenBox):
+      continue
+    node = params
+    for k in path[:-1]:
+      node = node[k]
+    _put(
+      floats,
+      path,
+      nn.meta.unbox(v),
+      lambda a, n=node, k=path[-1]: n.__setitem__(k, a),
+    )
+
+
+def _put(floats, path, like, setter):
+  where = path_text(path)
+  if path not in floats:
+    raise CheckpointError(f'{where}: no tensor in the checkpoint maps to it.')
+  a = np.asarray(floats[path])
+  if tuple(a.shape) != tuple(like.shape):
+    raise CheckpointError(
+      f'{where}: checkpoint tensor has shape {tuple(a.shape)}, the model '
+      f'parameter {tuple(like.shape)}.'
+    )
+  setter(jnp.asarray(a, like.dtype))

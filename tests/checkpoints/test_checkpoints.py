@@ -1,0 +1,262 @@
+"""aqtr.checkpoints without the reference packages: round trips, bad input."""
+
+import json
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import aqtr
+from aqtr import checkpoints as ck
+from aqtr.checkpoints import files
+from aqtr.checkpoints.stored import Stored, pack, unpack
+from aqtr.flax import convert, quantize
+from aqtr.rules import Rule
+
+X = jax.random.normal(jax.random.key(1), (3, 32))
+
+
+class Mlp(nnx.Module):
+  def __init__(self, rngs):
+    self.up = nnx.Linear(32, 64, rngs=rngs)
+    self.down = nnx.Linear(64, 16, use_bias=False, rngs=rngs)
+    self.norm = nnx.LayerNorm(16, rngs=rngs)
+
+  def __call__(self, x):
+    return self.norm(self.down(jax.nn.relu(self.up(x))))
+
+
+def _served(cfg):
+  return convert(quantize(Mlp(nnx.Rngs(0)), [Rule(cfg)]), X)
+
+
+def _abstract():
+  return nnx.eval_shape(lambda: Mlp(nnx.Rngs(0)))
+
+
+CONFIGS = {
+  'int4_channel_sym': lambda: aqtr.presets.int4_weight_only(),
+  'int4_g16_asym': lambda: aqtr.presets.int4_asym_weight_only(group=16),
+  'int8_channel': aqtr.presets.int8_weight_only,
+}
+
+
+_SERVED = {}
+
+
+def served_by(name):
+  if name not in _SERVED:  # One conversion per config for the module.
+    _SERVED[name] = _served(CONFIGS[name]())
+  return _SERVED[name]
+
+
+@pytest.mark.parametrize(
+  'name,fmt',
+  [
+    ('int4_channel_sym', 'compressed-tensors'),
+    pytest.param('int8_channel', 'compressed-tensors', marks=pytest.mark.slow),
+    ('int4_g16_asym', 'gptq'),
+    ('int4_g16_asym', 'awq'),
+  ],
+)
+def test_export_load_round_trip_serves_bit_for_bit(name, fmt, tmp_path):
+  served = served_by(name)
+  frozen, _ = ck.tree.read_frozen(served)
+  info = ck.export(served, str(tmp_path), format=fmt)
+  assert info['quantized'] == 2 and info['float'] == 3
+  back = ck.load(_abstract(), str(tmp_path), X)
+  np.testing.assert_array_equal(back(X), served(X))
+  again, _ = ck.tree.read_frozen(back)
+  for path, w in frozen.items():
+    np.testing.assert_array_equal(again[path].dequant(), w.dequant())
+
+
+def test_load_keeps_the_packed_size_no_float_kernel(tmp_path):
+  ck.export(served_by('int4_channel_sym'), str(tmp_path))
+  back = ck.load(_abstract(), str(tmp_path), X)
+  for m in (back.up, back.down):
+    (entry,) = jax.tree.leaves(m.kernel.get_raw_value())[:1]
+    assert entry.dtype == jnp.int4  # codes, 4 bits each
+  sizes = aqtr.flax.sizes(back)
+  codes = (32 * 64 + 64 * 16) // 2
+  assert sizes.frozen_kernel_bytes == codes + 4 * (64 + 16)  # + f32 scales
+  # The stock layer's kernel is gone: nothing float of its shape is stored.
+  floats = [
+    v.get_value() for _, v in nnx.to_flat_state(nnx.state(back, nnx.Param))
+  ]
+  assert not any(getattr(a, 'shape', None) == (32, 64) for a in floats)
+
+
+def test_linen_round_trip(tmp_path):
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(16, name='out')(nn.Dense(64, name='hidden')(x))
+
+  q = quantize(Net(), [Rule(aqtr.presets.int4_weight_only())])
+  v = q.init(jax.random.key(0), X)
+  module, sv = convert(q, X, variables=v)
+  ck.export(module, str(tmp_path), variables=sv, format='gptq')
+  abstract = jax.eval_shape(Net().init, jax.random.key(0), X)
+  m2, sv2 = ck.load(Net(), str(tmp_path), X, variables=abstract)
+  np.testing.assert_array_equal(m2.apply(sv2, X), module.apply(sv, X))
+
+
+def test_hf_names_and_config(folder):
+  t = files.read(str(folder / files.WEIGHTS))
+  assert {
+    'up.weight_packed',
+    'up.bias',
+    'up.weight_zero_point',
+    'down.weight_shape',
+    'norm.weight',
+    'norm.bias',
+  } <= set(t)
+  assert t['up.weight_shape'].tolist() == [64, 32]  # torch [out, in]
+  cfg = json.load(open(folder / files.CONFIG))
+  assert cfg['model_type'] == 'toy'
+  assert cfg['quantization_config']['format'] == 'pack-quantized'
+
+
+def test_user_name_map(tmp_path):
+  served = served_by('int8_channel')
+  names = {
+    'up/kernel': 'a.w.weight',
+    'up/bias': 'a.w.bias',
+    'down/kernel': 'b.weight',
+    'norm/scale': 'n.g',
+    'norm/bias': 'n.b',
+  }
+  ck.export(served, str(tmp_path), names=names)
+  assert 'a.w.weight_packed' in files.read(str(tmp_path / files.WEIGHTS))
+  back = ck.load(_abstract(), str(tmp_path), X, names=names)
+  np.testing.assert_array_equal(back(X), served(X))
+  partial = dict(names)
+  del partial['norm/bias']
+  with pytest.raises(ck.CheckpointError, match=r'^norm/bias: the name map'):
+    ck.export(served, str(tmp_path), names=partial)
+
+
+@pytest.mark.parametrize('bits', [1, 2, 3, 4, 5, 7, 8])
+def test_pack_unpack(bits):
+  v = np.random.default_rng(bits).integers(0, 2**bits, (3, 37))
+  for axis in (0, 1):
+    p = pack(v, bits, axis)
+    np.testing.assert_array_equal(unpack(p, bits, v.shape[axis], axis), v)
+
+
+@pytest.fixture(scope='module')
+def folder(tmp_path_factory):
+  d = tmp_path_factory.mktemp('good')
+  ck.export(served_by('int4_g16_asym'), str(d), config={'model_type': 'toy'})
+  return d
+
+
+def _broken(folder, tmp_path, edit_tensors=None, edit_config=None):
+  t = dict(files.read(str(folder / files.WEIGHTS)))
+  cfg = json.load(open(folder / files.CONFIG))
+  if edit_tensors:
+    edit_tensors(t)
+  if edit_config:
+    edit_config(cfg['quantization_config'])
+  files.write(
+    str(tmp_path / files.WEIGHTS), {k: np.array(v) for k, v in t.items()}
+  )
+  files.write_config(str(tmp_path), cfg)
+  return str(tmp_path)
+
+
+def _group(qc):
+  return next(iter(qc['config_groups'].values()))['weights']
+
+
+BAD = {
+  'bits': (
+    None,
+    lambda qc: _group(qc).update(num_bits=8),
+    r'^down\.weight_packed: shape \(16, 8\), but .*num_bits=8',
+  ),
+  'group size': (
+    None,
+    lambda qc: _group(qc).update(group_size=8),
+    r'^down\.weight_scale: shape .*group_size=8',
+  ),
+  'shape': (
+    lambda t: t.update({'up.weight_shape': np.array([64, 64])}),
+    None,
+    r'^up\.weight_packed: shape .* weight_shape',
+  ),
+  'missing tensor': (
+    lambda t: t.pop('up.weight_scale'),
+    None,
+    r'^up\.weight_scale: missing tensor',
+  ),
+  'format': (
+    None,
+    lambda qc: qc.update(quant_method='bitsandbytes'),
+    r"unknown format quant_method='bitsandbytes'",
+  ),
+  'unmapped': (
+    lambda t: t.update({'extra.weight': np.ones(2, np.float32)}),
+    None,
+    r'^extra\.weight: no model parameter maps',
+  ),
+  'missing float': (
+    lambda t: t.pop('norm.bias'),
+    None,
+    r'^norm\.bias: missing tensor \(for parameter norm/bias',
+  ),
+}
+
+
+@pytest.mark.parametrize('case', sorted(BAD))
+def test_bad_checkpoint_one_line(folder, tmp_path, case):
+  et, ec, msg = BAD[case]
+  d = _broken(folder, tmp_path, et, ec)
+  with pytest.raises(ck.CheckpointError, match=msg) as e:
+    ck.load(_abstract(), d, X)
+  assert '\n' not in str(e.value)
+
+
+def test_bad_gptq_and_stored():
+  with pytest.raises(ck.CheckpointError, match='outside the signed 4-bit'):
+    Stored(
+      q=np.full((4, 2), 9, np.int8), scale=np.ones((1, 2)), bits=4, group=4
+    )
+  w = Stored(
+    q=np.zeros((16, 8), np.int8),
+    scale=np.ones((2, 8)),
+    zero=np.full((2, 8), -8, np.int8),
+    bits=4,
+    group=8,
+  )
+  with pytest.raises(ck.CheckpointError, match='fc.qzeros: a zero point'):
+    ck.Gptq().encode({'fc': w})
+  t, qc = ck.Gptq(checkpoint_format='gptq_v2').encode({'fc': w})
+  t['fc.g_idx'] = t['fc.g_idx'][::-1].copy()
+  with pytest.raises(ck.CheckpointError, match=r'^fc\.g_idx: act-order'):
+    ck.Gptq.from_config(qc).decode(t, qc)
+  with pytest.raises(ck.CheckpointError, match=r'^fc: the awq layout'):
+    ck.Awq().encode(
+      {
+        'fc': Stored(
+          q=np.zeros((8, 8), np.int8), scale=np.ones((1, 8)), bits=8, group=8
+        )
+      }
+    )
+  with pytest.raises(ck.CheckpointError, match='argument format'):
+    ck.layout('exl2')
+
+
+@pytest.mark.slow
+def test_docs_page_runs():
+  import pathlib
+  import re
+
+  text = (pathlib.Path(__file__).parents[2] / 'docs/checkpoints.md').read_text()
+  ns = {'__name__': 'docs_checkpoints'}
+  for i, block in enumerate(re.findall(r'```python\n(.*?)```', text, re.S)):
+    exec(compile(block, f'docs/checkpoints.md block {i}', 'exec'), ns)
