@@ -79,12 +79,14 @@ def path_in_stack(stack: list) -> tuple:
   own = path_of(inner)
   if not isinstance(inner, nn.Module) or own:
     return own
-  for outer in stack[1:]:
+  for i, outer in enumerate(stack[1:], 1):
     if isinstance(outer, nn.Module) and outer.scope is not None:
       if outer.scope.root is inner.scope.root:
         continue
-      name = inner.name or type(inner).__name__
-      return (*path_in_stack([outer, *stack[stack.index(outer) + 1 :]]), name)
+      base = path_in_stack(stack[i:])
+      if type(outer) is type(inner) and outer.name == inner.name:
+        return base  # `outer.apply(...)` bound `inner`: its own path
+      return (*base, inner.name or type(inner).__name__)
   return own
 
 

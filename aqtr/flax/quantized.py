@@ -19,8 +19,8 @@ quantization) and puts the frozen values in place of each matched float
 kernel, or in the model's op store (`aqtr.flax.frozen`); the returned
 model serves (SERVE) bit for bit equal to TRAIN. `lax.ragged_dot` weights
 are quantized on the fly in SERVE too (not frozen). Unsupported here:
-stochastic rounding (no PRNG keys are passed), stateful calibrations and CALIBRATE (use the `aqtr.flax.linen` /
-`nnx` ops for those).
+stochastic rounding (no PRNG keys are passed), stateful calibrations and
+CALIBRATE (use the `aqtr.flax.linen` / `nnx` ops for those).
 
 Example:
   >>> import jax.numpy as jnp

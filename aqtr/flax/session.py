@@ -167,17 +167,24 @@ class Session:
     self.uses: list[WeightUse] = []
     self.matched: list[tuple[int, ...]] = []
     self.count: dict[Any, collections.Counter] = {}
-    self.alive: list[Any] = []
+    self.alive: list[Any] = []  # keeps the ids in `count` unique
     # Set by an observer (`aqtr.ptq`'s calibration pass): called with each
     # WeightUse in TRAIN instead of the quantized dot; returns its output.
     self.tap = None
     for observer in getattr(observers, 'stack', ()) if observed else ():
       observer.append(self)
 
-  def _op_id(self, module, kind: str) -> str:
-    owner = module.scope if isinstance(module, nn.Module) else module
-    self.alive.append(owner)
-    counter = self.count.setdefault(id(owner), collections.Counter())
+  def _op_id(self, module, mpath: tuple, kind: str) -> str:
+    """'<kind><n>': the n-th op of `kind` run at module path `mpath` in
+    this call (a module called twice runs ops 0 and 1). A linen lifted
+    transform that traces its body again (`nn.scan`) makes new scope
+    trees: the count restarts there, so a re-trace names its ops alike."""
+    key = mpath
+    if isinstance(module, nn.Module) and module.scope is not None:
+      root = module.scope.root
+      self.alive.append(root)
+      key = (mpath, id(root))
+    counter = self.count.setdefault(key, collections.Counter())
     n = counter[kind]
     counter[kind] += 1
     return f'{kind}{n}'
@@ -187,7 +194,7 @@ class Session:
     module = stack[0] if stack else None
     mpath = self.prefix + hosts.path_in_stack(stack)
     text = '/'.join(map(str, mpath))
-    op_id = self._op_id(module, op.kind)
+    op_id = self._op_id(module, mpath, op.kind)
     return module, mpath, op_id, f'{text}/{op_id}' if text else op_id
 
   def __call__(self, op: intercept.OpCall):
