@@ -218,7 +218,7 @@ def convert(
   for s in sessions:
     for u in s.uses:
       groups.setdefault((*u.module_path, u.param), []).append(u)
-  rx = None if keep is None else re.compile(keep)
+  rx = None if keep is None else _keep_regex(keep)
   if isinstance(model, nnx.Module):
     served = nnx.clone(model)
     modules = dict(nnx.iter_modules(served))
@@ -270,6 +270,21 @@ def convert(
   return served if out is None else (served, out)
 
 
+def _keep_regex(keep) -> re.Pattern:
+  """`convert`'s keep= as a compiled regex (one line when it is not)."""
+  if not isinstance(keep, str):
+    raise TypeError(
+      f'aqtr.flax.convert: keep must be a regex string, got {keep!r}.'
+    )
+  try:
+    return re.compile(keep)
+  except re.error as e:
+    raise ValueError(
+      f'aqtr.flax.convert: keep={keep!r} is not a valid regex ({e}); fix '
+      'it, or pass re.escape(path) to keep one literal parameter path.'
+    ) from None
+
+
 def _run(model, variables, args, kwargs):
   if isinstance(model, nnx.Module):
     return nnx.jit(lambda m: m(*args, **kwargs))(model)
@@ -283,6 +298,17 @@ def _check(model, variables, served, served_vars, frozen, args, kwargs):
     bool(jnp.array_equal(a, b, equal_nan=True))
     for a, b in zip(want, got, strict=True)
   )
+  if not same and all(
+    bool(jnp.allclose(a, b, rtol=1e-5, atol=0, equal_nan=True))
+    for a, b in zip(want, got, strict=True)
+  ):
+    raise ValueError(
+      'aqtr.flax.convert: the served model differs from the trained one on '
+      'the sample inputs only in the last bits (relative difference < '
+      '1e-5): the compiled serving program rounds the scaled dot '
+      'differently (XLA fuses a multiply-add, e.g. NVFP4 blocks at K > 16), '
+      'no parameter is read elsewhere; pass check=False to serve it.'
+    )
   if not same:
     raise ValueError(
       'aqtr.flax.convert: the served model differs from the trained one on '
@@ -298,6 +324,13 @@ def _entry_shapes(use: WeightUse):
 
 def sizes(served, variables=None) -> common.Report:
   """Bytes of a served model: float kernels removed, frozen, whole tree."""
+  if isinstance(served, tuple) and len(served) == 2 and variables is None:
+    served, variables = served  # linen: what convert returned
+  if isinstance(served, nn.Module) and variables is None:
+    raise TypeError(
+      'aqtr.flax.sizes: a linen model needs variables= (the served '
+      'variables aqtr.flax.convert returned with the module).'
+    )
   if isinstance(served, nnx.Module):
     tree = nnx.state(served)
     holders = [
