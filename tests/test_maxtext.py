@@ -178,10 +178,10 @@ def test_bad_arguments_name_the_argument(call, match):
   'entry, match',
   [
     ({'w_bits': 9}, r"\['mlp/.*'\]: w_bits must be None, bits 2..8"),
-    ({'w_bits': 8, 'w_scale': 1.5}, r"\]: w_scale must be in \(0, 1\]"),
-    ({'w_scale': 1.5}, r"\]: w_scale must be in \(0, 1\]"),
-    ({'a_bits': 'eight'}, r"\]: a_bits must be None, bits 2..8"),
-    ({'a_bits': 8, 'a_scale': True}, r"\]: a_scale must be in \(0, 1\]"),
+    ({'w_bits': 8, 'w_scale': 1.5}, r'\]: w_scale must be in \(0, 1\]'),
+    ({'w_scale': 1.5}, r'\]: w_scale must be in \(0, 1\]'),
+    ({'a_bits': 'eight'}, r'\]: a_bits must be None, bits 2..8'),
+    ({'a_bits': 8, 'a_scale': True}, r'\]: a_scale must be in \(0, 1\]'),
   ],
 )
 def test_intmp_errors_name_the_key_and_its_regex(entry, match):

@@ -88,10 +88,7 @@ def quantize_operand(
 def _check_state(t, operand: str, state) -> None:
   """One line when `state` does not fit the operand's calibration."""
   path = f'fwd.{operand}'
-  init = (
-    'aqtr.state.init(lhs, rhs, dimension_numbers, config)'
-    f"['{path}']"
-  )
+  init = f"aqtr.state.init(lhs, rhs, dimension_numbers, config)['{path}']"
   if state is None:
     if is_stateful(t):
       raise ValueError(

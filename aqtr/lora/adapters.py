@@ -311,7 +311,7 @@ def attach(model, rules, *args, variables=None, seed: int = 0, **kwargs):
     raise ValueError(
       'aqtr.lora.attach: the model already has adapters; attach to the '
       'float model, or fold these in first with aqtr.lora.merge(model, '
-      "..., requantize=None) and attach to the merged model."
+      '..., requantize=None) and attach to the merged model.'
     )
   if isinstance(model, nn.Module) and variables is None:
     raise TypeError('aqtr.lora.attach: a linen model needs variables=.')

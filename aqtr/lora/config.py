@@ -81,9 +81,7 @@ def base_config(
     return nf4()
   if isinstance(base, str):
     if base not in presets.__all__:
-      raise ValueError(
-        f'{field}: unknown preset {base!r}; use {_BASES}.'
-      )
+      raise ValueError(f'{field}: unknown preset {base!r}; use {_BASES}.')
     base = aqtr_fiddle.config(base)
   if isinstance(base, fdl.Buildable):
     base = aqtr_fiddle.build(base)

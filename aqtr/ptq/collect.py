@@ -298,9 +298,7 @@ def _check_finite(i: int, args) -> None:
   """One line when calibration batch `i` holds a NaN or inf."""
   for leaf in jax.tree.leaves(args):
     a = jnp.asarray(leaf)
-    if jnp.issubdtype(a.dtype, jnp.inexact) and not bool(
-      jnp.isfinite(a).all()
-    ):
+    if jnp.issubdtype(a.dtype, jnp.inexact) and not bool(jnp.isfinite(a).all()):
       n = int(jnp.size(a) - jnp.isfinite(a).sum())
       raise ValueError(
         f'aqtr.ptq: calibration batch {i} holds {n} non-finite values (NaN '

@@ -28,7 +28,7 @@ def _lsq():
 
 def test_stateful_config_without_state_is_one_line():
   cfg, w, _ = _lsq()
-  with pytest.raises(ValueError, match=r"calibrates with Lsq, which keeps st"):
+  with pytest.raises(ValueError, match=r'calibrates with Lsq, which keeps st'):
     aqtr.quantize_operand(w, DN, cfg)
 
 
@@ -53,9 +53,8 @@ for i in range(3):
   x = jax.random.normal(jax.random.key(i), (4, k))
   w = jax.random.normal(jax.random.key(100 + i), (k, 8))
   qw = aqtr.quantize_operand(w, dn, cfg)
-  np.testing.assert_array_equal(
-    aqtr.dot_general(x, qw, dn, cfg, **kw), aqtr.dot_general(x, w, dn, cfg, **kw)
-  )
+  got = aqtr.dot_general(x, qw, dn, cfg, **kw)
+  np.testing.assert_array_equal(got, aqtr.dot_general(x, w, dn, cfg, **kw))
 """
 
 

@@ -82,7 +82,9 @@ def test_linen_eager_whole_tree_grad_matches_the_forward():
   val, g = jax.value_and_grad(loss)(params)
   jval, jg = jax.jit(jax.value_and_grad(loss))(params)
   np.testing.assert_allclose(val, loss(params), rtol=1e-5)
-  np.testing.assert_allclose(g['lora_b_dot_general0'], jg['lora_b_dot_general0'], rtol=1e-4)
+  np.testing.assert_allclose(
+    g['lora_b_dot_general0'], jg['lora_b_dot_general0'], rtol=1e-4
+  )
 
 
 @pytest.mark.xfail(strict=True, reason=SEAM)

@@ -47,7 +47,7 @@ def test_prompts_must_be_int_token_ids(prompts, match):
 
 def test_generate_names_its_variables():
   lm, params = _model()
-  with pytest.raises(ValueError, match=r"generate: variables must be .*got k"):
+  with pytest.raises(ValueError, match=r'generate: variables must be .*got k'):
     decode.Decoder(lm).generate(params['params'], [[1, 2]], 2)
 
 
