@@ -150,7 +150,7 @@ class LoraConfig:
       or isinstance(a, bool)
       or not 0 < a < math.inf
     ):
-      raise ValueError(f'LoraConfig.alpha must be finite and > 0, got {a!r}.')
+      raise ValueError(f'LoraConfig.alpha must be > 0 and finite, got {a!r}.')
     p = self.dropout
     if not isinstance(p, int | float) or isinstance(p, bool) or not 0 <= p < 1:
       raise ValueError(f'LoraConfig.dropout must be in [0, 1), got {p!r}.')

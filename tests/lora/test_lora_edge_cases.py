@@ -18,7 +18,7 @@ SEAM = 'weight provenance under eager grad: seam issue 32'
 
 @pytest.mark.parametrize('alpha', [float('inf'), float('nan'), True, -1.0])
 def test_alpha_must_be_finite_and_positive(alpha):
-  with pytest.raises(ValueError, match='LoraConfig.alpha must be finite'):
+  with pytest.raises(ValueError, match='LoraConfig.alpha must be > 0 and fin'):
     lora.LoraConfig(alpha=alpha)
 
 
