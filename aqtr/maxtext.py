@@ -64,6 +64,13 @@ _FP8 = {
   'e5m2fnuz': 'float8_e5m2fnuz',
 }
 _MP_KEYS = ('w_bits', 'a_bits', 'w_scale', 'a_scale', 'tile_size')
+# dot_config's argument -> the intmp key it comes from (clips first).
+_MP_FIELDS = (
+  ('weight_clip', 'w_scale'),
+  ('activation_clip', 'a_scale'),
+  ('weight', 'w_bits'),
+  ('activation', 'a_bits'),
+)
 
 
 def _name(quantization: Any, who: str) -> str:
@@ -137,7 +144,7 @@ def rules(
     A tuple of `Rule`s, first match wins.
   """
   name = _name(quantization, 'rules')
-  if weight not in (True, None):
+  if weight is not True and weight is not None:
     raise ValueError(
       f'maxtext.rules: weight must be True or None, got {weight!r}.'
     )
@@ -164,8 +171,15 @@ def _preset(label: str) -> DotGeneralConfig:
 
 def _intmp(mp: Any, path: str | None, op: Any) -> tuple[Rule, ...]:
   if isinstance(mp, str | os.PathLike):
-    with open(mp, encoding='utf-8') as f:
-      mp = json.load(f)
+    try:
+      with open(mp, encoding='utf-8') as f:
+        mp = json.load(f)
+    except (OSError, ValueError) as e:  # JSONDecodeError, UnicodeDecodeError
+      raise ValueError(
+        f'maxtext.rules: mixed_precision file {os.fspath(mp)!r} cannot be '
+        f'read as JSON ({type(e).__name__}: {e}); give a JSON file of '
+        '{regex: {w_bits, a_bits, w_scale, a_scale, tile_size}}.'
+      ) from None
   if not isinstance(mp, dict) or not all(
     isinstance(v, dict) for v in mp.values()
   ):
@@ -204,13 +218,23 @@ def _mp_config(entry: dict[str, Any], where: str) -> DotGeneralConfig:
       f'{sorted(bad)}; allowed: {", ".join(_MP_KEYS)}.'
     )
   tile = entry['tile_size']
-  return dot_config(
-    weight=entry['w_bits'],
-    activation=entry['a_bits'],
-    weight_clip=entry['w_scale'],
-    activation_clip=entry['a_scale'],
-    tile_size=None if tile == -1 else tile,
-  )
+  try:
+    return dot_config(
+      weight=entry['w_bits'],
+      activation=entry['a_bits'],
+      weight_clip=entry['w_scale'],
+      activation_clip=entry['a_scale'],
+      tile_size=None if tile == -1 else tile,
+    )
+  except ValueError as e:  # Name the key the user wrote, not ours.
+    msg = str(e).removeprefix('maxtext: ')
+    for ours, key in _MP_FIELDS:
+      if msg.startswith(ours + ' '):
+        msg = key + msg[len(ours) :]
+        break
+    raise ValueError(
+      f'maxtext.rules: mixed_precision[{where!r}]: {msg}'
+    ) from None
 
 
 def _numerics(spec: Any, field: str):
@@ -255,11 +279,10 @@ def _calibration(spec: Any, clip: Any, field: str):
       'maxtext: calibration must be a Calibration or one of '
       f'{", ".join(calibrations.names())}, got {spec!r}.'
     )
-  if clip == 1.0:
+  number = isinstance(clip, int | float) and not isinstance(clip, bool)
+  if number and clip == 1.0:
     return cal
-  if not isinstance(cal, calibrations.AbsMax) or not (
-    isinstance(clip, int | float) and 0 < clip <= 1
-  ):
+  if not isinstance(cal, calibrations.AbsMax) or not (number and 0 < clip <= 1):
     raise ValueError(
       f'maxtext: {field} must be in (0, 1] (an absmax clip scale), got '
       f'{clip!r} with {type(cal).__name__}.'
@@ -331,9 +354,8 @@ def dot_config(
 
   def t(spec, field, clip=1.0):
     n = _numerics(spec, field)
-    if not n.quantizes:
-      return none
-    return _tensor(n, _calibration(calibration, clip, f'{field}_clip'), tiling)
+    cal = _calibration(calibration, clip, f'{field}_clip')  # checked always
+    return _tensor(n, cal, tiling) if n.quantizes else none
 
   w = t(weight, 'weight', weight_clip)
   a = t(activation, 'activation', activation_clip)

@@ -19,6 +19,7 @@ from aqtr.calibrations.constant import Constant
 from aqtr.calibrations.delayed_scaling import DelayedScaling
 from aqtr.calibrations.lsq import Lsq
 from aqtr.calibrations.minmax import MinMax
+from aqtr.core.arguments import check_flags, check_int
 from aqtr.core.config import DotGeneralConfig, DotGeneralRaw, TensorConfig
 from aqtr.core.rounding import NearestEven, Rounding, Stochastic
 from aqtr.freezers.base import NoFreezer
@@ -88,21 +89,6 @@ def _t(
   )
 
 
-def _check_int(preset: str, name: str, v, low: int, high=None, none=False):
-  """Raises naming the preset's argument unless low <= v (<= high) is an
-  int (or None, when `none`)."""
-  if none and v is None:
-    return
-  ok = isinstance(v, int) and not isinstance(v, bool) and v >= low
-  if ok and (high is None or v <= high):
-    return
-  allowed = f'>= {low}' if high is None else f'in {low}..{high}'
-  raise ValueError(
-    f'presets.{preset}: {name} must be {"None or " if none else ""}an int '
-    f'{allowed}, got {v!r}.'
-  )
-
-
 def _tiles(size: int) -> SubChannel:
   return SubChannel(tile_size=size, tile_count=0)
 
@@ -152,13 +138,11 @@ def fully_quantized(
     bwd_bits: gradient bits (1..8), or None for float backward passes.
     stochastic_rounding: stochastic rounding on the gradient operand.
   """
-  _check_int('fully_quantized', 'fwd_bits', fwd_bits, 1, 8, none=True)
-  _check_int('fully_quantized', 'bwd_bits', bwd_bits, 1, 8, none=True)
-  if not isinstance(stochastic_rounding, bool):
-    raise TypeError(
-      'presets.fully_quantized: stochastic_rounding must be a bool, got '
-      f'{stochastic_rounding!r}.'
-    )
+  check_int('presets.fully_quantized', 'fwd_bits', fwd_bits, 1, 8, none=True)
+  check_int('presets.fully_quantized', 'bwd_bits', bwd_bits, 1, 8, none=True)
+  check_flags(
+    'presets.fully_quantized', stochastic_rounding=stochastic_rounding
+  )
   fwd = _int(fwd_bits) if fwd_bits is not None else NoNumerics()
   sr = Stochastic(noise_sharing_axes=()) if stochastic_rounding else None
   if bwd_bits is None:
@@ -203,8 +187,8 @@ def int8_sparse_2_4(
     update_step: steps between mask refreshes (held in between).
     decay: the SR-STE decay (0: plain straight-through).
   """
-  _check_int('int8_sparse_2_4', 'start_step', start_step, 0)
-  _check_int('int8_sparse_2_4', 'update_step', update_step, 1)
+  check_int('presets.int8_sparse_2_4', 'start_step', start_step, 0)
+  check_int('presets.int8_sparse_2_4', 'update_step', update_step, 1)
   cfg = int8()
   nm = NM(
     n=2,
@@ -395,12 +379,16 @@ def nvfp4_training(
     weight_blocks_2d: 16x16 weight blocks (else 1x16 along each pass's
       contraction, so forward and dlhs see different weights).
   """
+  check_flags(
+    'presets.nvfp4_training',
+    rht=rht,
+    stochastic_rounding=stochastic_rounding,
+    weight_blocks_2d=weight_blocks_2d,
+  )
   nv = NvFp4(scale_mode='nearest', clip_gradient=False)
   sr = Stochastic(noise_sharing_axes=()) if stochastic_rounding else None
-  w = (
-    _t(nv, tiling=Block2d(tile_size=16, free_size=16))
-    if (weight_blocks_2d)
-    else _t(nv)
+  w = _t(
+    nv, tiling=Block2d(tile_size=16, free_size=16) if weight_blocks_2d else None
   )
   h = Hadamard(block_size=16, signs='seed', seed=0, method='auto')
   t = h if rht else None
@@ -425,6 +413,11 @@ def mxfp4_training(
     hadamard: RHT-32 on the dlhs and drhs operands.
     forward_hadamard: RHT-32 on the forward operands (Quartet).
   """
+  check_flags(
+    'presets.mxfp4_training',
+    hadamard=hadamard,
+    forward_hadamard=forward_hadamard,
+  )
   mx = Mx(element='fp4_e2m1', scale_mode='rceil', clip_gradient=False)
   h = Hadamard(block_size=32, signs='seed', seed=0, method='auto')
   t = h if hadamard else None
@@ -443,7 +436,7 @@ def int4_asym_weight_only(group: int = 128) -> DotGeneralConfig:
   Args:
     group: elements per scale group, an int > 0.
   """
-  _check_int('int4_asym_weight_only', 'group', group, 1)
+  check_int('presets.int4_asym_weight_only', 'group', group, 1)
   return _weight_only(
     IntAsymmetric(bits=4, storage='uint8', clip_gradient=False),
     tiling=_tiles(group),
@@ -462,7 +455,7 @@ def fp8_delayed(history_length: int = 16) -> DotGeneralConfig:
   Args:
     history_length: amax values kept per tensor, >= 1.
   """
-  _check_int('fp8_delayed', 'history_length', history_length, 1)
+  check_int('presets.fp8_delayed', 'history_length', history_length, 1)
   cal = DelayedScaling(history_length=history_length, po2_scale=False)
 
   def t(dtype_name: str) -> TensorConfig:

@@ -172,3 +172,32 @@ def test_qt_rules_quantize_attention_with_the_activation_numerics():
 def test_bad_arguments_name_the_argument(call, match):
   with pytest.raises(ValueError, match=match):
     call()
+
+
+@pytest.mark.parametrize(
+  'entry, match',
+  [
+    ({'w_bits': 9}, r"\['mlp/.*'\]: w_bits must be None, bits 2..8"),
+    ({'w_bits': 8, 'w_scale': 1.5}, r'\]: w_scale must be in \(0, 1\]'),
+    ({'w_scale': 1.5}, r'\]: w_scale must be in \(0, 1\]'),
+    ({'a_bits': 'eight'}, r'\]: a_bits must be None, bits 2..8'),
+    ({'a_bits': 8, 'a_scale': True}, r'\]: a_scale must be in \(0, 1\]'),
+  ],
+)
+def test_intmp_errors_name_the_key_and_its_regex(entry, match):
+  with pytest.raises(ValueError, match=match):
+    maxtext.rules('intmp', mixed_precision={'mlp/.*': entry})
+
+
+def test_intmp_file_that_is_not_json_names_the_file(tmp_path):
+  path = tmp_path / 'mp.json'
+  path.write_text('{not json')
+  with pytest.raises(ValueError, match=r"file '.*mp.json' cannot be read as"):
+    maxtext.rules('intmp', mixed_precision=str(path))
+  with pytest.raises(ValueError, match='cannot be read as JSON'):
+    maxtext.rules('intmp', mixed_precision=str(tmp_path / 'missing.json'))
+
+
+def test_rules_weight_flag_is_true_or_none_not_one():
+  with pytest.raises(ValueError, match='weight must be True or None, got 1'):
+    maxtext.rules('int8', weight=1)

@@ -19,7 +19,7 @@ from aqtr.core.plan import Plan
 from aqtr.core.qtensor import QTensor
 from aqtr.core.quantizer import check_float
 from aqtr.core.rounding import as_typed_key
-from aqtr.core.slot_state import SlotState, has_schedule
+from aqtr.core.slot_state import SlotState, has_schedule, is_stateful
 from aqtr.core.slots import Side, Slot
 from aqtr.core.sparsify import Schedule, prune_operand
 
@@ -52,7 +52,7 @@ def quantize_operand(
     state: with a stateful or learned calibration, the operand's state
       (`aqtr.state.init(...)['fwd.<operand>']`): frozen with the bound the
       forward pass uses at that state (LSQ's learned step, the delayed
-      history's max).
+      history's max). Required for a stateful calibration.
 
   Example:
     >>> import jax.numpy as jnp, aqtr
@@ -81,7 +81,39 @@ def quantize_operand(
   partner = jax.ShapeDtypeStruct(tuple(other_shape), x.dtype)
   pair = (x, partner) if operand == 'lhs' else (partner, x)
   plan = Plan.create(*pair, dimension_numbers, config)
+  _check_state(plan.tensor(Slot.forward(Side(operand))), operand, state)
   return quantize_planned(x, plan, Side(operand), key=key, state=state)
+
+
+def _check_state(t, operand: str, state) -> None:
+  """One line when `state` does not fit the operand's calibration."""
+  path = f'fwd.{operand}'
+  init = f"aqtr.state.init(lhs, rhs, dimension_numbers, config)['{path}']"
+  if state is None:
+    if is_stateful(t):
+      raise ValueError(
+        f'quantize_operand: config.{path} calibrates with '
+        f'{type(t.calibration).__name__}, which keeps state; pass '
+        f'state={init} (or the trained state) to freeze it as the '
+        'forward pass does at that state.'
+      )
+    return
+  if not isinstance(state, Mapping) or not {'stats', 'learned'} <= set(state):
+    hint = (
+      f'the whole state tree; pass state[{path!r}]'
+      if isinstance(state, Mapping) and path in state
+      else f'{_keys(state)}; pass {init}'
+    )
+    raise ValueError(
+      "quantize_operand: state must be the operand's entry {'stats': ..., "
+      f"'learned': ...}}, got {hint}."
+    )
+
+
+def _keys(state) -> str:
+  if isinstance(state, Mapping):
+    return f'keys {sorted(map(str, state))}'
+  return type(state).__name__
 
 
 def quantize_planned(

@@ -250,15 +250,20 @@ def convert(
   return served if out is None else (served, out)
 
 
-def _keep_regex(keep):
+def _keep_regex(keep) -> re.Pattern | None:
+  """`convert`'s keep= as a compiled regex (one line when it is not)."""
   if keep is None:
     return None
+  if not isinstance(keep, str):
+    raise TypeError(
+      f'aqtr.flax.convert: keep must be a regex string, got {keep!r}.'
+    )
   try:
     return re.compile(keep)
   except re.error as e:
     raise ValueError(
-      f'aqtr.flax.convert: keep={keep!r} is not a valid regex ({e}); pass '
-      "a regex over '/'-joined parameter paths, e.g. keep='embed/.*'."
+      f'aqtr.flax.convert: keep={keep!r} is not a valid regex ({e}); fix '
+      'it, or pass re.escape(path) to keep one literal parameter path.'
     ) from None
 
 
@@ -348,6 +353,8 @@ def sizes(served, variables=None) -> common.Report:
     served: a converted model (`convert`).
     variables: linen: the serving variables `convert` returned.
   """
+  if isinstance(served, tuple) and len(served) == 2 and variables is None:
+    served, variables = served  # linen: what convert returned
   if hosts.is_linen(served) and variables is None:
     raise TypeError(
       'aqtr.flax.sizes: a linen model needs variables= (the serving '

@@ -179,8 +179,15 @@ def spec(model) -> LoraSpec:
   return s
 
 
-def sites(model, *args, variables=None, **kwargs) -> list[Site]:
+def sites(
+  model, *args, variables=None, caller='aqtr.lora', **kwargs
+) -> list[Site]:
   """The adapter sites of one call of `model` (traced abstractly)."""
+  if isinstance(model, nn.Module) and variables is None:
+    raise TypeError(
+      f'{caller}: a linen model needs variables= (the LoRA variables '
+      'aqtr.lora.attach returned).'
+    )
   lspec = dataclasses.replace(spec(model), recording=True)
   rec = nnx.clone(model) if isinstance(model, nnx.Module) else model
   rec = with_spec(rec, lspec)
@@ -189,26 +196,37 @@ def sites(model, *args, variables=None, **kwargs) -> list[Site]:
   )
   found: dict[str, Site] = {}
   hits: set[int] = set()
+  convs: set[int] = set()
   for s in sessions:
     hits |= s.activation_hits
+    convs |= s.conv_hits
     for site in s.sites:
       found.setdefault(site.where, site)
   out = list(found.values())
-  check_used(lspec.selectors, {s.rule for s in out}, hits)
+  check_used(lspec.selectors, {s.rule for s in out}, hits, convs)
   return out
 
 
-def check_used(selectors, used: set[int], hits: set[int]) -> None:
+def check_used(
+  selectors, used: set[int], hits: set[int], convs: frozenset = frozenset()
+) -> None:
   """One line for the first rule that set no adapter.
 
   Args:
     selectors: the rules' selectors, in order.
     used: indices of rules that set an adapter.
     hits: indices of rules that matched activation x activation ops.
+    convs: indices of rules that matched convolutions (no adapters).
   """
   for i, sel in enumerate(selectors):
     if i in used:
       continue
+    if i in convs:
+      raise ValueError(
+        f'aqtr.lora: rule {i} {sel.label()} matches only convolutions; '
+        'adapters go on dot_general / einsum weight ops (Dense, Einsum, '
+        'attention projections), not on convolutions: point it at those.'
+      )
     if i in hits:
       raise ValueError(
         f'aqtr.lora: rule {i} {sel.label()} matches only ops without a '
@@ -291,6 +309,12 @@ def attach(model, rules, *args, variables=None, seed: int = 0, **kwargs):
       model, rules, *args, variables=variables, seed=seed, **kwargs
     )
   pairs = lora_rules(rules)
+  if getattr(type(model), 'aqtr_lora', None) is not None:
+    raise ValueError(
+      'aqtr.lora.attach: the model already has adapters; attach to the '
+      'float model, or fold these in first with aqtr.lora.merge(model, '
+      '..., requantize=None) and attach to the merged model.'
+    )
   if isinstance(model, nn.Module) and variables is None:
     raise TypeError('aqtr.lora.attach: a linen model needs variables=.')
   linen = isinstance(model, nn.Module)

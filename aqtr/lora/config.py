@@ -17,6 +17,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import fiddle as fdl
@@ -62,22 +63,30 @@ def nf4(group: int = 64) -> DotGeneralConfig:
   )
 
 
-def base_config(base: Any) -> DotGeneralConfig | None:
-  """`LoraConfig.base` as a DotGeneralConfig (None: a float base)."""
+def base_config(
+  base: Any, field: str = 'LoraConfig.base'
+) -> DotGeneralConfig | None:
+  """`LoraConfig.base` as a DotGeneralConfig (None: a float base).
+
+  Args:
+    base: a `LoraConfig.base` value.
+    field: what the errors name (the argument `base` came from).
+
+  Returns:
+    The base's DotGeneralConfig, or None for a float base.
+  """
   if base is None or base == 'float':
     return None
   if base == 'nf4':
     return nf4()
   if isinstance(base, str):
     if base not in presets.__all__:
-      raise ValueError(
-        f'LoraConfig.base: unknown preset {base!r}; use {_BASES}.'
-      )
+      raise ValueError(f'{field}: unknown preset {base!r}; use {_BASES}.')
     base = aqtr_fiddle.config(base)
   if isinstance(base, fdl.Buildable):
     base = aqtr_fiddle.build(base)
   if not isinstance(base, DotGeneralConfig):
-    raise TypeError(f'LoraConfig.base must be {_BASES}, got {base!r}.')
+    raise TypeError(f'{field} must be {_BASES}, got {base!r}.')
   if base.is_float or not base.fwd.rhs.quantized:
     return None
   return base
@@ -135,10 +144,15 @@ class LoraConfig:
     r = self.rank
     if not isinstance(r, int) or isinstance(r, bool) or r < 1:
       raise ValueError(f'LoraConfig.rank must be an int >= 1, got {r!r}.')
-    if not isinstance(self.alpha, int | float) or not self.alpha > 0:
-      raise ValueError(f'LoraConfig.alpha must be > 0, got {self.alpha!r}.')
+    a = self.alpha
+    if (
+      not isinstance(a, int | float)
+      or isinstance(a, bool)
+      or not 0 < a < math.inf
+    ):
+      raise ValueError(f'LoraConfig.alpha must be > 0 and finite, got {a!r}.')
     p = self.dropout
-    if not isinstance(p, int | float) or not 0 <= p < 1:
+    if not isinstance(p, int | float) or isinstance(p, bool) or not 0 <= p < 1:
       raise ValueError(f'LoraConfig.dropout must be in [0, 1), got {p!r}.')
     cfg = base_config(self.base)
     if cfg is not None and _frozen_problem(cfg):

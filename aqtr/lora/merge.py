@@ -197,7 +197,9 @@ def merge(
   lspec = adapters_lib.spec(model)
   floats = all(base_config(c.base) is None for c in lspec.configs)
   check_solver(method, batches, grid, report, requantize, floats)
-  found = adapters_lib.sites(model, *args, variables=variables, **kwargs)
+  found = adapters_lib.sites(
+    model, *args, variables=variables, caller='aqtr.lora.merge', **kwargs
+  )
   linen = isinstance(model, nn.Module)
   if adapters is not None and not isinstance(adapters, dict):
     adapters = nnx.to_pure_dict(adapters)
@@ -259,7 +261,7 @@ def _formats(rules: list, requantize) -> list:
   """The merged ops' rules: their bases' formats, or `requantize`'s."""
   if isinstance(requantize, str) and requantize == 'base':
     return rules
-  fmt = base_config(requantize)
+  fmt = base_config(requantize, 'aqtr.lora.merge: requantize')
   return [dataclasses.replace(r, config=fmt) for r in rules]
 
 
@@ -323,7 +325,9 @@ def sizes(model, *args, variables=None, **kwargs) -> Bytes:
     from aqtr.lora import pax_merge  # noqa: PLC0415 (it builds on this)
 
     return pax_merge.sizes(model, *args, variables=variables, **kwargs)
-  found = adapters_lib.sites(model, *args, variables=variables, **kwargs)
+  found = adapters_lib.sites(
+    model, *args, variables=variables, caller='aqtr.lora.sizes', **kwargs
+  )
   bases = {(*s.module_path, s.param) for s in found}
   ad = base = base_float = other = 0
   if isinstance(model, nn.Module):

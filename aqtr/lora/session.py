@@ -134,6 +134,7 @@ class LoraSession(Session):
     self.lspec = lspec
     self.sites: list[Site] = []
     self.activation_hits: set[int] = set()
+    self.conv_hits: set[int] = set()
     self.n = 0
 
   def __call__(self, op: intercept.OpCall):
@@ -142,12 +143,14 @@ class LoraSession(Session):
     out = super().__call__(op)
     e = self.entries[-1]
     if e.rule is None or module is None:
-      if e.weight is None and module is not None:
-        self._note_activation(op, stack, module)
+      if module is not None and (e.weight is None or op.kind == 'conv'):
+        hits = self.activation_hits if e.weight is None else self.conv_hits
+        self._note_unadapted(op, stack, module, hits)
       return out
     return self._adapt(op, module, e, out)
 
-  def _note_activation(self, op, stack, module) -> None:
+  def _note_unadapted(self, op, stack, module, hits: set[int]) -> None:
+    """Adds to `hits` the rules that select this op (it takes no adapter)."""
     mpath = path_of(module)
     where = OpSite(
       '/'.join(map(str, mpath)),
@@ -159,7 +162,7 @@ class LoraSession(Session):
     )
     for i, sel in enumerate(self.lspec.selectors):
       if sel.matches(where):
-        self.activation_hits.add(i)
+        hits.add(i)
 
   def _adapt(self, op, module, e, out):
     side, op_id = e.weight, e.path.rsplit('/', 1)[-1]

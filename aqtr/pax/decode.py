@@ -35,7 +35,7 @@ import dataclasses
 import functools
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -131,6 +131,37 @@ def _vocab(lm: nn.Module) -> int:
   return getattr(e, 'num_classes', None) or e.num_embeddings
 
 
+def _token_ids(i: int, prompt: Any) -> list[int]:
+  """Prompt `i` as a list of ints (one line for any other kind of token)."""
+  if isinstance(prompt, str | bytes):
+    raise TypeError(
+      f'prompt {i} is text ({prompt!r}); give token ids (e.g. '
+      'aqtr.train.generate.encode(text)).'
+    )
+  arr = np.asarray(prompt)
+  if arr.ndim != 1 or (arr.size and arr.dtype.kind not in 'iu'):
+    raise TypeError(
+      f'prompt {i} must be a flat list of int token ids, got '
+      f'{prompt!r} ({arr.dtype}, shape {arr.shape}).'
+    )
+  return [int(t) for t in arr]
+
+
+def _check_variables(variables: Any, method: str) -> None:
+  """One line unless `variables` is a whole variables dict ('params': ...)."""
+  if not isinstance(variables, Mapping) or 'params' not in variables:
+    got = (
+      f'keys {sorted(map(str, variables))}'
+      if isinstance(variables, Mapping)
+      else type(variables).__name__
+    )
+    raise ValueError(
+      f"Decoder.{method}: variables must be the model's variables "
+      "{'params': ...} as lm.init returns them (not variables['params']), "
+      f'got {got}.'
+    )
+
+
 class Decoder:
   """Prefill, decode steps and generation of one LM with one cache config.
 
@@ -148,6 +179,16 @@ class Decoder:
     length: int | None = None,
     kv: KVCacheConfig | None = None,
   ):
+    if not (
+      isinstance(lm, nn.Module)
+      and hasattr(type(lm), 'extend')
+      and 'max_len' in {f.name for f in dataclasses.fields(lm)}
+    ):
+      raise TypeError(
+        'Decoder: lm must be a built aqtr.pax.TransformerLm (e.g. '
+        'fdl.build(aqtr.pax.templates.transformer_lm(...))), got '
+        f'{type(lm).__name__}.'
+      )
     kv = KVCacheConfig() if kv is None else kv
     if not isinstance(kv, KVCacheConfig):
       raise ValueError(f'kv must be a KVCacheConfig, got {kv!r}.')
@@ -193,7 +234,14 @@ class Decoder:
       ValueError: no prompt, an empty prompt, a prompt longer than the
         cache, or a token outside the vocabulary.
     """
-    prompts = [list(p) for p in prompts]
+    if isinstance(prompts, str) or not isinstance(
+      prompts, Sequence | np.ndarray | jax.Array
+    ):
+      raise TypeError(
+        'prompts must be a list of token-id lists (encode text first), '
+        f'got {type(prompts).__name__}.'
+      )
+    prompts = [_token_ids(i, p) for i, p in enumerate(prompts)]
     if not prompts:
       raise ValueError('prompts: give at least one prompt.')
     for i, p in enumerate(prompts):
@@ -220,11 +268,18 @@ class Decoder:
 
   def prefill(self, variables: Any, ids: Any, start: Any) -> tuple:
     """(logits [b, P, V], cache) of left-padded prompts (see `pad`)."""
+    _check_variables(variables, 'prefill')
     cache = self.init(len(ids), start)
     return self._extend(variables, jnp.asarray(ids, jnp.int32), cache)
 
   def step(self, variables: Any, tokens: Any, cache: Cache) -> tuple:
     """(logits [b, V], cache) of one new token per sequence."""
+    _check_variables(variables, 'step')
+    if not isinstance(cache, Cache):
+      raise TypeError(
+        'Decoder.step: cache must be the Cache that prefill or step '
+        f'returned (or Decoder.init(batch, start)), got {cache!r}.'
+      )
     logits, cache = self._extend(
       variables, jnp.asarray(tokens, jnp.int32)[:, None], cache
     )
@@ -243,39 +298,44 @@ class Decoder:
       variables, ids, cache, self.kv, method='extend'
     )
     key, sub = jax.random.split(key)
-    return sample(logits[:, -1], sub, sampling), cache, key
+    ok = jnp.isfinite(logits[:, -1]).all()
+    return sample(logits[:, -1], sub, sampling), cache, key, ok
 
   def _loop_impl(self, variables, token, cache, key, n_new, *, sampling):
+    """(tokens [b, S + 1], count, cache, whether every logit was finite)."""
     b = token.shape[0]
     out = jnp.zeros((b, self.length + 1), jnp.int32).at[:, 0].set(token)
 
     def cond(c):
-      i, _, cache, _, _ = c
+      i, _, cache, _, _, _ = c
       return (i < n_new) & (cache.index < self.length)
 
     def body(c):
-      i, token, cache, out, key = c
+      i, token, cache, out, key, ok = c
       logits, cache = self.lm.apply(
         variables, token[:, None], cache, self.kv, method='extend'
       )
       key, sub = jax.random.split(key)
       token = sample(logits[:, 0], sub, sampling)
       out = lax.dynamic_update_slice(out, token[:, None], (0, i))
-      return i + 1, token, cache, out, key
+      ok = ok & jnp.isfinite(logits[:, 0]).all()
+      return i + 1, token, cache, out, key, ok
 
-    init = (jnp.ones((), jnp.int32), token, cache, out, key)
-    i, _, cache, out, _ = lax.while_loop(cond, body, init)
-    return out, i, cache
+    init = (jnp.ones((), jnp.int32), token, cache, out, key, jnp.bool_(True))
+    i, _, cache, out, _, ok = lax.while_loop(cond, body, init)
+    return out, i, cache, ok
 
   def _compile(self, args: tuple, sampling: Sampling) -> tuple:
     """The compiled prefill and loop for these shapes (cached)."""
-    spec = jax.tree.map(lambda x: (x.shape, x.dtype), args[1:3])
+    # Variables of other shapes or dtypes (another model size, bf16)
+    # compile anew.
+    spec = jax.tree.map(lambda x: (jnp.shape(x), jnp.result_type(x)), args[:3])
     key = (str(spec), str(jax.tree.structure(args[0])), sampling)
     if key not in self._compiled:
       lowered = self._first.lower(*args, sampling=sampling)
       first, shapes = lowered.compile(), lowered.out_info
       n = jax.ShapeDtypeStruct((), jnp.int32)
-      loop = self._loop.lower(args[0], *shapes, n, sampling=sampling)
+      loop = self._loop.lower(args[0], *shapes[:3], n, sampling=sampling)
       self._compiled[key] = (first, loop.compile())
     return self._compiled[key]
 
@@ -305,6 +365,7 @@ class Decoder:
       raise ValueError(
         f'top_k={sampling.top_k} exceeds the vocabulary size {self.vocab}.'
       )
+    _check_variables(variables, 'generate')
     ids, start = self.pad(prompts)
     room = self.length - ids.shape[1] + 1
     n_new, stopped = max_new, None
@@ -320,13 +381,19 @@ class Decoder:
     t0 = time.perf_counter()
     first, loop = self._compile(args, sampling)
     t1 = time.perf_counter()
-    token, cache, key = first(*args)
+    token, cache, key, ok = first(*args)
     token.block_until_ready()
     t2 = time.perf_counter()
-    out, n, cache = loop(variables, token, cache, key, jnp.int32(n_new))
+    out, n, cache, ok2 = loop(variables, token, cache, key, jnp.int32(n_new))
     out = np.asarray(out)
     t3 = time.perf_counter()
     n = int(n)
+    if not (bool(ok) and bool(ok2)):
+      raise ValueError(
+        'Decoder.generate: the model computed non-finite logits (NaN or '
+        'inf), so the tokens would be meaningless; check the variables '
+        '(NaN or inf weights?).'
+      )
     return Generation(
       tokens=[row[:n].tolist() for row in out],
       stopped=stopped,

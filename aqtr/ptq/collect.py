@@ -295,6 +295,31 @@ def _shapes(args) -> tuple:
   )
 
 
+def _check_finite(i: int, args) -> None:
+  """One line when calibration batch `i` holds a NaN or inf."""
+  for leaf in jax.tree.leaves(args):
+    a = jnp.asarray(leaf)
+    if jnp.issubdtype(a.dtype, jnp.inexact) and not bool(jnp.isfinite(a).all()):
+      n = int(jnp.size(a) - jnp.isfinite(a).sum())
+      raise ValueError(
+        f'aqtr.ptq: calibration batch {i} holds {n} non-finite values (NaN '
+        'or inf); give finite calibration inputs.'
+      )
+
+
+def _check_weights(weights: dict) -> None:
+  """One line naming a weight op whose float weight holds a NaN or inf."""
+  for path, w in weights.items():
+    bad = ~jnp.isfinite(w)
+    if bool(bad.any()):
+      first = tuple(int(i[0]) for i in jnp.nonzero(bad))
+      raise ValueError(
+        f'aqtr.ptq: {path}: the float weight holds {int(bad.sum())} '
+        f'non-finite values (NaN or inf; first at index {first}); fix the '
+        'float weights before quantizing.'
+      )
+
+
 def collect(target, batches: Iterable) -> Collected:
   """Streams the calibration batches through the float model.
 
@@ -310,7 +335,8 @@ def collect(target, batches: Iterable) -> Collected:
 
   Raises:
     ValueError: no batch, a batch of other shapes than the first, a batch
-      the model cannot run, no weight op matched, scanned layers.
+      the model cannot run, a non-finite batch, weight or layer input, no
+      weight op matched, scanned layers.
   """
   fn, state = target.program()
   meta: dict = {}
@@ -348,9 +374,18 @@ def collect(target, batches: Iterable) -> Collected:
         f'aqtr.ptq: calibration batch 0 (shapes {got}) does not run through '
         f'the model: {e}'
       ) from e
+    _check_finite(i, args)
     if i == 0:
       weights = w
+      _check_weights(w)
     stats = {k: LayerStats(*v) for k, v in stats.items()}
+    for k, v in stats.items():
+      if not bool(jnp.isfinite(v.xtx).all()):
+        raise ValueError(
+          f'aqtr.ptq: {k}: its input on calibration batch {i} holds '
+          'non-finite values (NaN or inf) although the batch is finite: '
+          'a non-finite weight or overflow upstream; fix the float model.'
+        )
     total = (
       stats
       if total is None

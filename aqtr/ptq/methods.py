@@ -71,7 +71,15 @@ def get(method, **options) -> Method:
     raise ValueError(
       f'aqtr.ptq: method must be one of {names()} or a Method, got {method!r}.'
     )
-  return _METHODS[method](**options)
+  cls = _METHODS[method]
+  fields = [f.name for f in dataclasses.fields(cls) if f.init]
+  unknown = sorted(set(options) - set(fields))
+  if unknown:
+    raise TypeError(
+      f'aqtr.ptq: method {method!r} has no option(s) {unknown}; its options '
+      f'are {fields}.'
+    )
+  return cls(**options)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -91,6 +99,20 @@ class Method:
   def solve(self, site, grid: Grid, stats: LayerStats) -> gptq.Solution:
     """The weight's solution on `grid`."""
     raise NotImplementedError
+
+
+def check_data(path: str, stats: LayerStats, method: str) -> None:
+  """One line when the op's calibration inputs are all zero (or none).
+
+  A data-driven solver would then zero every weight (GPTQ zeroes dead
+  inputs' rows) and report no error.
+  """
+  if not bool((stats.xtx != 0).any()):
+    raise ValueError(
+      f'aqtr.ptq: {path}: every calibration input to this op is zero '
+      f'({int(stats.count)} tokens), so {method} has no data to solve '
+      "with; give calibration batches that reach it, or method='rtn'."
+    )
 
 
 @register('rtn')
@@ -134,10 +156,13 @@ class Gptq(Method):
       raise TypeError(f'Gptq.percdamp must be a float, got {p!r}.')
     if not (math.isfinite(p) and p >= 0):
       raise ValueError(f'Gptq.percdamp must be finite and >= 0, got {p}.')
-    if not isinstance(self.act_order, bool):
-      raise TypeError(f'Gptq.act_order must be a bool, got {self.act_order!r}.')
+    for name in ('act_order', 'static_groups'):
+      v = getattr(self, name)
+      if not isinstance(v, bool):
+        raise TypeError(f'Gptq.{name} must be True or False, got {v!r}.')
 
   def solve(self, site, grid: Grid, stats: LayerStats) -> gptq.Solution:
+    check_data(site.path, stats, 'GPTQ')
     try:
       group, regroup = (0, None) if self.static_groups else grid.regroup()
       return gptq.solve(
@@ -156,4 +181,12 @@ class Gptq(Method):
       raise ValueError(f'aqtr.ptq: GPTQ of {site.path}: {e}') from None
 
 
-__all__ = ['Gptq', 'Method', 'Rtn', 'get', 'names', 'register']
+__all__ = [
+  'Gptq',
+  'Method',
+  'Rtn',
+  'check_data',
+  'get',
+  'names',
+  'register',
+]

@@ -158,6 +158,20 @@ def output_error(dw2: jax.Array, xtx: jax.Array) -> jax.Array:
 
 
 def relative_error(dw2: jax.Array, w2: jax.Array, xtx: jax.Array) -> float:
-  """tr(dW^T xtx dW) / tr(W^T xtx W): the layer's relative output error."""
+  """tr(dW^T xtx dW) / tr(W^T xtx W): the layer's relative output error.
+
+  NaN when it is undefined: the denominator is 0 (no nonzero input or an
+  all-zero weight) or not finite (a non-finite input or weight), so a
+  report never shows a perfect 0.0 it did not measure.
+
+  Example:
+    >>> w = jnp.ones((2, 1))
+    >>> relative_error(0.5 * w, w, jnp.eye(2))
+    0.25
+    >>> relative_error(0.5 * w, w, jnp.zeros((2, 2)))
+    nan
+  """
   den = float(output_error(w2, xtx))
-  return float(output_error(dw2, xtx)) / den if den > 0 else 0.0
+  if not (math.isfinite(den) and den > 0):
+    return math.nan
+  return float(output_error(dw2, xtx)) / den

@@ -93,7 +93,14 @@ def _read_json(path: pathlib.Path, what: str) -> Any:
       f'{path.parent}: no {path.name} ({what}); give the serving folder '
       'of an aqtr-train LM run (<out>/<run>/serving).'
     )
-  return aqtr_fiddle.loads(path.read_text())
+  try:
+    return aqtr_fiddle.loads(path.read_text())
+  except (ValueError, TypeError, KeyError, AttributeError) as e:
+    msg = ' '.join(str(e).split())[:200]
+    raise ValueError(
+      f'{path}: cannot be read as {what} ({type(e).__name__}: {msg}); '
+      'restore the file the aqtr-train run wrote.'
+    ) from None
 
 
 def load(

@@ -17,6 +17,7 @@ flag or the file, no traceback).
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Sequence
 
@@ -64,7 +65,13 @@ def _fail(message: str) -> None:
 
 
 def _kv(f: dict) -> kv_cache.KVCacheConfig:
-  static = f['kv_bound'].value > 0
+  b = f['kv_bound'].value
+  if b != 0 and not (math.isfinite(b) and b > 0):
+    raise ValueError(
+      f'--kv_bound must be a finite bound > 0 (static scales) or 0 (absmax '
+      f'per token), got {b}'
+    )
+  static = b > 0
   return kv_cache.KVCacheConfig(
     numerics=f['kv'].value,
     scales=f['kv_scales'].value,

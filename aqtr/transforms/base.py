@@ -16,7 +16,31 @@ import jax
 
 from aqtr.core.registry import Registry
 
-__all__ = ['Transform', 'get', 'names', 'register', 'registry']
+__all__ = [
+  'Transform',
+  'check_axis',
+  'get',
+  'names',
+  'register',
+  'registry',
+]
+
+
+def check_axis(axis, ndim: int, operand: str = 'operand') -> int:
+  """`axis` in 0..ndim-1 (negative counts from the end); one line if not.
+
+  Example:
+    >>> check_axis(-1, 2)
+    1
+  """
+  if isinstance(axis, bool) or not isinstance(axis, int):
+    raise TypeError(f'{operand}: axis must be an int, got {axis!r}.')
+  if not -ndim <= axis < ndim:
+    raise ValueError(
+      f'{operand}: axis={axis} is out of range for an array of rank {ndim} '
+      f'(use -{ndim}..{ndim - 1}).'
+    )
+  return axis % ndim
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from aqtr.transforms.base import Transform, register
+from aqtr.transforms.base import Transform, check_axis, register
 
 SIGNS = ('none', 'seed', 'key')
 METHODS = ('auto', 'matmul', 'butterfly')
@@ -167,7 +167,7 @@ class Hadamard(Transform):
   def _rotate(self, x, axis, key, operand, inverse: bool) -> jax.Array:
     x = jnp.asarray(x)
     x = x.astype(jnp.promote_types(x.dtype, jnp.float32))
-    axis = axis % x.ndim
+    axis = check_axis(axis, x.ndim, operand)
     k, n = x.shape[axis], self.block_size
     self.check_size(k, operand)
     sigma = self.sigma(key, operand)

@@ -128,6 +128,8 @@ def test_command_says_when_the_cache_is_full(ckpt, capsys):
     (['--kv=int3'], 'KVCacheConfig.numerics must be one of'),
     (['--cache_len=64'], "length=64 exceeds the model's max_len=32"),
     (['--kv=int8', '--kv_scales=block', '--kv_block=5'], 'multiple of'),
+    (['--kv=int8', '--kv_bound=-1'], '--kv_bound must be a finite bound > 0'),
+    (['--kv=int8', '--kv_bound=nan'], '--kv_bound must be a finite bound'),
   ],
 )
 def test_mistakes_exit_2_with_one_line(ckpt, capsys, args, message):
@@ -145,3 +147,17 @@ def test_missing_or_wrong_serving_folder(capsys, tmp_path):
   ]:
     status, _, err = _main(capsys, *args)
     assert status == 2 and message in err and len(err.splitlines()) == 1
+
+
+def test_a_broken_model_json_names_the_file(ckpt, capsys, tmp_path):
+  path = ckpt[0]
+  bad = tmp_path / 'serving'
+  bad.mkdir()
+  (bad / 'variables').symlink_to(path / 'variables')
+  (bad / 'config.json').write_text((path / 'config.json').read_text())
+  (bad / 'model.json').write_text((path / 'model.json').read_text()[:-20])
+  with pytest.raises(ValueError, match=r'model.json: cannot be read as the'):
+    generate.load(bad)
+  status, _, err = _main(capsys, f'--serving={bad}')
+  assert status == 2 and 'model.json: cannot be read' in err
+  assert len(err.splitlines()) == 1

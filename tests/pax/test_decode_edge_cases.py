@@ -1,0 +1,73 @@
+"""aqtr.pax.decode on bad input: one clear line, never silent tokens."""
+
+from __future__ import annotations
+
+import functools
+
+import fiddle as fdl
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import pytest
+
+from aqtr.pax import decode, templates
+
+V, L = 16, 8
+
+
+@functools.cache
+def _model():
+  cfg = templates.transformer_lm(
+    vocab_size=V, d_model=8, num_layers=1, num_heads=2, hidden_dim=16, max_len=L
+  )
+  lm = fdl.build(cfg)
+  return lm, lm.init(jax.random.key(0), jnp.zeros((1, L), jnp.int32))
+
+
+def test_decoder_of_a_non_lm_says_what_it_takes():
+  with pytest.raises(TypeError, match='lm must be a built aqtr.pax.Transfor'):
+    decode.Decoder(nn.Dense(4))
+
+
+@pytest.mark.parametrize(
+  'prompts, match',
+  [
+    ([[1.7, 2]], r'prompt 0 must be a flat list of int token ids'),
+    (['abc'], r"prompt 0 is text \('abc'\); give token ids"),
+    ([[1, 'a']], r'prompt 0 must be a flat list of int'),
+    ([[[1, 2]]], r'prompt 0 must be a flat list'),
+    ('abc', r'prompts must be a list of token-id lists'),
+  ],
+)
+def test_prompts_must_be_int_token_ids(prompts, match):
+  lm, params = _model()
+  with pytest.raises(TypeError, match=match):
+    decode.Decoder(lm).generate(params, prompts, 2)
+
+
+def test_generate_names_its_variables():
+  lm, params = _model()
+  with pytest.raises(ValueError, match=r'generate: variables must be .*got k'):
+    decode.Decoder(lm).generate(params['params'], [[1, 2]], 2)
+
+
+def test_step_without_a_cache_is_one_line():
+  lm, params = _model()
+  with pytest.raises(TypeError, match='step: cache must be the Cache'):
+    decode.Decoder(lm).step(params, jnp.array([1]), None)
+
+
+def test_nan_weights_raise_instead_of_tokens():
+  lm, params = _model()
+  bad = jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), params)
+  with pytest.raises(ValueError, match='non-finite logits'):
+    decode.Decoder(lm).generate(bad, [[1, 2]], 3)
+
+
+def test_a_decoder_reused_with_other_dtypes_recompiles():
+  lm, params = _model()
+  dec = decode.Decoder(lm)
+  want = dec.generate(params, [[1, 2]], 3).tokens
+  half = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+  assert len(dec.generate(half, [[1, 2]], 3).tokens[0]) == 3
+  assert dec.generate(params, [[1, 2]], 3).tokens == want
