@@ -91,6 +91,12 @@ def _intercepting(method):
 def _subclass(base: type, spec: Spec) -> type:
   ns = {'aqtr_spec': spec, 'aqtr_base': base}
   for name in spec.methods:
+    if not isinstance(name, str) or not callable(getattr(base, name, None)):
+      raise ValueError(
+        f'aqtr.flax.quantize: methods= names {name!r}, which is not a method '
+        f'of {base.__name__}; name the methods that start a model call, '
+        "e.g. methods=('__call__',)."
+      )
     ns[name] = _intercepting(getattr(base, name))
   return type(base.__name__, (base,), ns)
 

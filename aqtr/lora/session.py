@@ -176,16 +176,21 @@ class LoraSession(Session):
       raise ValueError(f'{label}: cannot take an adapter ({op.why}).')
     own = own_params(module)
     key = f'{op_id}_{side}'
-    w = getattr(op, side)
+    # The weight's parameter, as the jaxpr analysis found it (the same
+    # under every transform), or the frozen holder of this op (SERVE).
+    weight = self.weights.get(e.path)
     param = next(
       (
         k
         for k, v in own.items()
-        if (isinstance(v, FrozenKernel | FrozenBox) and key in raw_entries(v))
-        or w is nn.meta.unbox(v)
+        if isinstance(v, FrozenKernel | FrozenBox) and key in raw_entries(v)
       ),
       None,
     )
+    if param is None and weight is not None and weight.direct:
+      name = weight.path[-1]
+      if tuple(weight.path[:-1]) == tuple(path_of(module)) and name in own:
+        param = name
     if param is None:
       raise ValueError(
         f'{label}: its weight operand is derived from a parameter (e.g. a '

@@ -40,9 +40,6 @@ def test_convert_keep_must_be_a_valid_regex(keep, err):
     aqtr.flax.convert(q, X, keep=keep)
 
 
-@pytest.mark.xfail(
-  strict=True, reason='methods= is validated in aqtr/flax/quantized.py (seam)'
-)
 def test_quantize_names_methods():
   with pytest.raises(ValueError, match='methods'):
     aqtr.flax.quantize(

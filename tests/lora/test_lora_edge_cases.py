@@ -13,7 +13,6 @@ from flax import nnx
 from aqtr import lora
 
 X = jax.random.normal(jax.random.key(1), (3, 64))
-SEAM = 'weight provenance under eager grad: seam issue 32'
 
 
 @pytest.mark.parametrize('alpha', [float('inf'), float('nan'), True, -1.0])
@@ -71,7 +70,6 @@ def _ones_b(params):
   )
 
 
-@pytest.mark.xfail(strict=True, reason=SEAM)
 def test_linen_eager_whole_tree_grad_matches_the_forward():
   lm, v = _linen_lora()
   params = _ones_b(v['params'])
@@ -87,7 +85,6 @@ def test_linen_eager_whole_tree_grad_matches_the_forward():
   )
 
 
-@pytest.mark.xfail(strict=True, reason=SEAM)
 def test_nnx_value_and_grad_default_filter_matches_the_forward():
   lm = lora.attach(nnx.Linear(64, 8, rngs=nnx.Rngs(0)), lora.LoraConfig(), X)
   b = lm.lora_b_dot_general0
