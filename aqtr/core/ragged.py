@@ -269,9 +269,17 @@ def _token_contract(a, s_a, b, s_b, gs, raw, precision) -> jax.Array:
 # ------------------------------------------------------------------- passes
 
 
-def _operand(x3, form, cfg: TensorConfig, key, tile) -> QuantizedOperand:
+def ragged_operand(x3, form, cfg: TensorConfig, key, tile) -> QuantizedOperand:
+  """One operand of a ragged pass quantized in its tiled view."""
   noise = rounding_noise(cfg, key, x3.shape)
   return quantize_tiled(Operand(x3, form, cfg, noise), tile)
+
+
+def stored_operand(values, scale, zero_point, form, dot_dtype):
+  """A stored (frozen) operand as the ragged passes take it."""
+  return QuantizedOperand(
+    values, scale, None, form, jnp.dtype(dot_dtype), zero_point
+  )
 
 
 def ragged_fwd(plan: RaggedPlan, lhs, rhs, gs, key):
@@ -282,10 +290,12 @@ def ragged_fwd(plan: RaggedPlan, lhs, rhs, gs, key):
   """
   cfg = plan.config
   keys = slot_keys(key)
-  q_l = _operand(
+  q_l = ragged_operand(
     lhs[None], 'fk', cfg.fwd.lhs, keys.get(Slot.FWD_LHS), plan.tile
   )
-  q_r = _operand(rhs, 'kf', cfg.fwd.rhs, keys.get(Slot.FWD_RHS), plan.tile)
+  q_r = ragged_operand(
+    rhs, 'kf', cfg.fwd.rhs, keys.get(Slot.FWD_RHS), plan.tile
+  )
   out = ragged_contract(q_l, q_r, gs, cfg.fwd, plan.precision)
   out_dtype = plan.preferred or jnp.result_type(lhs.dtype, rhs.dtype)
 
@@ -344,8 +354,8 @@ def _dlhs(plan: RaggedPlan, res: Residuals, gs, g):
   if res.rhs.q is None:  # Requantize R, contracting its N: 'fk' [G, K, N].
     names = (Slot.DLHS_LHS.path, Slot.DLHS_RHS.path)
     tile = common_tile([raw.lhs, raw.rhs], n_out, names)
-    q_g = _operand(g[None], 'fk', raw.lhs, key, tile)
-    q_r = _operand(res.rhs.x, 'fk', raw.rhs, residual_key(key), tile)
+    q_g = ragged_operand(g[None], 'fk', raw.lhs, key, tile)
+    q_r = ragged_operand(res.rhs.x, 'fk', raw.rhs, residual_key(key), tile)
     return ragged_contract(q_g, q_r, gs, raw, plan.precision)
   q_r = res.rhs.q  # [G, T, t, N]: per fwd tile j, (g * s_R) . q_R[:, j]^T.
   tile = common_tile([raw.lhs], n_out, (Slot.DLHS_LHS.path,))
@@ -377,7 +387,7 @@ def _token_operand(x, cfg: TensorConfig, key, slot: Slot):
       f'ragged_dot: config.{slot.path}.tiling splits the token axis, which '
       'drhs contracts per expert; use per_channel or per_tensor tiling there.'
     )
-  q = _operand(x[None], 'kf', cfg, key, None)
+  q = ragged_operand(x[None], 'kf', cfg, key, None)
   s = None if q.scale is None else jnp.broadcast_to(q.scale, q.values.shape)
   s = None if s is None else s[0, 0, :1]
   v = q.values[0, 0].astype(q.dot_dtype)

@@ -20,7 +20,12 @@ from aqtr.core.config import DotGeneralConfig
 from aqtr.core.dot_general import quantized_ragged_dot
 from aqtr.core.qtensor import QTensor
 from aqtr.core.quantizer import check_float
-from aqtr.core.ragged import RaggedPlan
+from aqtr.core.ragged import (
+  RaggedPlan,
+  ragged_contract,
+  ragged_operand,
+  stored_operand,
+)
 from aqtr.core.rounding import as_typed_key
 from aqtr.core.sharding import check_meshes, check_out_sharding, run_typed
 from aqtr.core.slots import Slot
@@ -201,3 +206,77 @@ def ragged_dot(
 
   args = (lhs, rhs, jnp.asarray(group_sizes), key)
   return run_typed(run, args, out_type, out_sharding)
+
+
+def freeze_ragged(
+  rhs: jax.Array, config: DotGeneralConfig, k_lhs: int | None = None
+) -> dict:
+  """The stored form of ragged_dot's expert weights: what TRAIN computes.
+
+  Returns {'values', 'scale'} (and 'zero_point' for affine numerics): the
+  forward's quantized rhs [G, T, t, N] in its tiled view, so that
+  `served_ragged_dot` with it equals the TRAIN forward bit for bit.
+
+  Args:
+    rhs: [G, K, N] float expert weights.
+    config: the op's DotGeneralConfig (its fwd.rhs quantizes the weights).
+    k_lhs: K (default rhs.shape[1]).
+
+  Example:
+    >>> import jax.numpy as jnp, aqtr
+    >>> f = freeze_ragged(jnp.ones((2, 4, 5)), aqtr.presets.int8())
+    >>> f['values'].dtype, f['values'].shape
+    (dtype('int8'), (2, 1, 4, 5))
+  """
+  rhs = jnp.asarray(rhs)
+  k = rhs.shape[1] if k_lhs is None else k_lhs
+  lhs = jax.ShapeDtypeStruct((1, k), rhs.dtype)
+  plan = RaggedPlan.create(lhs, rhs, config)
+  q = ragged_operand(rhs, 'kf', config.fwd.rhs, None, plan.tile)
+  out = {'values': q.values, 'scale': q.scale}
+  if q.zero_point is not None:
+    out['zero_point'] = q.zero_point
+  return out
+
+
+def served_ragged_dot(
+  lhs: jax.Array,
+  frozen: dict,
+  group_sizes: jax.Array,
+  config: DotGeneralConfig,
+  *,
+  precision=None,
+  preferred_element_type=None,
+) -> jax.Array:
+  """ragged_dot's forward with stored expert weights (`freeze_ragged`).
+
+  Equals `ragged_dot(lhs, rhs, group_sizes, config)` bit for bit when
+  `frozen` is `freeze_ragged(rhs, config)`; no gradient (serving).
+
+  Args:
+    lhs: [M, K] float tokens.
+    frozen: the stored weights.
+    group_sizes: [G] integers.
+    config: the config the weights were frozen with.
+    precision, preferred_element_type: as in `lax.ragged_dot`.
+
+  Returns:
+    [M, N].
+  """
+  lhs = jnp.asarray(lhs)
+  values = frozen['values']
+  g, _, _, n = values.shape
+  rhs = jax.ShapeDtypeStruct((g, lhs.shape[1], n), frozen['scale'].dtype)
+  group_sizes = _as_sizes(group_sizes)
+  plan = RaggedPlan.create(lhs, rhs, config, precision, preferred_element_type)
+  q_l = ragged_operand(lhs[None], 'fk', config.fwd.lhs, None, plan.tile)
+  q_r = stored_operand(
+    values,
+    frozen['scale'],
+    frozen.get('zero_point'),
+    'kf',
+    config.fwd.rhs.numerics.dot_dtype,
+  )
+  out = ragged_contract(q_l, q_r, group_sizes, config.fwd, plan.precision)
+  dtype = plan.preferred or jnp.result_type(lhs.dtype, rhs.dtype)
+  return out.astype(dtype)

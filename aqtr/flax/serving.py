@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from aqtr import rules as rules_lib
+from aqtr.core.ragged_dot import freeze_ragged
 from aqtr.flax import common, hosts
 from aqtr.flax.frozen import STORE, kernel_bytes, store_key
 from aqtr.flax.quantized import set_mode, spec_of
@@ -110,6 +111,9 @@ def _freeze_fn(use: WeightUse):
   """w (one op's weight) -> the holder entry of `use`'s op."""
 
   def freeze(w):
+    if use.call.kind == 'ragged_dot':
+      parts = freeze_ragged(w, use.config, use.other.shape[-1])
+      return frozen_entry(use.config, {'ragged': parts})
     store = []
 
     def dot(lhs, rhs, dn, precision, preferred):

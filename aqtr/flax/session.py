@@ -25,7 +25,11 @@ import jax
 import jax.numpy as jnp
 
 from aqtr.core.config import DotGeneralConfig
-from aqtr.core.ragged_dot import ragged_dot
+from aqtr.core.ragged_dot import (
+  freeze_ragged,
+  ragged_dot,
+  served_ragged_dot,
+)
 from aqtr.flax import common, hosts, intercept
 from aqtr.flax.frozen import holder_entries, store_key
 from aqtr.freezers import Mode, configure, lifecycle
@@ -267,15 +271,16 @@ class Session:
     op_id, where, weight = origin
     param = None if weight is None else '/'.join(map(str, weight.path))
     mode = self.spec.mode
-    if op.kind == 'ragged_dot':
-      return _ragged(op, config)
-    if side is not None:
+    ragged = op.kind == 'ragged_dot'
+    if side is not None and not ragged:
       config = _weight_config(config)
     collect = self.freeze is not None and where in self.freeze
     if collect and side is not None and config.fwd.rhs.quantized:
       mode = Mode.CONVERT
     elif mode is Mode.SERVE and frozen is not None:
       frozen = _served(frozen, config, label)
+      if ragged:
+        return _ragged_served(op, frozen['ragged'], config)
     elif mode is Mode.SERVE and side is not None and config.fwd.rhs.quantized:
       if self.spec.converted:
         mode = Mode.TRAIN  # kept float by convert(keep=...): on the fly
@@ -301,6 +306,11 @@ class Session:
       return out
 
     run = swapped(dot) if side == 'lhs' else dot
+    if ragged and mode is Mode.CONVERT:
+      parts = freeze_ragged(op.extra['rhs'], config)
+      entry = frozen_entry(config, {'ragged': parts})
+      self.collected[where] = {f'{op_id}_{side}': entry}
+      mode = Mode.TRAIN
     if weight is not None and mode is Mode.TRAIN and config.fwd.rhs.quantized:
       w = getattr(op, side)
       other = op.rhs if side == 'lhs' else op.lhs
@@ -317,9 +327,24 @@ class Session:
         weight,
       )
       self.uses.append(use)
-      if self.tap is not None and weight.direct:
+      if self.tap is not None and weight.direct and not ragged:
         return self.tap(use)
+    if ragged:
+      return _ragged(op, config)
     return op.run(run, op.lhs, op.rhs)
+
+
+def _ragged_served(op, frozen, config):
+  a = op.extra
+  out = served_ragged_dot(
+    a['lhs'],
+    frozen,
+    a['group_sizes'],
+    config,
+    precision=a['precision'],
+    preferred_element_type=a['preferred_element_type'],
+  )
+  return common.constrain(out, a['out_sharding'])
 
 
 def _ragged(op, config):
