@@ -74,7 +74,41 @@ _TARGETS = (
 # except the job's models (`aqtr.train`: a stock model, user code).
 _AQTR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _USER = _AQTR + 'train' + os.sep
-_local = threading.local()
+
+
+@dataclasses.dataclass
+class Context:
+  """All interception state of one thread, in one explicit object.
+
+  Attributes:
+    handler: the active handler of intercepted calls (None: none).
+    quiet: the wrappers call JAX directly (the handler's own ops).
+    observers: lists that each new `aqtr.flax.session.Session` is
+      appended to (`report` / `convert` tracing, PTQ calibration).
+    lora_key: the PRNG key of LoRA adapters' dropout (`aqtr.lora`).
+    lora_sites: Pax LoRA recording: the sites met, or None.
+    ptq_recorder: the Pax PTQ calibration probe's recorder, or None.
+  """
+
+  handler: Callable | None = None
+  quiet: bool = False
+  observers: list = dataclasses.field(default_factory=list)
+  lora_key: Any = None
+  lora_sites: list | None = None
+  ptq_recorder: Any = None
+
+
+_local = threading.local()  # the one thread-local: holds the Context
+
+
+def context() -> Context:
+  """This thread's interception Context."""
+  c = getattr(_local, 'context', None)
+  if c is None:
+    c = _local.context = Context()
+  return c
+
+
 _lock = threading.Lock()
 _installed = [0]  # how many `active` blocks are open, all threads
 
@@ -226,12 +260,9 @@ def _wrapper(name: str) -> Callable:
 
   @functools.wraps(original)
   def call(*args, **kwargs):
-    handler = getattr(_local, 'handler', None)
-    if (
-      handler is None
-      or getattr(_local, 'quiet', False)
-      or _from_aqtr(inspect.currentframe())
-    ):
+    ctx = context()
+    handler = ctx.handler
+    if handler is None or ctx.quiet or _from_aqtr(inspect.currentframe()):
       return original(*args, **kwargs)
     op = _MAKERS[kind](name, kind, original, args, kwargs)
     with quiet():
@@ -257,12 +288,13 @@ def _from_aqtr(frame) -> bool:
 @contextlib.contextmanager
 def quiet():
   """Within: the wrappers call JAX directly (the handler's own ops)."""
-  before = getattr(_local, 'quiet', False)
-  _local.quiet = True
+  ctx = context()
+  before = ctx.quiet
+  ctx.quiet = True
   try:
     yield
   finally:
-    _local.quiet = before
+    ctx.quiet = before
 
 
 def _install(on: bool) -> None:
@@ -295,19 +327,20 @@ def check_targets() -> None:
 @contextlib.contextmanager
 def active(handler: Callable[[OpCall], Any]):
   """Within: every intercepted call of this thread goes to `handler`."""
-  before = getattr(_local, 'handler', None), getattr(_local, 'quiet', False)
+  ctx = context()
+  before = ctx.handler, ctx.quiet
   _install(True)
-  _local.handler, _local.quiet = handler, False
+  ctx.handler, ctx.quiet = handler, False
   try:
     yield
   finally:
-    _local.handler, _local.quiet = before
+    ctx.handler, ctx.quiet = before
     _install(False)
 
 
 def is_active() -> bool:
   """Whether a handler is active in this thread."""
-  return getattr(_local, 'handler', None) is not None
+  return context().handler is not None
 
 
 def modules() -> list[Any]:

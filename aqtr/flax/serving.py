@@ -30,7 +30,7 @@ import numpy as np
 
 from aqtr import rules as rules_lib
 from aqtr.core.ragged_dot import freeze_ragged
-from aqtr.flax import common, hosts
+from aqtr.flax import common, hosts, intercept
 from aqtr.flax.frozen import STORE, kernel_bytes, store_key
 from aqtr.flax.quantized import set_mode, spec_of
 from aqtr.flax.session import (
@@ -38,7 +38,6 @@ from aqtr.flax.session import (
   WeightUse,
   engine_dot,
   frozen_entry,
-  observers,
   swapped,
 )
 from aqtr.freezers import Mode, lifecycle
@@ -47,9 +46,7 @@ from aqtr.rules import OpEntry, Report
 
 def trace(model, fn) -> list[Session]:
   """The sessions of the quantized calls `fn` makes (abstractly)."""
-  stack = getattr(observers, 'stack', None)
-  if stack is None:
-    stack = observers.stack = []
+  stack = intercept.context().observers
   got: list[Session] = []
   stack.append(got)
   try:
@@ -289,9 +286,7 @@ def _freeze_ops(model, variables, args, kwargs, wanted: set) -> dict:
   if not wanted:
     return {}
   fn, state = hosts.call_fn(model, variables, args, kwargs)
-  stack = getattr(observers, 'stack', None)
-  if stack is None:
-    stack = observers.stack = []
+  stack = intercept.context().observers
 
   def run(state):
     got = _Freezer(wanted)

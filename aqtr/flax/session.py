@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import threading
 from typing import Any
 
 import flax.linen as nn
@@ -175,7 +174,7 @@ class Session:
     # Set by an observer (`aqtr.ptq`'s calibration pass): called with each
     # WeightUse in TRAIN instead of the quantized dot; returns its output.
     self.tap = None
-    for observer in getattr(observers, 'stack', ()) if observed else ():
+    for observer in intercept.context().observers if observed else ():
       observer.append(self)
 
   def _op_id(self, module, mpath: tuple, kind: str) -> str:
@@ -360,9 +359,6 @@ def _ragged(op, config):
   )
 
 
-observers = threading.local()
-
-
 @dataclasses.dataclass(frozen=True)
 class Spec:
   """What a quantized model class carries: rules, built configs, mode."""
@@ -382,6 +378,5 @@ __all__ = [
   'WeightUse',
   'engine_dot',
   'frozen_entry',
-  'observers',
   'swapped',
 ]

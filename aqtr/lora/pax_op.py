@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import threading
 from typing import Any, NamedTuple
 
 import fiddle as fdl
@@ -38,6 +37,7 @@ from fiddle import selectors
 
 import aqtr.flax.linen as aqtr_linen
 from aqtr.core import einsum as einsum_lib
+from aqtr.flax import intercept
 from aqtr.lora import storage
 from aqtr.lora.config import LoraConfig
 from aqtr.lora.session import A_PREFIX, B_PREFIX, Site, low_rank
@@ -45,7 +45,6 @@ from aqtr.pax import ops
 
 __all__ = ['KEY', 'LoraEinsum', 'PaxSite', 'nodes', 'sites']
 
-_local = threading.local()
 _OP = 'einsum'  # The adapters' op id: params lora_a_einsum, lora_b_einsum.
 KEY = f'{_OP}_rhs'  # The stored entries' op key (`aqtr.lora.storage`).
 
@@ -138,7 +137,7 @@ class LoraEinsum(ops.EinsumOp):
     base = self.contract(eqn, lhs, rhs)
     a = self._adapter(A_PREFIX + _OP, plan.a_shape, where)
     b = self._adapter(B_PREFIX + _OP, plan.b_shape, where)
-    rec = getattr(_local, 'sites', None)
+    rec = intercept.context().lora_sites
     if rec is not None:
       rec.append(self._site(plan, lhs, rhs, where))
     delta = low_rank(lhs, a, b, plan.lc, self.lora, None, self.index)
@@ -227,12 +226,12 @@ def nodes(template) -> list:
 def sites(template, *args, **kwargs) -> list[PaxSite]:
   """The adapters of one call of a LoRA template (traced abstractly)."""
   model = fdl.build(template)
-  _local.sites = []
+  intercept.context().lora_sites = []
   try:
     jax.eval_shape(lambda k: model.init(k, *args, **kwargs), jax.random.key(0))
-    found = _local.sites
+    found = intercept.context().lora_sites
   finally:
-    _local.sites = None
+    intercept.context().lora_sites = None
   out: dict[int, PaxSite] = {}
   for s in found:
     out.setdefault(s.index, s)

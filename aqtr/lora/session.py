@@ -24,7 +24,6 @@ import contextlib
 import dataclasses
 import functools
 import math
-import threading
 from typing import Any
 
 import flax.linen as nn
@@ -52,7 +51,6 @@ __all__ = [
   'raw_entries',
 ]
 
-_local = threading.local()
 A_PREFIX, B_PREFIX = 'lora_a_', 'lora_b_'
 
 
@@ -67,12 +65,13 @@ def dropout(key: jax.Array):
   Each adapter op folds its index into `key` (inside a scan over layers
   every layer draws the same mask). Outside this block: no dropout.
   """
-  before = getattr(_local, 'key', None)
-  _local.key = key
+  ctx = intercept.context()
+  before = ctx.lora_key
+  ctx.lora_key = key
   try:
     yield
   finally:
-    _local.key = before
+    ctx.lora_key = before
 
 
 @dataclasses.dataclass(frozen=True)
@@ -257,7 +256,7 @@ def low_rank(x, a, b, lc, cfg: LoraConfig, precision, index: int):
 
   Inside `dropout(key)`, the mask's key is `fold_in(key, index)`.
   """
-  key = getattr(_local, 'key', None)
+  key = intercept.context().lora_key
   if cfg.dropout and key is not None:
     k = jax.random.fold_in(key, index)
     keep = jax.random.bernoulli(k, 1.0 - cfg.dropout, jnp.shape(x))

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import threading
+import functools
 from collections.abc import Iterable
 from typing import Any
 
@@ -50,10 +50,8 @@ from aqtr import fiddle as aqtr_fiddle
 from aqtr.core.config import DotGeneralConfig
 from aqtr.flax import common, intercept
 from aqtr.flax.quantized import spec_of
-from aqtr.flax.session import WeightUse, observers, swapped
+from aqtr.flax.session import WeightUse, swapped
 from aqtr.ptq.stats import LayerStats, merge
-
-_local = threading.local()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,19 +119,23 @@ def input_matrix(lhs: jax.Array, dn) -> jax.Array:
 
 
 class _Recorder:
-  """Collects (site, stats tracer, weight tracer) while a program traces."""
+  """Collects each weight op's input statistics while a program runs.
 
-  def __init__(self):
+  The statistics and the weight leave the program through host callbacks
+  (`jax.debug.callback`), so ops under `remat` (or any transform that
+  traces its body apart) are recorded too; `host` gathers them per batch.
+  """
+
+  def __init__(self, host: dict):
     self.sites: dict[str, Site] = {}
-    self.stats: dict[str, LayerStats] = {}
-    self.weights: dict[str, jax.Array] = {}
+    self.host = host
 
   def record(self, site: Site, lhs, rhs) -> None:
     s = LayerStats.from_activations(input_matrix(lhs, site.dimension_numbers))
-    old = self.stats.get(site.path)
-    self.stats[site.path] = s if old is None else merge(old, s)
     self.sites.setdefault(site.path, site)
-    self.weights.setdefault(site.path, rhs)
+    jax.debug.callback(
+      functools.partial(_host_record, self.host, site.path), tuple(s), rhs
+    )
 
   def append(self, session) -> None:
     """As an interception observer: tap each new Session."""
@@ -141,9 +143,12 @@ class _Recorder:
 
   def tap(self, use: WeightUse):
     """One weight op of a rules model: record, then run it in float."""
-    mpath = '/'.join(map(str, use.module_path))
-    op_id = use.key.rsplit('_', 1)[0]
-    path = f'{mpath}/{op_id}' if mpath else op_id
+    if use.info is not None and use.info.in_loop:
+      raise ValueError(
+        f'aqtr.ptq: {use.where} runs inside a loop body (scan over layers); '
+        'the calibration pass needs the layers unrolled.'
+      )
+    path = use.where
 
     def dot(lhs, rhs, dn, precision, preferred):
       site = Site(
@@ -176,7 +181,7 @@ class Probe(nn.Module):
 
   @nn.compact
   def __call__(self, eqn: str, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
-    rec = getattr(_local, 'recorder', None)
+    rec = intercept.context().ptq_recorder
     if rec is not None and not self.is_initializing():
       dn, _ = common.einsum_plan(eqn, jnp.ndim(lhs), jnp.ndim(rhs))
       site = Site(
@@ -237,13 +242,10 @@ class _Observing:
     self.recorder = recorder
 
   def __enter__(self):
-    stack = getattr(observers, 'stack', None)
-    if stack is None:
-      stack = observers.stack = []
-    stack.append(self.recorder)
+    intercept.context().observers.append(self.recorder)
 
   def __exit__(self, *exc):
-    observers.stack.remove(self.recorder)
+    intercept.context().observers.remove(self.recorder)
 
 
 class PaxTarget:
@@ -278,10 +280,18 @@ class _Local:
     self.recorder = recorder
 
   def __enter__(self):
-    _local.recorder = self.recorder
+    intercept.context().ptq_recorder = self.recorder
 
   def __exit__(self, *exc):
-    _local.recorder = None
+    intercept.context().ptq_recorder = None
+
+
+def _host_record(host: dict, path: str, stats, weight) -> None:
+  """Host side of `_Recorder.record`: merge one op's statistics."""
+  s = LayerStats(*(jnp.asarray(x) for x in stats))
+  old = host['stats'].get(path)
+  host['stats'][path] = s if old is None else merge(old, s)
+  host['weights'].setdefault(path, jnp.asarray(weight))
 
 
 def _as_args(batch) -> tuple:
@@ -340,13 +350,13 @@ def collect(target, batches: Iterable) -> Collected:
   """
   fn, state = target.program()
   meta: dict = {}
+  host: dict = {'stats': {}, 'weights': {}}
 
   def program(state, args):
-    rec = _Recorder()
+    rec = _Recorder(host)
     with target.observe(rec):
       fn(state, *args)
     meta['sites'] = rec.sites
-    return rec.stats, rec.weights
 
   jitted = jax.jit(program)
   total, weights, want = None, None, None
@@ -360,8 +370,11 @@ def collect(target, batches: Iterable) -> Collected:
         f'aqtr.ptq: calibration batch {i} has shapes {got}, batch 0 has '
         f'{want}; give every batch the same shapes.'
       )
+    host['stats'], host['weights'] = {}, {}
     try:
-      stats, w = jitted(state, args)
+      jitted(state, args)
+      jax.effects_barrier()
+      stats, w = host['stats'], host['weights']
     except jax.errors.UnexpectedTracerError:
       raise ValueError(
         'aqtr.ptq: a weight op ran inside a JAX transform (scan over '
@@ -378,7 +391,6 @@ def collect(target, batches: Iterable) -> Collected:
     if i == 0:
       weights = w
       _check_weights(w)
-    stats = {k: LayerStats(*v) for k, v in stats.items()}
     for k, v in stats.items():
       if not bool(jnp.isfinite(v.xtx).all()):
         raise ValueError(

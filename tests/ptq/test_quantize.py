@@ -158,3 +158,35 @@ def test_scanned_layers_are_one_line():
   v = Stack().init(jax.random.key(0), x)
   with pytest.raises(ValueError, match='layers unrolled'):
     ptq.quantize(Stack(), INT4, [x], variables=v)
+
+
+class RematMlp(nn.Module):
+  """Blocks under `nn.remat`: the calibration pass records them too."""
+
+  @nn.compact
+  def __call__(self, x):
+    dense = nn.remat(nn.Dense)
+    return dense(16)(jax.nn.gelu(dense(64)(x)))
+
+
+def test_remat_layers_are_calibrated_and_solved():
+  xs = _batches()
+  v = RematMlp().init(jax.random.key(0), xs[0])
+  (module, sv), rep = ptq.quantize(RematMlp(), INT4, xs, variables=v)
+  assert len(rep.layers) == 2 and all(r.error < r.rtn_error for r in rep.layers)
+  # Same solution as the plain model with the same parameters.
+  (plain, pv), _ = ptq.quantize(LinenMlp(), INT4, xs, variables=_renamed(v))
+  np.testing.assert_array_equal(
+    jax.jit(module.apply)(sv, xs[0]), jax.jit(plain.apply)(pv, xs[0])
+  )
+
+
+def _renamed(v):
+  """RematMlp's parameters under LinenMlp's module names."""
+  p = v['params']
+  return {
+    'params': {
+      'Dense_0': p['CheckpointDense_0'],
+      'Dense_1': p['CheckpointDense_1'],
+    }
+  }
