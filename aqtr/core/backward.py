@@ -32,7 +32,6 @@ Internal API (used by `dot_general.py`): `backward`.
 from __future__ import annotations
 
 import jax
-from jax import lax
 
 from aqtr.core import prims
 from aqtr.core.first_order import first_order_only
@@ -63,7 +62,7 @@ def _float_grad(plan: Plan, side: Side, y, g) -> jax.Array:
 
   def f(x):
     args = (x, y) if side is Side.LHS else (y, x)
-    return lax.dot_general(
+    return prims.dot_general(
       *args,
       plan.dimension_numbers,
       precision=plan.precision,

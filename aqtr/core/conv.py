@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from aqtr.core import prims
 from aqtr.core.config import DotGeneralConfig
 from aqtr.core.dot_general import dot_general
 from aqtr.core.sharding import check_out_sharding, constrain
@@ -251,7 +252,7 @@ class ConvArgs:
 
   def lax(self, lhs, rhs) -> jax.Array:
     """`lax.conv_general_dilated(lhs, rhs, *these arguments)` (float)."""
-    return lax.conv_general_dilated(
+    return prims.conv_general_dilated(
       lhs,
       rhs,
       self.window_strides,

@@ -41,9 +41,8 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
-from aqtr.core import slot_state
+from aqtr.core import prims, slot_state
 from aqtr.core.backward import backward
 from aqtr.core.config import DotGeneralConfig
 from aqtr.core.forward import forward
@@ -154,7 +153,7 @@ def dot_general(
   # Zero-size operands: nothing to quantize; lax gives the (empty or zero)
   # result and gradients.
   if not any(stored) and (config is None or config.is_float or empty):
-    out = lax.dot_general(
+    out = prims.dot_general(
       lhs,
       rhs,
       dimension_numbers,

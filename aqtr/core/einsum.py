@@ -14,6 +14,7 @@ import string
 import jax
 import jax.numpy as jnp
 
+from aqtr.core import prims
 from aqtr.core.config import DotGeneralConfig
 from aqtr.core.dot_general import dot_general
 from aqtr.core.qtensor import QTensor
@@ -157,7 +158,7 @@ def einsum(
   if not given and (
     config is None or (isinstance(config, DotGeneralConfig) and config.is_float)
   ):
-    return jnp.einsum(
+    return prims.einsum(
       subscripts,
       lhs,
       rhs,

@@ -16,8 +16,8 @@ Internal API (used by `dot_general.py` and `operand.py`):
 from __future__ import annotations
 
 import jax.numpy as jnp
-from jax import lax
 
+from aqtr.core import prims
 from aqtr.core.passes import (
   Operand,
   QuantizedOperand,
@@ -139,7 +139,7 @@ def forward(plan: Plan, lhs, rhs, key, state: dict, residuals: bool = True):
       new[slot] = new[slot]._replace(schedule=sched)
   grad_keys = {s: keys.get(Slot.of(s.grad_pass, Side.LHS)) for s in SIDES}
   if not plan.quantizes_forward:
-    out = lax.dot_general(
+    out = prims.dot_general(
       xs[Side.LHS],
       xs[Side.RHS],
       plan.dimension_numbers,

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import get_abstract_mesh
 
+from aqtr.core import prims
 from aqtr.core.config import DotGeneralRaw, TensorConfig
 from aqtr.core.dimension_numbers import OperandLayout
 from aqtr.core.qtensor import from_view, to_view
@@ -318,7 +319,7 @@ def _batched_dot(b_contract: int):
   dn = (((2,), (b_contract,)), ((0,), (0,)))
 
   def dot(qa, qb, preferred, precision):
-    return lax.dot_general(
+    return prims.dot_general(
       qa, qb, dn, precision=precision, preferred_element_type=preferred
     )
 

@@ -8,6 +8,10 @@ inline (`where` -> select_n, `clip` -> clamp,
 `round_even` -> round to nearest even as `jnp.round`): same values, fewer
 ops to compile.
 
+It also holds the contractions the engine calls (`dot_general`,
+`ragged_dot`, `conv_general_dilated`, `einsum`), captured at import so
+that stock-model interception never catches the engine's own calls.
+
 Example:
   >>> import jax.numpy as jnp
   >>> clip(round_even(jnp.array([0.5, 1.5, 300.0])), -127.0, 127.0).tolist()
@@ -20,6 +24,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+
+# The contractions the engine runs, captured when aqtr is imported: stock
+# model interception (`aqtr.flax.intercept`) patches the public names
+# `jax.lax.dot_general`, `jnp.einsum`, ... while a quantized model runs,
+# and the engine's own calls (its forward, and its backward traced later)
+# must never be taken for the model's. Engine code calls these.
+dot_general = lax.dot_general
+ragged_dot = lax.ragged_dot
+conv_general_dilated = lax.conv_general_dilated
+einsum = jnp.einsum
 
 
 def where(condition: jax.Array, x, y) -> jax.Array:

@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from aqtr.core import prims
 from aqtr.core.algorithms import StatefulCalibration
 from aqtr.core.config import DotGeneralConfig, DotGeneralRaw, TensorConfig
 from aqtr.core.passes import (
@@ -333,7 +334,7 @@ def _float_grad(plan: RaggedPlan, side: Side, y, gs, g) -> jax.Array:
 
   def f(x):
     args = (x, y) if side is Side.LHS else (y, x)
-    return lax.ragged_dot(
+    return prims.ragged_dot(
       *args,
       gs,
       precision=plan.precision,

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from aqtr.core import prims
 from aqtr.core.config import DotGeneralConfig
 from aqtr.core.dot_general import quantized_ragged_dot
 from aqtr.core.qtensor import QTensor
@@ -169,7 +170,7 @@ def ragged_dot(
   check_out_sharding(out_sharding, 2, 'ragged_dot: [M, N]')
   _check_group_sizes(group_sizes, lhs.shape[0])
   if config is None or config.is_float or lhs.size == 0 or rhs.size == 0:
-    return lax.ragged_dot(
+    return prims.ragged_dot(
       lhs,
       rhs,
       group_sizes,

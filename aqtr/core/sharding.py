@@ -49,6 +49,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import AxisType
 
+from aqtr.core import prims
+
 
 def explicit_axes(*operands) -> tuple[str, ...]:
   """The current mesh's explicit axes (empty without a mesh).
@@ -76,7 +78,7 @@ def output_type(lhs, rhs, dimension_numbers, preferred, out_sharding):
   """
 
   def dot(a, b):
-    return lax.dot_general(
+    return prims.dot_general(
       a,
       b,
       dimension_numbers,

@@ -20,11 +20,10 @@ from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from aqtr.core import conv as conv_lib
 from aqtr.core import einsum as einsum_lib
-from aqtr.core import slot_state
+from aqtr.core import prims, slot_state
 from aqtr.core.config import DotGeneralConfig
 from aqtr.freezers import Mode, lifecycle
 from aqtr.state import init as init_state
@@ -234,7 +233,7 @@ def dot_general_op(
 ):
   """The body of a `lax.dot_general` drop-in op."""
   if is_float(host.config):
-    return lax.dot_general(
+    return prims.dot_general(
       lhs,
       rhs,
       dimension_numbers,
@@ -259,7 +258,7 @@ def einsum_op(
 ):
   """The body of a two-operand `jnp.einsum` drop-in op (one dot)."""
   if is_float(host.config):
-    return jnp.einsum(
+    return prims.einsum(
       subscripts,
       lhs,
       rhs,

@@ -8,7 +8,9 @@ JAX functions a model calls are replaced by thin wrappers:
 the call into an `OpCall` (operands, kind, and how to compute it as one
 `dot(lhs, rhs, dimension_numbers, precision, preferred)`) and hands it to
 the handler. Calls the handler makes itself, calls from other threads and
-calls with no active handler go straight to JAX. Modules that captured a
+calls with no active handler go straight to JAX. The engine's own
+contractions never reach the wrappers: it calls the functions
+`aqtr.core.prims` captured at import. Modules that captured a
 function at construction (`nnx.Einsum(einsum_op=jnp.einsum)`) are pointed
 at the wrappers by `retarget`.
 
@@ -35,7 +37,6 @@ import dataclasses
 import functools
 import importlib
 import inspect
-import os
 import sys
 import threading
 from collections.abc import Callable
@@ -69,11 +70,6 @@ _TARGETS = (
   ('jax.lax', 'conv_general_dilated', 'lax.conv_general_dilated'),
   ('jax.lax', 'ragged_dot', 'lax.ragged_dot'),
 )
-
-# aqtr's source directory: calls from files under it are aqtr's own,
-# except the job's models (`aqtr.train`: a stock model, user code).
-_AQTR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-_USER = _AQTR + 'train' + os.sep
 
 
 @dataclasses.dataclass
@@ -262,7 +258,7 @@ def _wrapper(name: str) -> Callable:
   def call(*args, **kwargs):
     ctx = context()
     handler = ctx.handler
-    if handler is None or ctx.quiet or _from_aqtr(inspect.currentframe()):
+    if handler is None or ctx.quiet:
       return original(*args, **kwargs)
     op = _MAKERS[kind](name, kind, original, args, kwargs)
     with quiet():
@@ -273,16 +269,6 @@ def _wrapper(name: str) -> Callable:
 
 
 WRAPPERS = {name: _wrapper(name) for name in ORIGINALS}
-
-
-def _from_aqtr(frame) -> bool:
-  """Whether the wrapper's caller is aqtr's own code (e.g. the engine's
-  backward pass, traced after the op returned): never intercepted."""
-  caller = frame.f_back if frame is not None else None
-  if caller is None:
-    return False
-  name = caller.f_code.co_filename
-  return name.startswith(_AQTR) and not name.startswith(_USER)
 
 
 @contextlib.contextmanager
