@@ -46,6 +46,7 @@ from jax import lax
 from aqtr.core import slot_state
 from aqtr.core.backward import backward
 from aqtr.core.config import DotGeneralConfig
+from aqtr.core.dimension_numbers import Broadcast
 from aqtr.core.forward import forward
 from aqtr.core.plan import Plan
 from aqtr.core.qtensor import QTensor
@@ -140,6 +141,19 @@ def dot_general(
       f'config must be an aqtr.DotGeneralConfig or None, got {config!r}.'
     )
   key = as_typed_key(key)  # Checked even where unused.
+  bc = Broadcast.of(jnp.shape(lhs), jnp.shape(rhs), dimension_numbers)
+  if bc is not None:
+    return _broadcasting(
+      lhs,
+      rhs,
+      bc,
+      config,
+      key=key,
+      precision=precision,
+      preferred_element_type=preferred_element_type,
+      out_sharding=out_sharding,
+      state=state,
+    )
   check_dot_out_sharding(out_sharding, lhs, rhs, dimension_numbers)
   stored = tuple(isinstance(x, QTensor) for x in (lhs, rhs))
   slot_state.check_tree(config, state, stored)
@@ -202,3 +216,28 @@ def dot_general(
     return quantized_dot(lhs, rhs, key, {}, plan)[0]
 
   return run_on_mesh(run, (lhs, rhs, key), structs, plan, out_sharding)
+
+
+def _broadcasting(lhs, rhs, bc: Broadcast, config, *, out_sharding, **kw):
+  """`dot_general` of operands whose size-1 batch axes broadcast (`bc`)."""
+  for x, axes, name in (
+    (lhs, bc.lhs_squeeze, 'lhs'),
+    (rhs, bc.rhs_squeeze, 'rhs'),
+  ):
+    if axes and isinstance(x, QTensor):
+      raise ValueError(
+        f'the QTensor {name} has size-1 batch axes {axes} that broadcast '
+        'against the other operand: freeze the weight without them (or '
+        'broadcast it before quantizing).'
+      )
+  if bc.lhs_squeeze:
+    lhs = jnp.squeeze(lhs, bc.lhs_squeeze)
+  if bc.rhs_squeeze:
+    rhs = jnp.squeeze(rhs, bc.rhs_squeeze)
+  got = dot_general(lhs, rhs, bc.dimension_numbers, config, **kw)
+  out, state = got if kw['state'] is not None else (got, None)
+  if bc.perm is not None:
+    out = out.transpose(bc.perm)
+  if out_sharding is not None:
+    out = jax.lax.with_sharding_constraint(out, out_sharding)
+  return out if state is None else (out, state)
