@@ -141,8 +141,11 @@ def dot_general(
       f'config must be an aqtr.DotGeneralConfig or None, got {config!r}.'
     )
   key = as_typed_key(key)  # Checked even where unused.
-  bc = Broadcast.of(jnp.shape(lhs), jnp.shape(rhs), dimension_numbers)
-  if bc is not None:
+  # Size-1 batch axes broadcast (float operands; a stored QTensor's layout
+  # is fixed at freezing).
+  plain = not any(isinstance(x, QTensor) for x in (lhs, rhs))
+  bc = plain and Broadcast.of(jnp.shape(lhs), jnp.shape(rhs), dimension_numbers)
+  if bc:
     return _broadcasting(
       lhs,
       rhs,
@@ -220,16 +223,6 @@ def dot_general(
 
 def _broadcasting(lhs, rhs, bc: Broadcast, config, *, out_sharding, **kw):
   """`dot_general` of operands whose size-1 batch axes broadcast (`bc`)."""
-  for x, axes, name in (
-    (lhs, bc.lhs_squeeze, 'lhs'),
-    (rhs, bc.rhs_squeeze, 'rhs'),
-  ):
-    if axes and isinstance(x, QTensor):
-      raise ValueError(
-        f'the QTensor {name} has size-1 batch axes {axes} that broadcast '
-        'against the other operand: freeze the weight without them (or '
-        'broadcast it before quantizing).'
-      )
   if bc.lhs_squeeze:
     lhs = jnp.squeeze(lhs, bc.lhs_squeeze)
   if bc.rhs_squeeze:

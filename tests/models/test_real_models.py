@@ -20,11 +20,14 @@ import functools
 import jax
 import jax.extend
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 import zoo
 
 import aqtr.flax as af
+import aqtr.lora as lora
+import aqtr.ptq as ptq
 from aqtr.flax import Rule
 
 PRESETS = {
@@ -186,3 +189,97 @@ def test_one_kv_head_attention_is_quantized(name):
   x_abs = jax.ShapeDtypeStruct(x.shape, x.dtype)
   fwd = _count(jax.make_jaxpr(lambda v, x: q.apply(v, x))(v, x_abs).jaxpr)
   assert fwd['int8'] == len(rep.quantized_paths())
+
+
+# --- Numerics (compile each model: slow) -----------------------------------
+
+# Relative error of the logits vs float, at most.
+ERROR = {'int8': 0.1, 'int8_weights': 0.1, 'int4_weight_only': 0.5, 'fp8': 0.3}
+
+
+def _rel(a, b) -> float:
+  return float(jnp.abs(a - b).max() / jnp.abs(b).max())
+
+
+def _cos(a, b) -> float:
+  a = jnp.concatenate([x.ravel() for x in jax.tree.leaves(a)])
+  b = jnp.concatenate([x.ravel() for x in jax.tree.leaves(b)])
+  return float(a @ b / (jnp.linalg.norm(a) * jnp.linalg.norm(b)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('name,preset', _params('qat', PRESETS))
+def test_qat_error_and_a_gradient_step(name, preset):
+  z, mod, x, _ = _model(name)
+  v = _variables(name)
+  q = af.quantize(mod, PRESETS[preset])
+  y0, y = jax.jit(mod.apply)(v, x), jax.jit(q.apply)(v, x)
+  assert 0 < _rel(y, y0) < ERROR[preset]
+
+  def loss(model):
+    return jax.jit(jax.value_and_grad(lambda v: _loss(z, model.apply(v, x), x)))
+
+  (_, g0), (lq, gq) = loss(mod)(v), loss(q)(v)
+  assert all(bool(jnp.isfinite(g).all()) for g in jax.tree.leaves(gq))
+  assert _cos(gq, g0) > 0.9
+  step = jax.tree.map(lambda p, g: p - 0.5 * g, v, gq)
+  assert float(loss(q)(step)[0]) < float(lq)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('name,preset', _params('convert', PRESETS))
+def test_convert_serves_what_trains_under_jit(name, preset):
+  _, mod, x, _ = _model(name)
+  v = _variables(name)
+  q = af.quantize(mod, PRESETS[preset])
+  sm, sv = af.convert(q, x, variables=v)
+  np.testing.assert_array_equal(
+    jax.jit(sm.apply)(sv, x), jax.jit(q.apply)(v, x)
+  )
+
+
+def _batches(z, n=2):
+  return [z.sample(seed) for seed in range(1, n + 1)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('name,method', _params('ptq', ('rtn', 'gptq', 'awq')))
+def test_ptq_int4(name, method):
+  z, mod, x, _ = _model(name)
+  v = _variables(name)
+  rules = [Rule('int4_weight_only', weight=True)]
+  (sm, sv), rep = ptq.quantize(
+    mod, rules, _batches(z), variables=v, method=method
+  )
+  y0 = jax.jit(mod.apply)(v, x)
+  assert 0 < _rel(jax.jit(sm.apply)(sv, x), y0) < ERROR['int4_weight_only']
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('name,base', _params('lora', ('float', 'nf4')))
+def test_lora_and_qlora_train_and_merge(name, base):
+  z, mod, x, _ = _model(name)
+  v = _variables(name)
+  cfg = lora.LoraConfig(rank=4, base=None if base == 'float' else base)
+  lm, lv = lora.attach(mod, cfg, x, variables=v)
+  ad, frozen = lora.partition(lv['params'])
+  tx = optax.adam(1e-2)
+
+  @jax.jit
+  def step(ad, opt):
+    def loss(ad):
+      return _loss(z, lm.apply({'params': lora.combine(ad, frozen)}, x), x)
+
+    value, g = jax.value_and_grad(loss)(ad)
+    upd, opt = tx.update(g, opt, ad)
+    return optax.apply_updates(ad, upd), opt, value
+
+  opt, values = tx.init(ad), []
+  for _ in range(5):
+    ad, opt, value = step(ad, opt)
+    values.append(float(value))
+  assert values[-1] < values[0]
+  trained = {**lv, 'params': lora.combine(ad, frozen)}
+  sm, sv = lora.merge(lm, x, variables=trained)
+  y = jax.jit(lm.apply)(trained, x)
+  assert _rel(jax.jit(sm.apply)(sv, x), y) < ERROR['int4_weight_only']
