@@ -199,3 +199,86 @@ class DotLayout:
       (self.lhs.contract, self.rhs.contract),
       (self.lhs.batch, self.rhs.batch),
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class Broadcast:
+  """A dot whose size-1 batch axes broadcast, as a dot that needs none.
+
+  `jnp.einsum` (and `jnp.matmul`) broadcast a batch axis of size 1 on one
+  operand against size n on the other, e.g. multi-query attention's
+  'btnd,bsnd->bnts' with one key head; `lax.dot_general` refuses it. The
+  size-1 axis is squeezed from its operand and the other operand's axis
+  becomes a free axis: the same values, nothing materialized n times, and
+  a per-channel scale stays per (free) index. `perm` puts the dot's output
+  back in `lax.dot_general`'s layout [batch..., lhs free..., rhs free...].
+
+  Attributes:
+    lhs_squeeze, rhs_squeeze: the size-1 axes squeezed from each operand.
+    dimension_numbers: the rewritten dot's dimension numbers.
+    perm: the output permutation (None: identity).
+
+  Example:
+    >>> b = Broadcast.of((2, 8, 4, 16), (2, 8, 1, 16),
+    ...                  (((3,), (3,)), ((0, 2), (0, 2))))
+    >>> b.rhs_squeeze, b.dimension_numbers, b.perm
+    ((2,), (((3,), (2,)), ((0,), (0,))), (0, 2, 1, 3))
+  """
+
+  lhs_squeeze: tuple[int, ...]
+  rhs_squeeze: tuple[int, ...]
+  dimension_numbers: DimensionNumbers
+  perm: tuple[int, ...] | None
+
+  @classmethod
+  def of(cls, lhs_shape, rhs_shape, dimension_numbers) -> Broadcast | None:
+    """The rewrite of a broadcasting dot (None: no batch axis broadcasts)."""
+    try:
+      (lc, rc), (lb, rb) = dimension_numbers
+      lc, lb = (normalize_axes(a, len(lhs_shape), 'lhs') for a in (lc, lb))
+      rc, rb = (normalize_axes(a, len(rhs_shape), 'rhs') for a in (rc, rb))
+    except (TypeError, ValueError):
+      return None  # `normalize` names the error.
+    if len(lb) != len(rb):
+      return None
+    lsq, rsq = [], []
+    for i, j in zip(lb, rb, strict=True):
+      n, m = lhs_shape[i], rhs_shape[j]
+      if n != m and m == 1:
+        rsq.append(j)
+      elif n != m and n == 1:
+        lsq.append(i)
+    if not lsq and not rsq:
+      return None
+    nl, nr = len(lhs_shape), len(rhs_shape)
+    # Output tags before: batch pair k, lhs free axis a, rhs free axis a.
+    want = [('b', k) for k in range(len(lb))]
+    want += [('l', a) for a in range(nl) if a not in lb and a not in lc]
+    want += [('r', a) for a in range(nr) if a not in rb and a not in rc]
+    keep = [
+      k
+      for k, (i, j) in enumerate(zip(lb, rb, strict=True))
+      if i not in lsq and j not in rsq
+    ]
+
+    got = [('b', k) for k in keep]
+    for side, n, batch, contract, sq in (
+      ('l', nl, lb, lc, lsq),
+      ('r', nr, rb, rc, rsq),
+    ):
+      kept = {batch[k] for k in keep}
+      for a in range(n):
+        if a in sq or a in contract or a in kept:
+          continue
+        got.append(('b', batch.index(a)) if a in batch else (side, a))
+    perm = tuple(got.index(t) for t in want)
+
+    def shift(axes, sq):
+      return tuple(a - sum(s < a for s in sq) for a in axes)
+
+    dn = (
+      (shift(lc, lsq), shift(rc, rsq)),
+      (shift([lb[k] for k in keep], lsq), shift([rb[k] for k in keep], rsq)),
+    )
+    ident = perm == tuple(range(len(perm)))
+    return cls(tuple(lsq), tuple(rsq), dn, None if ident else perm)

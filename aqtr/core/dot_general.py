@@ -45,6 +45,7 @@ import jax.numpy as jnp
 from aqtr.core import prims, slot_state
 from aqtr.core.backward import backward
 from aqtr.core.config import DotGeneralConfig
+from aqtr.core.dimension_numbers import Broadcast
 from aqtr.core.forward import forward
 from aqtr.core.plan import Plan
 from aqtr.core.qtensor import QTensor
@@ -139,6 +140,22 @@ def dot_general(
       f'config must be an aqtr.DotGeneralConfig or None, got {config!r}.'
     )
   key = as_typed_key(key)  # Checked even where unused.
+  # Size-1 batch axes broadcast (float operands; a stored QTensor's layout
+  # is fixed at freezing).
+  plain = not any(isinstance(x, QTensor) for x in (lhs, rhs))
+  bc = plain and Broadcast.of(jnp.shape(lhs), jnp.shape(rhs), dimension_numbers)
+  if bc:
+    return _broadcasting(
+      lhs,
+      rhs,
+      bc,
+      config,
+      key=key,
+      precision=precision,
+      preferred_element_type=preferred_element_type,
+      out_sharding=out_sharding,
+      state=state,
+    )
   check_dot_out_sharding(out_sharding, lhs, rhs, dimension_numbers)
   stored = tuple(isinstance(x, QTensor) for x in (lhs, rhs))
   slot_state.check_tree(config, state, stored)
@@ -201,3 +218,18 @@ def dot_general(
     return quantized_dot(lhs, rhs, key, {}, plan)[0]
 
   return run_on_mesh(run, (lhs, rhs, key), structs, plan, out_sharding)
+
+
+def _broadcasting(lhs, rhs, bc: Broadcast, config, *, out_sharding, **kw):
+  """`dot_general` of operands whose size-1 batch axes broadcast (`bc`)."""
+  if bc.lhs_squeeze:
+    lhs = jnp.squeeze(lhs, bc.lhs_squeeze)
+  if bc.rhs_squeeze:
+    rhs = jnp.squeeze(rhs, bc.rhs_squeeze)
+  got = dot_general(lhs, rhs, bc.dimension_numbers, config, **kw)
+  out, state = got if kw['state'] is not None else (got, None)
+  if bc.perm is not None:
+    out = out.transpose(bc.perm)
+  if out_sharding is not None:
+    out = jax.lax.with_sharding_constraint(out, out_sharding)
+  return out if state is None else (out, state)

@@ -261,3 +261,63 @@ def test_float_config_passes_precision_and_preferred_type():
   kw = dict(precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
   got = aqtr.einsum('mk,kn->mn', x, w, config=presets.float(), **kw)
   assert_bitwise([got], [jnp.einsum('mk,kn->mn', x, w, **kw)])
+
+
+def _broadcast_operands(subscripts, lhs, rhs):
+  """Both operands with every size-1 shared letter broadcast explicitly."""
+  ls, rs, _ = einsum_lib.parse(subscripts, lhs.ndim, rhs.ndim)
+  size = {}
+  for s, x in ((ls, lhs), (rs, rhs)):
+    for c, n in zip(s, x.shape, strict=True):
+      size[c] = max(size.get(c, 1), n)
+  return tuple(
+    jnp.broadcast_to(x, tuple(size[c] for c in s))
+    for s, x in ((ls, lhs), (rs, rhs))
+  )
+
+
+@pytest.mark.parametrize(
+  'subscripts,shapes',
+  [
+    ('bthd,bshd->bhts', ((2, 8, 4, 16), (2, 8, 1, 16))),  # MQA scores
+    ('bhts,bshd->bthd', ((2, 4, 8, 8), (2, 8, 1, 16))),  # MQA values
+    ('bthd,bshd->bhts', ((2, 8, 1, 16), (2, 8, 4, 16))),  # lhs broadcasts
+    ('gbij,gbjk->gbik', ((1, 3, 4, 5), (2, 1, 5, 6))),  # both, two axes
+    ('btkgd,bskd->bkgts', ((2, 8, 1, 4, 16), (2, 8, 1, 16))),  # equal 1s
+  ],
+)
+def test_size_one_batch_axes_broadcast_as_in_jnp_einsum(subscripts, shapes):
+  """Multi-query attention: a size-1 head axis broadcasts (it is squeezed,
+  not materialized); the forward equals the explicitly broadcast einsum
+  bit for bit and the gradients flow to the size-1 operand."""
+  lhs, rhs = randn(0, *shapes)
+  want = jnp.einsum(subscripts, lhs, rhs)
+  assert_bitwise([aqtr.einsum(subscripts, lhs, rhs)], [want])
+  cfg = presets.int8()
+  got = aqtr.einsum(subscripts, lhs, rhs, config=cfg)
+  full = aqtr.einsum(
+    subscripts, *_broadcast_operands(subscripts, lhs, rhs), config=cfg
+  )
+  assert_bitwise([got], [full])
+  assert float(jnp.abs(got - want).max()) < 0.05 * float(jnp.abs(want).max())
+
+  def loss(fn):
+    return jax.grad(
+      lambda a, b: jnp.sum(fn(subscripts, a, b) ** 2), argnums=(0, 1)
+    )(lhs, rhs)
+
+  grads = loss(functools.partial(aqtr.einsum, config=cfg))
+  for g, g0, x in zip(grads, loss(jnp.einsum), (lhs, rhs), strict=True):
+    assert g.shape == x.shape
+    assert float(jnp.abs(g - g0).max()) < 0.1 * float(jnp.abs(g0).max())
+
+
+def test_broadcasting_dot_general_is_lax_on_broadcast_operands():
+  lhs, rhs = randn(1, (2, 8, 4, 16), (2, 1, 16, 8))
+  dn = (((3,), (2,)), ((0, 1), (0, 1)))
+  want = lax.dot_general(lhs, jnp.broadcast_to(rhs, (2, 8, 16, 8)), dn)
+  assert_bitwise([aqtr.dot_general(lhs, rhs, dn)], [want])
+  out = aqtr.dot_general(lhs, rhs, dn, presets.int8())
+  assert out.shape == want.shape == (2, 8, 4, 8)
+  with pytest.raises(ValueError, match='batch dimensions do not match'):
+    aqtr.dot_general(lhs, rhs[:, :, :, :1].repeat(3, 1), dn, presets.int8())
