@@ -36,8 +36,6 @@ from __future__ import annotations
 
 import collections
 
-import jax
-
 from aqtr.flax import hosts, intercept, provenance
 from aqtr.flax.session import Session, Weight
 
@@ -62,15 +60,22 @@ class _Probe(Session):
       return op.float()
     lhs = provenance.mark(op.lhs, op=n, side=0)
     rhs = provenance.mark(op.rhs, op=n, side=1)
-    if op.kind == 'ragged_dot':
-      return op.original(**dict(op.extra, lhs=lhs, rhs=rhs))
+    return _call_with(op, lhs, rhs)
 
-    def dot(lhs, rhs, dn, precision, preferred):
-      return jax.lax.dot_general(
-        lhs, rhs, dn, precision=precision, preferred_element_type=preferred
-      )
 
-    return op.run(dot, lhs, rhs)
+def _call_with(op: intercept.OpCall, lhs, rhs):
+  """The op's own JAX function called with its operands replaced."""
+  if op.kind == 'ragged_dot':
+    return op.original(**dict(op.extra, lhs=lhs, rhs=rhs))
+  args, kwargs = list(op.args), dict(op.kwargs)
+  first = 1 if op.kind == 'einsum' else 0
+  names = ('a', 'b') if op.name in ('jnp.matmul', 'jnp.dot') else ('lhs', 'rhs')
+  for i, (name, value) in enumerate(zip(names, (lhs, rhs), strict=True)):
+    if len(args) > first + i:
+      args[first + i] = value
+    else:
+      kwargs[name] = value
+  return op.original(*args, **kwargs)
 
 
 def analyze(model, method, args, kwargs) -> dict[str, Weight]:

@@ -201,6 +201,15 @@ def _einsum(name, kind, original, args, kwargs) -> OpCall:
   known = {'precision', 'preferred_element_type', 'out_sharding', 'optimize'}
   lhs = operands[0] if operands else None
   rhs = operands[1] if len(operands) > 1 else None
+  # Flax's attention passes `_dot_general=lax.dot_general` (the default).
+  inner = kwargs.get('_dot_general', jax.lax.dot_general)
+  if inner not in (
+    ORIGINALS['lax.dot_general'][1],
+    WRAPPERS['lax.dot_general'],
+  ):
+    why = 'einsum with a custom _dot_general'
+    return OpCall(name, kind, lhs, rhs, original, args, kwargs, why=why)
+  known = known | {'_dot_general'}
   if len(operands) != 2 or not isinstance(args[0], str) or set(kwargs) - known:
     why = 'einsum of other than two operands'
     return OpCall(name, kind, lhs, rhs, original, args, kwargs, why=why)

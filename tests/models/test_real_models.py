@@ -41,22 +41,7 @@ HF_LMS = tuple(n for n in HF if n != 'hf_vit')
 TIED = ('hf_gpt2', 'hf_opt', 'hf_bloom')  # lm_head.apply(embedding.T)
 
 # (test, models, cases) -> why they fail today.
-KNOWN = {
-  ('report', HF, ('int8', 'fp8')): (
-    "flax's attention calls jnp.einsum(..., _dot_general=lax.dot_general): "
-    'intercept.py leaves it float as "einsum of other than two operands"'
-  ),
-  ('report', 'hf_gpt2', ('int8_weights', 'int4_weight_only')): (
-    "GPT-2's Conv1D reads kernel.transpose() (a derived weight): "
-    'quantized.py _find loses it under jax.grad, so its ops run float in the '
-    'gradient program while the report lists them quantized'
-  ),
-  ('report', ('gemma2', 'gemma3'), ('int8_weights', 'int4_weight_only')): (
-    "the tied logits jnp.dot(x, table.T) (gemma's Embedder.decode) run float "
-    'under jax.grad (quantized.py _find follows tracer internals) while the '
-    'report lists them quantized'
-  ),
-}
+KNOWN: dict = {}
 
 
 def _tuple(x):
