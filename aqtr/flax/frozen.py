@@ -43,6 +43,8 @@ from flax import nnx, struct
 from flax.core import meta
 from flax.nnx import variablelib
 
+from aqtr.flax import intercept
+
 
 def _zeros(frozen, shape, dtype, ref_ndim) -> jax.Array:
   """Zeros of `shape`, with the leading axes the frozen values carry."""
@@ -62,6 +64,13 @@ class FrozenKernel(nnx.Variable):
   """
 
   def get_value(self, *, index=variablelib.MISSING):
+    if not intercept.is_active():
+      raise ValueError(
+        'aqtr.flax: this parameter holds frozen serving values (a '
+        f'{type(self).__name__}) and reads as zeros outside the quantized '
+        "model's call: call the served model itself (not one of its "
+        'submodules directly), or quantize and convert the submodule.'
+      )
     v = _zeros(
       self.get_raw_value(),
       self.get_metadata('kernel_shape'),
@@ -127,9 +136,17 @@ def holder_entries(value) -> dict | None:
 
 def kernel_bytes(value) -> int:
   """Bytes of the float kernel a holder stands for (stacked axes counted)."""
-  z = jax.eval_shape(
-    value.get_value if isinstance(value, FrozenKernel) else value.unbox
-  )
+  if isinstance(value, FrozenKernel):
+    z = jax.eval_shape(
+      lambda: _zeros(
+        value.get_raw_value(),
+        value.get_metadata('kernel_shape'),
+        value.get_metadata('kernel_dtype'),
+        value.get_metadata('ref_ndim'),
+      )
+    )
+  else:
+    z = jax.eval_shape(value.unbox)
   return z.size * jnp.dtype(z.dtype).itemsize
 
 

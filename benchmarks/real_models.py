@@ -1,0 +1,191 @@
+"""The real-model matrix: every preset on real third-party models.
+
+For each model of `tests/models/zoo.py` (Hugging Face Flax LMs and ViT,
+DeepMind's Gemma 2 / Gemma 3 and Griffin at toy size; the `models` extra)
+and each preset, prints:
+
+- ops: quantized ops / weight ops of the report;
+- fwd / grad: int8 or fp8 dots (or int4 weight roundings) in the forward
+  and the gradient jaxpr, as `got/expected` from the report;
+- err: max |logits - float logits| / max |float logits|;
+- s==t: the converted model's jitted logits equal the training model's
+  (run in this process with XLA's default flags; else the ULP distance);
+- served: serving-tree bytes / float bytes;
+and per model int4 weight-only PTQ: the logit error of RTN, GPTQ and AWQ.
+
+  python benchmarks/real_models.py [--models hf_gpt2 gemma3] [--no-ptq]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime
+import os
+import platform
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, '..', 'tests', 'models'))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import zoo  # noqa: E402
+
+import aqtr.flax as af  # noqa: E402
+import aqtr.ptq as ptq  # noqa: E402
+from aqtr.flax import Rule  # noqa: E402
+from aqtr.flax.serving import check_served  # noqa: E402
+
+PRESETS = {
+  'int8': [Rule('int8')],
+  'int8_w': [Rule('int8', weight=True)],
+  'int4_wo': [Rule('int4_weight_only', weight=True)],
+  'fp8': [Rule('fp8')],
+}
+
+
+def _cpu() -> str:
+  try:
+    out = subprocess.run(['lscpu'], capture_output=True, text=True).stdout
+  except OSError:
+    return platform.processor()
+  model = next(
+    (
+      ln.split(':', 1)[1].strip()
+      for ln in out.splitlines()
+      if 'Model name' in ln
+    ),
+    '?',
+  )
+  vnni = 'avx512_vnni' in out
+  return f'{model} (avx512_vnni: {"yes" if vnni else "no"})'
+
+
+def _count(jaxpr, found=None) -> collections.Counter:
+  found = collections.Counter() if found is None else found
+  for eqn in jaxpr.eqns:
+    name = eqn.primitive.name
+    if name == 'dot_general':
+      dts = {str(v.aval.dtype) for v in eqn.invars}
+      if 'int8' in dts:
+        found['int8'] += 1
+      if any('float8' in d for d in dts):
+        found['fp8'] += 1
+    if name == 'convert_element_type' and 'int4' in str(
+      eqn.params.get('new_dtype')
+    ):
+      found['int4'] += 1
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      _count(sub, found)
+  return found
+
+
+def _rel(a, b) -> float:
+  return float(jnp.abs(a - b).max() / jnp.abs(b).max())
+
+
+def _loss(z, logits, x):
+  if z.image:
+    return jnp.mean(logits**2)
+  logp = jax.nn.log_softmax(logits[:, :-1])
+  return -jnp.take_along_axis(logp, x[:, 1:, None], -1).mean()
+
+
+def _bytes(tree) -> int:
+  return sum(
+    x.size * jnp.dtype(x.dtype).itemsize
+    for x in jax.tree.leaves(tree)
+    if hasattr(x, 'dtype')
+  )
+
+
+def _row(z, mod, v, x, name, rules) -> str:
+  q = af.quantize(mod, rules)
+  rep = af.report(q, x, variables=v)
+  nq = sum(e.quantized for e in rep.ops)
+  nw = sum(1 for e in rep.ops if e.weight)
+  what = {'fp8': 'fp8', 'int4_wo': 'int4'}.get(name, 'int8')
+  fwd = _count(jax.make_jaxpr(lambda v: q.apply(v, x))(v).jaxpr)[what]
+  grad = _count(
+    jax.make_jaxpr(jax.grad(lambda v: _loss(z, q.apply(v, x), x)))(v).jaxpr
+  )[what]
+  y0 = jax.jit(mod.apply)(v, x)
+  y = jax.jit(q.apply)(v, x)
+  sm, sv = af.convert(q, x, variables=v, check=False)
+  try:
+    check_served(q, v, sm, sv, (x,), {})
+    same = 'yes'
+  except ValueError as e:
+    same = str(e).split('by up to ')[1].split(' ULP')[0] + ' ULP'
+  served = _bytes(sv) / _bytes(v)
+  return (
+    f'| {z.name} | {name} | {nq}/{len(rep.ops)} ({nw} w) | {fwd} | {grad} '
+    f'| {_rel(y, y0):.4f} | {same} | {served:.2f} |'
+  )
+
+
+def _ptq_row(z, mod, v, x) -> str:
+  rules = [Rule('int4_weight_only', weight=True)]
+  batches = [z.sample(s) for s in (1, 2)]
+  y0 = jax.jit(mod.apply)(v, x)
+  errs = []
+  for method in ('rtn', 'gptq', 'awq'):
+    (sm, sv), _ = ptq.quantize(mod, rules, batches, variables=v, method=method)
+    errs.append(_rel(jax.jit(sm.apply)(sv, x), y0))
+  return f'| {z.name} | ' + ' | '.join(f'{e:.4f}' for e in errs) + ' |'
+
+
+def main(argv=None) -> None:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument('--models', nargs='*', default=None)
+  p.add_argument('--no-ptq', action='store_true')
+  a = p.parse_args(argv)
+  models = [
+    z
+    for z in zoo.MODELS
+    if z.available() and (a.models is None or z.name in a.models)
+  ]
+  flags = ' '.join(argv or sys.argv[1:])
+  print(f'command: python benchmarks/real_models.py {flags}')
+  print(f'CPU: {_cpu()}; date: {datetime.date.today()}; jax {jax.__version__}')
+  print(
+    '\n| model | preset | quantized ops | fwd dots | grad dots | err vs float '
+    '| serve == train (jit) | serving bytes / float |'
+  )
+  print('|---|---|---|---|---|---|---|---|')
+  ptq_rows = []
+  with jax.numpy_rank_promotion('allow'):
+    for z in models:
+      t0 = time.time()
+      mod, x = z.build(), z.sample()
+      v = jax.jit(mod.init)(jax.random.key(0), x)
+      for name, rules in PRESETS.items():
+        try:
+          print(_row(z, mod, v, x, name, rules), flush=True)
+        except Exception as e:  # noqa: BLE001 - the table reports it
+          print(
+            f'| {z.name} | {name} | CRASH: {type(e).__name__}: '
+            f'{str(e).splitlines()[0][:120]} |',
+            flush=True,
+          )
+      if not a.no_ptq:
+        try:
+          ptq_rows.append(_ptq_row(z, mod, v, x))
+        except Exception as e:  # noqa: BLE001
+          ptq_rows.append(
+            f'| {z.name} | CRASH: {str(e).splitlines()[0][:120]} |'
+          )
+      print(f'<!-- {z.name}: {time.time() - t0:.0f} s -->', flush=True)
+  if ptq_rows:
+    print('\nint4 weight-only PTQ, logit error vs float:\n')
+    print('| model | RTN | GPTQ | AWQ |\n|---|---|---|---|')
+    print('\n'.join(ptq_rows))
+
+
+if __name__ == '__main__':
+  np.set_printoptions(precision=4)
+  main()
