@@ -39,6 +39,7 @@ import aqtr.flax as af  # noqa: E402
 import aqtr.ptq as ptq  # noqa: E402
 from aqtr.flax import Rule  # noqa: E402
 from aqtr.flax.serving import check_served  # noqa: E402
+from aqtr.freezers import lifecycle  # noqa: E402
 
 PRESETS = {
   'int8': [Rule('int8')],
@@ -96,11 +97,7 @@ def _loss(z, logits, x):
 
 
 def _bytes(tree) -> int:
-  return sum(
-    x.size * jnp.dtype(x.dtype).itemsize
-    for x in jax.tree.leaves(tree)
-    if hasattr(x, 'dtype')
-  )
+  return lifecycle.nbytes(tree)  # int4 counted packed
 
 
 def _row(z, mod, v, x, name, rules) -> str:
