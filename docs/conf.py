@@ -49,7 +49,8 @@ myst_enable_extensions = ['colon_fence', 'dollarmath', 'deflist']
 myst_heading_anchors = 3
 
 # Notebooks: copied from colabs/ (executed copies preferred), see above.
-nb_execution_mode = 'auto'
+# AQTR_DOCS_NB_EXECUTION=off: a quick build that renders no outputs.
+nb_execution_mode = os.environ.get('AQTR_DOCS_NB_EXECUTION', 'auto')
 nb_execution_raise_on_error = True
 nb_execution_timeout = 600
 nb_execution_show_tb = True
@@ -96,6 +97,7 @@ autodoc_preserve_defaults = True
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
 napoleon_use_rtype = False
+napoleon_use_ivar = True
 add_module_names = False
 python_use_unqualified_type_names = True
 
@@ -144,7 +146,14 @@ def _escape(text: str) -> str:
   for i in range(0, len(parts), 2):
     s = parts[i].replace('\\', '\\\\')
     s = s.replace('*', '\\*').replace('|', '\\|')
-    parts[i] = re.sub(r'(?<=\w)_(?=\W|$)', r'\\_', s)
+    s = re.sub(r'(?<=\w)_(?=\W|$)', r'\\_', s)
+    if i > 0 and re.match(r'\w', s):  # `Rule`s: end the span first
+      s = '\\ ' + s
+    if i + 1 < len(parts) and re.search(r'\w$', s):  # x`y`
+      s += '\\ '
+    parts[i] = s
+  for i in range(1, len(parts), 2):  # autosummary ends a summary at '. '
+    parts[i] = parts[i].replace('. ', '.\u200b ')
   return ''.join(parts)
 
 
@@ -159,47 +168,76 @@ def _structural(line: str) -> bool:
   )
 
 
-def _rst_safe(lines: list[str]) -> list[str]:
-  out: list[str] = []
+def _field(line: str) -> str:
+  """Escapes a field line (`:param x: text`) but its name and napoleon's type."""
+  head, _, body = line.partition(': ')
+  head = re.sub(r'(?<!\\)\*', r'\\*', head)
+  kind = re.match(r'\*[^*\s]+\* -- ', body)  # napoleon's `*type* -- `
+  if kind:
+    return f'{head}: {kind.group(0)}{_escape(body[kind.end() :])}'
+  return f'{head}: {_escape(body)}'
+
+
+def _kinds(lines: list[str]) -> list[tuple[str, str]]:
+  """(kind, line): 'text', 'field', 'keep' (directives, code), 'blank'."""
+  out: list[tuple[str, str]] = []
   literal = None  # indentation of the paragraph that opened a literal block
   doctest = False
   for line in lines:
     s = line.strip()
     if literal is not None:
       if not s or _indent(line) > literal:
-        out.append(line)
+        out.append(('keep', line))
         continue
       literal = None
+      if out[-1][1].strip():
+        out.append(('blank', ''))
     if doctest:
       if s:
-        out.append(line)
+        out.append(('keep', line))
         continue
       doctest = False
-    if s.startswith('>>>'):
-      if out and out[-1].strip():
-        out.append('')
-      doctest = True
-      out.append(line)
+    if not s:
+      out.append(('blank', line))
       continue
-    prev = next((x for x in reversed(out) if x.strip()), None)
-    if s and prev is not None and _indent(line) > _indent(prev):
-      if not _structural(prev) and (out[-1].strip() or prev.endswith(':')):
-        if not out[-1].strip():
-          out.pop()
-        k = max(i for i, x in enumerate(out) if x.strip())
-        out[k] = out[k][:-1] + '::' if out[k].endswith(':') else out[k] + ' ::'
-        out.append('')
-        literal = _indent(out[k])
-        out.append(line)
+    if s.startswith('>>>'):
+      if out and out[-1][1].strip():
+        out.append(('blank', ''))
+      doctest = True
+      out.append(('keep', line))
+      continue
+    k = next((i for i in range(len(out) - 1, -1, -1) if out[i][1].strip()), None)
+    if k is not None and _indent(line) > _indent(out[k][1]):
+      prev = out[k][1]
+      if not _structural(prev) and (out[-1][1].strip() or prev.endswith(':')):
+        del out[k + 1 :]
+        colon = prev[:-1] + '::' if prev.endswith(':') else prev + ' ::'
+        out[k] = (out[k][0], colon)
+        out.append(('blank', ''))
+        literal = _indent(prev)
+        out.append(('keep', line))
         continue
     if s.startswith('..'):
-      out.append(line)
+      out.append(('keep', line))
     elif s.startswith(':') and ': ' in s[1:]:
-      head, _, body = line.partition(': ')
-      out.append(f'{head}: {_escape(body)}')
+      out.append(('field', line))
     else:
-      out.append(_escape(line))
+      out.append(('text', line))
   return out
+
+
+def _rst_safe(lines: list[str]) -> list[str]:
+  out: list[str] = []
+  run: list[str] = []  # consecutive text lines: one paragraph, escaped whole
+  for kind, line in _kinds(lines) + [('blank', '')]:
+    if kind == 'text':
+      run.append(line)
+      continue
+    if run:
+      out.extend(_escape('\n'.join(run)).split('\n'))
+      run = []
+    out.append(_field(line) if kind == 'field' else line)
+  return out[:-1]
 
 
 def _process(app, what, name, obj, options, lines):

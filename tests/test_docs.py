@@ -87,7 +87,8 @@ class _Page:
   """One page's namespace, blocks run so far and registrations made."""
 
   def __init__(self, name: str):
-    self.namespace = {'__name__': f'docs_{re.sub(r"\W", "_", name)}'}
+    module = re.sub(r'\W', '_', name)
+    self.namespace = {'__name__': f'docs_{module}'}
     self.done = 0
     self.failed: int | None = None
     self.registered = {f: {} for f in _FAMILIES}
