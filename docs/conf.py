@@ -13,6 +13,7 @@ otherwise myst-nb executes it once at toy size (AQTR_COLAB_SMALL=1),
 because git holds the notebooks without outputs.
 """
 
+import importlib
 import os
 import pathlib
 import re
@@ -24,6 +25,7 @@ ROOT = DOCS.parent
 sys.path.insert(0, str(ROOT))
 
 import aqtr  # noqa: E402
+from sphinx.util.docutils import SphinxDirective  # noqa: E402
 
 project = 'aqtr'
 author = 'the aqtr authors'
@@ -92,7 +94,7 @@ autodoc_default_options = {
 }
 autodoc_typehints = 'description'
 autodoc_typehints_format = 'short'
-autodoc_class_signature = 'separated'
+autodoc_class_signature = 'mixed'
 autodoc_preserve_defaults = True
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
@@ -245,5 +247,22 @@ def _process(app, what, name, obj, options, lines):
   _require_docstring(app, what, name, obj, options, lines)
 
 
+class RegistryTable(SphinxDirective):
+  """`registry-table FAMILY` (in a MyST page): each registered name, its class."""
+
+  required_arguments = 1
+
+  def run(self):
+    family = self.arguments[0]
+    module = importlib.import_module(f'aqtr.{family}')
+    rows = ['| registered name | class |', '|---|---|']
+    for name in module.names():
+      cls = module.get(name)
+      ref = f'{{py:class}}`aqtr.{family}.{cls.__name__}`'
+      rows.append(f'| `{name!r}` | {ref} |')
+    return self.parse_text_to_nodes('\n'.join(rows))
+
+
 def setup(app):
   app.connect('autodoc-process-docstring', _process)
+  app.add_directive('registry-table', RegistryTable)
