@@ -14,18 +14,19 @@ because git holds the notebooks without outputs.
 """
 
 import importlib
+import json
 import os
 import pathlib
 import re
-import shutil
 import sys
 
 DOCS = pathlib.Path(__file__).resolve().parent
 ROOT = DOCS.parent
 sys.path.insert(0, str(ROOT))
 
-import aqtr  # noqa: E402
 from sphinx.util.docutils import SphinxDirective  # noqa: E402
+
+import aqtr  # noqa: E402
 
 project = 'aqtr'
 author = 'the aqtr authors'
@@ -45,6 +46,8 @@ source_suffix = {'.md': 'myst-nb', '.ipynb': 'myst-nb'}
 root_doc = 'index'
 # `name` in docstrings and eval-rst blocks is code, as in the Markdown.
 default_role = 'code'
+# Literal blocks in docstrings are plain text (maps, formulas), not Python.
+highlight_language = 'none'
 
 # MyST: headings get anchors (page.md#section links), $math$, definitions.
 myst_enable_extensions = ['colon_fence', 'dollarmath', 'deflist']
@@ -73,10 +76,13 @@ def _copy_notebooks() -> None:
     names.add(src.name)
     done = EXECUTED / src.name
     fresh = done.exists() and done.stat().st_mtime >= src.stat().st_mtime
+    book = json.loads((done if fresh else src).read_text())
+    if fresh:  # rendered as executed (a cell without output is not missing)
+      book['metadata']['mystnb'] = {'execution_mode': 'off'}
+    text = json.dumps(book, indent=1) + '\n'
     dst = out / src.name
-    chosen = done if fresh else src
-    if not dst.exists() or dst.read_bytes() != chosen.read_bytes():
-      shutil.copyfile(chosen, dst)
+    if not dst.exists() or dst.read_text() != text:
+      dst.write_text(text)
   for stale in out.glob('*.ipynb'):
     if stale.name not in names:
       stale.unlink()
@@ -171,7 +177,7 @@ def _structural(line: str) -> bool:
 
 
 def _field(line: str) -> str:
-  """Escapes a field line (`:param x: text`) but its name and napoleon's type."""
+  """Escapes a field line (`:param x: text`) but not its napoleon type."""
   head, _, body = line.partition(': ')
   head = re.sub(r'(?<!\\)\*', r'\\*', head)
   kind = re.match(r'\*[^*\s]+\* -- ', body)  # napoleon's `*type* -- `
@@ -208,7 +214,9 @@ def _kinds(lines: list[str]) -> list[tuple[str, str]]:
       doctest = True
       out.append(('keep', line))
       continue
-    k = next((i for i in range(len(out) - 1, -1, -1) if out[i][1].strip()), None)
+    k = next(
+      (i for i in range(len(out) - 1, -1, -1) if out[i][1].strip()), None
+    )
     if k is not None and _indent(line) > _indent(out[k][1]):
       prev = out[k][1]
       if not _structural(prev) and (out[-1][1].strip() or prev.endswith(':')):
@@ -248,7 +256,7 @@ def _process(app, what, name, obj, options, lines):
 
 
 class RegistryTable(SphinxDirective):
-  """`registry-table FAMILY` (in a MyST page): each registered name, its class."""
+  """`registry-table FAMILY` (MyST pages): each registered name, its class."""
 
   required_arguments = 1
 

@@ -1,8 +1,9 @@
 """The docs' summary table of the default run is what the code prints now.
 
 Slow (the default experiment: ~2 min of CPU; run with `pytest -m slow`).
-The command is read from the `Command:` line above the table (docs/cli.md), rerun with
-only --out_dir added, and the loss columns compared.
+The command is read from the `Command:` line above the table in
+docs/cli.md, rerun with only --out_dir added, and the loss columns
+compared.
 
 Tolerance: on one machine the run is bit-identical from run to run (same
 seed, init, batches, and deterministic XLA:CPU kernels), so any difference
