@@ -12,6 +12,7 @@ other tests.
 
 import doctest
 import importlib
+import inspect
 import pathlib
 import pkgutil
 import re
@@ -165,6 +166,31 @@ def test_every_registered_class_is_in_the_api_reference(family):
     if cls.__module__.startswith('aqtr.'):
       assert cls.__name__ in module.__all__, (family, name)
       assert f'aqtr.{family}.{cls.__name__}' in api, (family, name)
+
+
+def _api_modules():
+  for page in sorted((ROOT / 'docs' / 'api').glob('*.md')):
+    for module in re.findall(
+      r'^\.\. automodule:: (\S+)', page.read_text(), re.M
+    ):
+      yield pytest.param(page, module, id=f'{page.stem}:{module}')
+
+
+@pytest.mark.parametrize(('page', 'module'), list(_api_modules()))
+def test_api_pages_list_every_public_name(page, module):
+  """A name added to a module's __all__ gets its entry in the API page."""
+  for prefix, extra in _OPTIONAL.items():
+    if module.startswith(prefix):
+      pytest.importorskip(extra)
+  mod = importlib.import_module(module)
+  text = page.read_text()
+  for name in getattr(mod, '__all__', ()):
+    if inspect.ismodule(getattr(mod, name)):
+      continue
+    assert f'{module}.{name}\n' in text, (
+      f'{page.name} lacks {module}.{name}: add an autoclass / autofunction'
+      ' / autodata line and its autosummary entry.'
+    )
 
 
 @pytest.mark.slow
