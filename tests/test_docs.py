@@ -7,7 +7,8 @@ namespace is kept per page in `_PAGES`, so each block runs once per
 process; a block whose page's earlier blocks have not run in this process
 runs them first. Registrations a page makes (an example calibration,
 freezer, ...) are visible to that page's later blocks only, never to
-other tests.
+other tests. A page holding the line `<!-- docs-test: slow -->` has its
+blocks marked slow.
 """
 
 import doctest
@@ -75,13 +76,20 @@ def blocks(page: pathlib.Path) -> list[str]:
   return _BLOCK.findall(page.read_text())
 
 
+# A page whose blocks take long (real checkpoints, long training) holds
+# this line; its blocks then run with `pytest -m slow` only.
+SLOW_PAGE = '<!-- docs-test: slow -->'
+
+
 def _cases():
   for page in pages():
     name = page.relative_to(ROOT).as_posix()
+    # One xdist worker runs a page's blocks (--dist=loadgroup).
+    marks = [pytest.mark.xdist_group(name)]
+    if SLOW_PAGE in page.read_text():
+      marks.append(pytest.mark.slow)
     for i in range(len(blocks(page))):
-      # One xdist worker runs a page's blocks (--dist=loadgroup).
-      group = pytest.mark.xdist_group(name)
-      yield pytest.param(name, i, id=f'{name}::{i}', marks=group)
+      yield pytest.param(name, i, id=f'{name}::{i}', marks=marks)
 
 
 class _Page:
