@@ -296,8 +296,9 @@ def conv_general_dilated(
     lhs, rhs: input and kernel, as in lax. (To serve a frozen kernel, use
       `plan(...)`: `.patches`, `.kernel`, `.output` around `dot_general`,
       whose rhs may be a QTensor of the kernel matrix.)
-    window_strides, padding, lhs_dilation, rhs_dilation, dimension_numbers,
-      feature_group_count, precision, preferred_element_type: as in lax.
+    window_strides, padding, lhs_dilation, rhs_dilation: as in lax.
+    dimension_numbers, feature_group_count, precision: as in lax.
+    preferred_element_type: as in lax.
     batch_group_count: must be 1 when quantized.
     out_sharding: passed to lax on the float path; otherwise the output is
       resharded to it (explicit axes) or constrained (auto axes).

@@ -2,7 +2,9 @@
 
 The default suite runs each notebook at toy size (AQTR_COLAB_SMALL=1);
 `pytest -m slow` runs them at full size. A notebook's kernel gets the
-repository root on PYTHONPATH and one CPU device.
+repository root on PYTHONPATH and one CPU device. The toy-size run leaves
+its executed copy in docs/_build/executed/ (not in git), which the docs
+build renders with its outputs.
 """
 
 import json
@@ -13,6 +15,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 COLABS = ROOT / 'colabs'
+EXECUTED = ROOT / 'docs' / '_build' / 'executed'
 NOTEBOOKS = sorted(COLABS.glob('*.ipynb'))
 IDS = [p.stem for p in NOTEBOOKS]
 
@@ -39,6 +42,9 @@ def _execute(path: pathlib.Path, small: bool, timeout: int) -> None:
       resources={'metadata': {'path': str(COLABS)}},
     )
     client.execute()
+    if small:  # for the docs site (docs/conf.py renders it)
+      EXECUTED.mkdir(parents=True, exist_ok=True)
+      nbformat.write(book, EXECUTED / path.name)
   finally:
     for k, v in old.items():
       if v is None:

@@ -1,8 +1,9 @@
-"""README's summary table of the default run is what the code prints now.
+"""The docs' summary table of the default run is what the code prints now.
 
 Slow (the default experiment: ~2 min of CPU; run with `pytest -m slow`).
-The command is read from the `Command:` line above the table, rerun with
-only --out_dir added, and the loss columns compared.
+The command is read from the `Command:` line above the table in
+docs/cli.md, rerun with only --out_dir added, and the loss columns
+compared.
 
 Tolerance: on one machine the run is bit-identical from run to run (same
 seed, init, batches, and deterministic XLA:CPU kernels), so any difference
@@ -32,9 +33,9 @@ EXACT = ('run', 'serving KB', 'x params', 'serve==train')
 
 
 def _readme_table():
-  text = (ROOT / 'README.md').read_text()
+  text = (ROOT / 'docs' / 'cli.md').read_text()
   match = MARKER.search(text)
-  assert match, 'README lost the Command: line of the default run'
+  assert match, 'docs/cli.md lost the Command: line of the default run'
   return shlex.split(match.group(1)), report.parse_table(text[match.end() :])
 
 
