@@ -36,6 +36,7 @@ from flax import nnx
 import aqtr.flax.linen as aqtr_linen
 from aqtr import rules as rules_lib
 from aqtr.flax import common, quantized, serving
+from aqtr.flax.frozen import STORE, store_key
 from aqtr.freezers import Mode, lifecycle
 from aqtr.pax.inject import inject
 from aqtr.ptq import methods
@@ -147,18 +148,20 @@ def _convert(target, args):
 
     return (_pax_serving(target.template, Mode.SERVE), out), place
   model, variables = target.model, target.variables
-  try:  # The check: no frozen parameter is read outside its ops.
-    served = serving.convert(model, *args, variables=variables)
-  except ValueError as e:
-    raise ValueError(
-      f'aqtr.ptq: {e} (here: leave that op out with a Rule(None, path=...))'
-    ) from None
+  # No serve == train check here: the solved values replace RTN's below.
+  served = serving.convert(model, *args, variables=variables, check=False)
   if isinstance(model, nnx.Module):
     mods = dict(nnx.iter_modules(served))
+    store = getattr(served, STORE, None)
 
     def place(site, parts):
       mpath, param, key = site.holder
       holder = getattr(mods[mpath], param)
+      if isinstance(holder, nnx.Param):  # kept: its op is in the op store
+        entries = jax.tree.map(lambda x: x, store.get_value())
+        entries[store_key(site.path)][key][_entry(site)]['rhs'] = parts
+        store.set_value(entries)
+        return
       entries = jax.tree.map(lambda x: x, holder.entries())
       entries[key][_entry(site)]['rhs'] = parts
       holder.set_raw_value(entries)
@@ -173,6 +176,11 @@ def _convert(target, args):
     for k in mpath:
       node = node[k]
     box = node[param]
+    if not hasattr(box, 'entries'):  # kept: its op is in the op store
+      svars[STORE]['ops'][store_key(site.path)][key][_entry(site)]['rhs'] = (
+        parts
+      )
+      return
     entries = jax.tree.map(lambda x: x, box.entries())
     entries[key][_entry(site)]['rhs'] = parts
     node[param] = box.replace(frozen=entries)
