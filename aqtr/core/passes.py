@@ -347,7 +347,13 @@ def contract(
       functools.partial(subtract_rows, za=za, zb=zb, b_contract=b_contract),
       functools.partial(int_corrections, za=za, zb=zb, b_contract=b_contract),
     )
-  out = low_precision(qa, qb, _batched_dot(b_contract), raw, precision, zero)
+  one_row = zero is None and fa == 1 and _kind(qa.dtype, qb.dtype, raw) == 'int'
+  if one_row:  # See `_two_rows`.
+    qa = jnp.concatenate([qa, jnp.zeros_like(qa)], axis=1)
+  dot = _batched_dot(b_contract)
+  out = low_precision(qa, qb, dot, raw, precision, zero)
+  if one_row:
+    out = out[:, :1]
   out = out.reshape(bsz, n, fa, fb)
   if a.scale is not None:
     out = out * a.scale
