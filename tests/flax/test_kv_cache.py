@@ -263,6 +263,7 @@ def test_nnx_caches_by_rule():
     _nnx_model(CacheRule(path='encoder.*'))
 
 
+@pytest.mark.slow
 def test_hugging_face_flax_gpt2_generate_with_a_cache_by_rule():
   # (FlaxLlamaForCausalLM of transformers 4.57 fails its own generate on a
   # tiny config: its rotary tables are half the head size.)
