@@ -362,15 +362,16 @@ def quantize_cache(model: Any, rules: CacheRule | Sequence[CacheRule]):
   The first matching rule wins; every rule must match some cache variable.
 
   Args:
-    model: a linen Module (its 'cache' collection is mapped), or an nnx
+    model: a linen Module (its 'cache' collection is mapped), an nnx
       Module whose caches exist (after `init_cache`; its `nnx.Cache`
-      variables are replaced in place).
+      variables are replaced in place), or a Hugging Face Flax model (its
+      linen `module`, which `generate` calls, is replaced in place).
     rules: a CacheRule or a sequence of them.
 
   Returns:
     linen: a model of the same class and fields whose calls store the
     cache quantized (use it for `init` and `apply` with the original's
-    params). nnx: `model` itself.
+    params). nnx and Hugging Face: `model` itself.
 
   Example:
     >>> import flax.linen as nn, jax, jax.numpy as jnp
@@ -386,9 +387,14 @@ def quantize_cache(model: Any, rules: CacheRule | Sequence[CacheRule]):
     return _linen(model, rules)
   if isinstance(model, nnx.Module):
     return _nnx(model, rules)
+  if isinstance(getattr(model, 'module', None), nn.Module) and hasattr(
+    model, '_module'
+  ):  # A Hugging Face Flax model: `generate` calls its linen `module`.
+    model._module = _linen(model.module, rules)
+    return model
   raise TypeError(
-    'quantize_cache: model must be a flax.linen or flax.nnx Module, got '
-    f'{type(model).__name__}.'
+    'quantize_cache: model must be a flax.linen or flax.nnx Module (or a '
+    f'Hugging Face Flax model), got {type(model).__name__}.'
   )
 
 

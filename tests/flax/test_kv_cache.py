@@ -279,9 +279,10 @@ def test_hugging_face_flax_gpt2_generate_with_a_cache_by_rule():
   ids = jnp.asarray([[5, 9, 2, 7]])
 
   def generate(rule):
-    original = model._module  # The linen module `generate` calls.
+    original = model.module  # The linen module `generate` calls.
     if rule is not None:
-      model._module = quantize_cache(original, rule)
+      assert quantize_cache(model, rule) is model
+      assert model.module is not original
     try:
       out = model.generate(ids, max_length=16, do_sample=False)
     finally:
