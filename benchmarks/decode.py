@@ -12,6 +12,15 @@ on them). Rows:
   int8 w + int8 kv     the same weights, int8 cache read by dequantizing
   int8 w + int8 kv dots  int8 cache, QK^T and PV as int8 x int8 dots
   int8 w + int4 kv     int4 cache (packed), dequantized
+  int4 w + int8 kv     int4 weights (`presets.int4_weight_only`: float
+                       activations), int8 cache
+
+The bandwidth limit of a cell: the bytes a step must read (weights + the
+whole cache) over the memory bandwidth measured in the same process (the
+faster of a jitted and a NumPy sum over 256 MiB of float32), as tokens/s;
+`x limit` is the cell's tokens/s over it (1.0: at the limit; the targets
+ask for >= 0.5). With a 32 MiB L3 cache the int8 weights (13 MiB) stay in
+cache between steps, so a cell may beat the DRAM limit.
 
 Each cell decodes `--steps` tokens per sequence after an 8-token prompt,
 with a cache of `context` slots: the cache has a fixed size and every step
@@ -26,6 +35,9 @@ Run: python benchmarks/decode.py [--rounds 3] [--steps 32]
 from __future__ import annotations
 
 import argparse
+import datetime
+import sys
+import time
 
 import host
 import jax
@@ -41,6 +53,31 @@ from aqtr.pax.kv_cache import KVCacheConfig
 from aqtr.train import models
 
 
+def bandwidth() -> float:
+  """Memory read bandwidth in bytes/s: the faster of a jitted and a NumPy
+  sum over 256 MiB of float32 (best of 5 each)."""
+  x = np.ones((64, 2**20), np.float32)
+  jitted = jax.jit(jnp.sum)
+  xj = jnp.asarray(x)
+  runs = [(jitted, xj), (np.sum, x)]
+  best = float('inf')
+  for f, a in runs:
+    jax.block_until_ready(f(a))
+    for _ in range(5):
+      t = time.perf_counter()
+      jax.block_until_ready(f(a))
+      best = min(best, time.perf_counter() - t)
+  return x.nbytes / best
+
+
+def _frozen(template, params, config, x):
+  injected, _ = models.inject(template, config)
+  conv = models.build(models.serving_template(injected, Mode.CONVERT))
+  served = jax.jit(lambda v: aqtr_linen.convert(conv, v, x))(params)
+  lm = models.build(models.serving_template(injected, Mode.SERVE))
+  return lm, served
+
+
 def _models(max_len: int, d_model: int, layers: int, heads: int):
   template = models.lm(
     vocab_size=256,
@@ -52,11 +89,11 @@ def _models(max_len: int, d_model: int, layers: int, heads: int):
   x = jnp.zeros((1, max_len), jnp.int32)
   float_lm = models.build(template)
   params = jax.jit(float_lm.init)(jax.random.key(0), x)
-  injected, _ = models.inject(template, aqtr.presets.int8())
-  conv = models.build(models.serving_template(injected, Mode.CONVERT))
-  served = jax.jit(lambda v: aqtr_linen.convert(conv, v, x))(params)
-  int8_lm = models.build(models.serving_template(injected, Mode.SERVE))
-  return (float_lm, params), (int8_lm, served)
+  return {
+    'float': (float_lm, params),
+    'int8': _frozen(template, params, aqtr.presets.int8(), x),
+    'int4': _frozen(template, params, aqtr.presets.int4_weight_only(), x),
+  }
 
 
 ROWS = [
@@ -69,6 +106,7 @@ ROWS = [
     KVCacheConfig(numerics='int8', read='int8_dots'),
   ),
   ('int8 w + int4 kv', 'int8', KVCacheConfig(numerics='int4')),
+  ('int4 w + int8 kv', 'int4', KVCacheConfig(numerics='int8')),
 ]
 
 
@@ -83,10 +121,9 @@ def main() -> None:
   p.add_argument('--heads', type=int, default=8)
   args = p.parse_args()
   print(f'CPU: {host.cpu_model()}; jax {jax.__version__}; {jax.devices()[0]}')
-  (flm, fvars), (qlm, qvars) = _models(
-    max(args.contexts), args.d_model, args.layers, args.heads
-  )
-  weights = {'float': (flm, fvars), 'int8': (qlm, qvars)}
+  print(f'command: python benchmarks/decode.py {" ".join(sys.argv[1:])}')
+  print(f'date: {datetime.date.today()}')
+  weights = _models(max(args.contexts), args.d_model, args.layers, args.heads)
   wbytes = {k: common.nbytes(v) for k, (_, v) in weights.items()}
   rng = np.random.default_rng(0)
   cells, decoders = [], {}
@@ -109,26 +146,30 @@ def main() -> None:
       if cell not in best or out.decode_s < best[cell][0].decode_s:
         best[cell] = (out, w)
     print(f'round {r + 1}/{args.rounds} done', flush=True)
+  bw = bandwidth()
+  print(f'memory bandwidth: {bw / 1e9:.1f} GB/s (256 MiB sum)')
   print(
     f'\nd_model {args.d_model}, {args.layers} layers, {args.heads} heads; '
     f'{args.steps} decode steps per cell; min of {args.rounds} rounds\n'
   )
   print(
     '| weights + cache | batch | context | tokens/s | x float | ms/step '
-    '| weight MB | KV MB | KV x f32 |'
+    '| weight MB | KV MB | KV x f32 | limit tokens/s | x limit |'
   )
-  print('|---|---|---|---|---|---|---|---|---|')
+  print('|---|---|---|---|---|---|---|---|---|---|---|')
   for context in args.contexts:
     for batch in args.batches:
       base = best[('float w + float kv', batch, context)][0]
       for label, _, _ in ROWS:
         out, w = best[(label, batch, context)]
         ms = 1e3 * out.decode_s / args.steps
+        limit = batch * bw / (wbytes[w] + out.kv_bytes)
         print(
           f'| {label} | {batch} | {context} | {out.tokens_per_s:.0f} | '
           f'{out.tokens_per_s / base.tokens_per_s:.2f} | {ms:.2f} | '
           f'{wbytes[w] / 2**20:.1f} | {out.kv_bytes / 2**20:.2f} | '
-          f'{out.kv_bytes / base.kv_bytes:.3f} |'
+          f'{out.kv_bytes / base.kv_bytes:.3f} | {limit:.0f} | '
+          f'{out.tokens_per_s / limit:.2f} |'
         )
 
 

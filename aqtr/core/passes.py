@@ -287,7 +287,9 @@ def _kind(da, db, raw: DotGeneralRaw) -> str:
   return 'float'
 
 
-def low_precision(qa, qb, dot, raw: DotGeneralRaw, precision, zero=None):
+def low_precision(
+  qa, qb, dot, raw: DotGeneralRaw, precision, zero=None, pinned=False
+):
   """`dot(qa, qb, preferred, precision)` in the operands' own types -> f32.
 
   The one dtype dispatch of the engine (dot_general and ragged_dot):
@@ -296,7 +298,8 @@ def low_precision(qa, qb, dot, raw: DotGeneralRaw, precision, zero=None):
   the low-precision dot), anything else a float dot in the operands'
   float type. `zero` (affine operands) is a pair of functions:
   `subtract(qa, qb)` before a float dot, `correct(out, qa, qb)` of an
-  int32 result (exact integer corrections, `zero_point.py`).
+  int32 result (exact integer corrections, `zero_point.py`). `pinned`:
+  the caller has pinned the operands already.
   """
   kind = _kind(qa.dtype, qb.dtype, raw)
   if kind == 'float':
@@ -306,7 +309,8 @@ def low_precision(qa, qb, dot, raw: DotGeneralRaw, precision, zero=None):
     if zero is not None:  # Subtracted in float: exact for integer values.
       qa, qb = zero[0](qa, qb)
     return dot(qa, qb, jnp.float32, precision)
-  qa, qb = lax.optimization_barrier((qa, qb))
+  if not pinned:
+    qa, qb = lax.optimization_barrier((qa, qb))
   if kind == 'fp8':
     return dot(qa, qb, jnp.float32, None)
   out = dot(qa, qb, jnp.int32, None)
@@ -339,7 +343,19 @@ def contract(
   vb, zb = as_int8(b.values, b.zero_point)
   za = None if za is None else per_row(za, a.values.shape, a.form)
   zb = None if zb is None else per_row(zb, b.values.shape, b.form)
-  qa = va.reshape(bsz * n, fa, t).astype(a.dot_dtype)
+  kind = _kind(a.dot_dtype, b.dot_dtype, raw)
+  # XLA:CPU emits a one-row integer dot (decoding at batch 1) as a plain
+  # loop over int32-widened operands, 8-30x slower than the two-row dot
+  # its library kernel runs: add a zero row (integer sums are exact, so
+  # the result is the same bit for bit) and drop its output.
+  one_row = za is None and zb is None and fa == 1 and kind == 'int'
+  if one_row:
+    va = jnp.concatenate([va, jnp.zeros_like(va)], axis=2)
+  if kind != 'float':
+    # Pinned as they lie: a reshape of a pinned array is a copy on
+    # XLA:CPU, a copy of every stored weight at every call.
+    va, vb = lax.optimization_barrier((va, vb))
+  qa = va.reshape(bsz * n, va.shape[2], t).astype(a.dot_dtype)
   qb = vb.reshape((bsz * n,) + vb.shape[2:]).astype(b.dot_dtype)
   fb, b_contract = (qb.shape[1], 2) if b.form == 'fk' else (qb.shape[2], 1)
   zero = None
@@ -348,7 +364,10 @@ def contract(
       functools.partial(subtract_rows, za=za, zb=zb, b_contract=b_contract),
       functools.partial(int_corrections, za=za, zb=zb, b_contract=b_contract),
     )
-  out = low_precision(qa, qb, _batched_dot(b_contract), raw, precision, zero)
+  dot = _batched_dot(b_contract)
+  out = low_precision(qa, qb, dot, raw, precision, zero, pinned=True)
+  if one_row:
+    out = out[:, :1]
   out = out.reshape(bsz, n, fa, fb)
   if a.scale is not None:
     out = out * a.scale

@@ -353,6 +353,26 @@ def _int8_rows(x: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
   return jnp.round(x / scale).astype(jnp.int8), scale
 
 
+def _int_dot(a: jax.Array, b: jax.Array, b_contract: int) -> jax.Array:
+  """int8 x int8 -> int32 [b, n, t, F] of a [b, n, t, K] and the cache's
+  b [b, n, S, h] (contracting its axis `b_contract`: 3 for K = h, 2 for
+  K = S).
+
+  The lhs contracts its minor axis (XLA:CPU's fast integer dot layout). A
+  one-query `a` (t = 1, decoding) runs as two queries: XLA:CPU emits an
+  integer dot with a one-row operand as a plain loop over int32-widened
+  operands, several times slower than the library kernel it runs for two
+  rows (docs/performance.md); integer sums are exact, so the zero row
+  changes nothing but the speed.
+  """
+  one = a.shape[2] == 1
+  if one:
+    a = jnp.concatenate([a, jnp.zeros_like(a)], axis=2)
+  dn = (((3,), (b_contract,)), ((0, 1), (0, 1)))
+  out = lax.dot_general(a, b, dn, preferred_element_type=jnp.int32)
+  return out[:, :, :1] if one else out
+
+
 def attend(
   cfg: KVCacheConfig,
   layer: LayerCache,
@@ -377,9 +397,7 @@ def attend(
   if cfg.read == 'int8_dots':
     qc, qs = _int8_rows(q.astype(jnp.float32), axis=-1)  # [b, t, n, 1]
     kc = layer.k.codes
-    dots = jnp.einsum(
-      'btnh,bnsh->bnts', qc, kc, preferred_element_type=jnp.int32
-    )
+    dots = _int_dot(jnp.transpose(qc, (0, 2, 1, 3)), kc, 3)  # [b, n, t, S]
     ks = _per_token(cfg, layer.k.scale)  # [b, n, S]
     logits = dots.astype(jnp.float32) * (
       jnp.transpose(qs, (0, 2, 1, 3)) * ks[:, :, None, :]
@@ -387,9 +405,7 @@ def attend(
     probs = jax.nn.softmax(jnp.where(mask, logits, neg), axis=-1)
     vs = _per_token(cfg, layer.v.scale)  # [b, n, S]
     pc, ps = _int8_rows(probs * vs[:, :, None, :], -1)
-    out = jnp.einsum(
-      'bnts,bnsh->btnh', pc, layer.v.codes, preferred_element_type=jnp.int32
-    )
+    out = _int_dot(pc, layer.v.codes, 2).transpose(0, 2, 1, 3)  # [b, t, n, h]
     return (out.astype(jnp.float32) * jnp.transpose(ps, (0, 2, 1, 3))).astype(
       q.dtype
     )

@@ -27,3 +27,26 @@ def test_under_a_mesh_it_is_sum_itself():
   with jax.set_mesh(mesh):
     got = jax.jit(passes.tile_sum)(x)
   np.testing.assert_array_equal(got, jax.jit(lambda x: x.sum(axis=1))(x))
+
+
+def _dots(f, *args) -> list[str]:
+  text = jax.jit(f).lower(*args).compile().as_text()
+  return [line for line in text.splitlines() if ' dot(' in line]
+
+
+def test_a_one_row_int8_dot_runs_as_two_rows_and_is_exact():
+  # Decoding at batch 1: XLA:CPU would emit the one-row integer dot as a
+  # slow loop; the engine adds a zero row. Integer sums: exact.
+  import aqtr
+
+  cfg = aqtr.presets.int8()
+  dn = (((1,), (0,)), ((), ()))
+  w = jax.random.normal(jax.random.key(0), (64, 48))
+  q = aqtr.quantize_operand(w, dn, cfg, operand='rhs')
+  x = jax.random.normal(jax.random.key(1), (3, 64))
+  got = jax.jit(lambda x, q: aqtr.dot_general(x, q, dn, cfg))(x[:1], q)
+  rows = jax.jit(lambda x, q: aqtr.dot_general(x, q, dn, cfg))(x, q)
+  np.testing.assert_array_equal(got, rows[:1])
+  if jax.default_backend() == 'cpu':
+    dots = _dots(lambda x, q: aqtr.dot_general(x, q, dn, cfg), x[:1], q)
+    assert dots and all('s32[2,48]' in d for d in dots), dots

@@ -1,5 +1,7 @@
 """aqtr.pax.kv_cache: the config, codes + scales, int4 packing, reads."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -206,3 +208,21 @@ def test_bytes_per_token_against_float32(kwargs, ratio):
     return kv_cache.nbytes(layer)
 
   assert size(KVCacheConfig(**kwargs)) / size(KVCacheConfig()) == ratio
+
+
+def test_int8_dots_of_one_query_equal_those_of_the_query_in_a_pair():
+  # One query (decoding) runs as two (a zero row, for XLA:CPU's fast
+  # integer kernel); the rows are independent, so results are equal.
+  cfg = KVCacheConfig(numerics='int8', read='int8_dots')
+  layer = kv_cache.init_layer(cfg, batch=1, length=8, num_heads=2, head_dim=4)
+  kv = jax.random.normal(jax.random.key(0), (2, 1, 8, 2, 4))
+  layer = kv_cache.write(cfg, layer, kv[0], kv[1], 0)
+  q = jax.random.normal(jax.random.key(1), (1, 2, 2, 4))
+  mask = jnp.ones((1, 1, 2, 8), bool)
+  two = kv_cache.attend(cfg, layer, q, mask)
+  one = kv_cache.attend(cfg, layer, q[:, :1], mask[:, :, :1])
+  np.testing.assert_array_equal(one, two[:, :1])
+  f = jax.jit(lambda q: kv_cache.attend(cfg, layer, q, mask[:, :, :1]))
+  text = f.lower(q[:, :1]).compile().as_text().splitlines()
+  dots = [x for x in text if ' dot(' in x]  # [..., 2 queries, F]
+  assert dots and all(re.search(r's32\[[\d,]*2,\d+\]', d) for d in dots)
