@@ -29,18 +29,22 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from aqtr.flax import intercept
 from aqtr.flax.frozen import STORE, FrozenBox, FrozenKernel, FrozenOps
 
 __all__ = [
   'call_fn',
+  'fresh_copy',
   'frozen_holders',
   'is_linen',
   'is_model',
+  'mode_copy',
   'own_params',
   'path_of',
   'path_in_stack',
   'read_param',
   'run_jit',
+  'scope_root',
   'signature',
   'state_of',
   'stored_ops',
@@ -88,6 +92,40 @@ def path_in_stack(stack: list) -> tuple:
         return base  # `outer.apply(...)` bound `inner`: its own path
       return (*base, inner.name or type(inner).__name__)
   return own
+
+
+def scope_root(module):
+  """A bound linen module's root scope (None for nnx or unbound)."""
+  if isinstance(module, nn.Module) and module.scope is not None:
+    return module.scope.root
+  return None
+
+
+def fresh_copy(model, who: str):
+  """A copy of a float model to quantize (nnx: paths set on its modules).
+
+  Raises a TypeError naming `who` unless `model` is an unbound linen or
+  an nnx Module.
+  """
+  if isinstance(model, nnx.Module):
+    model = nnx.clone(model)
+    intercept.retarget(model)
+    for path, m in nnx.iter_modules(model):
+      m.aqtr_path = tuple(path)
+    return model
+  if isinstance(model, nn.Module):
+    if model.scope is not None:
+      raise TypeError(f'{who}: pass an unbound linen Module.')
+    return model.copy()
+  raise TypeError(
+    f'{who}: model must be a flax.linen or flax.nnx Module, got '
+    f'{type(model).__name__}.'
+  )
+
+
+def mode_copy(model):
+  """The model to switch mode on (linen: a copy; nnx: in place)."""
+  return model.copy() if isinstance(model, nn.Module) else model
 
 
 def own_params(module) -> dict:

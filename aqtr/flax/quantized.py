@@ -36,9 +36,6 @@ import dataclasses
 import functools
 import inspect
 
-import flax.linen as nn
-from flax import nnx
-
 from aqtr import rules as rules_lib
 from aqtr.flax import analysis, common, hosts, intercept
 from aqtr.flax.session import Session, Spec
@@ -140,20 +137,7 @@ def quantize(model, rules, *, methods=('__call__',)):
       'quantize the float model again, or use aqtr.flax.set_mode.'
     )
   spec = _spec(rules, methods)
-  if isinstance(model, nnx.Module):
-    model = nnx.clone(model)
-    intercept.retarget(model)
-    for path, m in nnx.iter_modules(model):
-      m.aqtr_path = tuple(path)
-  elif isinstance(model, nn.Module):
-    if model.scope is not None:
-      raise TypeError('aqtr.flax.quantize: pass an unbound linen Module.')
-    model = model.copy()
-  else:
-    raise TypeError(
-      f'aqtr.flax.quantize: model must be a flax.linen or flax.nnx Module, '
-      f'got {type(model).__name__}.'
-    )
+  model = hosts.fresh_copy(model, 'aqtr.flax.quantize')
   model.__class__ = _subclass(type(model), spec)
   return model
 
@@ -178,8 +162,7 @@ def set_mode(model, mode: Mode, *, converted_=None):
   spec = spec_of(model)
   converted = spec.converted if converted_ is None else converted_
   spec = dataclasses.replace(spec, mode=mode, converted=converted)
-  if isinstance(model, nn.Module):
-    model = model.copy()
+  model = hosts.mode_copy(model)
   model.__class__ = _subclass(type(model).aqtr_base, spec)
   return model
 

@@ -19,7 +19,6 @@ import collections
 import dataclasses
 from typing import Any
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
@@ -183,8 +182,8 @@ class Session:
     transform that traces its body again (`nn.scan`) makes new scope
     trees: the count restarts there, so a re-trace names its ops alike."""
     key = mpath
-    if isinstance(module, nn.Module) and module.scope is not None:
-      root = module.scope.root
+    root = hosts.scope_root(module)
+    if root is not None:
       self.alive.append(root)
       key = (mpath, id(root))
     counter = self.count.setdefault(key, collections.Counter())
