@@ -64,3 +64,24 @@ def test_submodule_of_a_served_nnx_model_called_directly_is_one_line():
   # be zeros (a silently wrong output).
   with pytest.raises(ValueError, match='call the served model itself'):
     served.up(x)
+
+
+@pytest.mark.parametrize(
+  'ulps, outcome', [(0, None), (3, 'warn'), (999, 'raise')]
+)
+def test_serve_check_names_the_ulp_distance(monkeypatch, ulps, outcome):
+  from aqtr.flax import serving  # noqa: PLC0415
+
+  base = jnp.array([1.0, -2.0, 3.5], jnp.float32)
+  bits = jax.lax.bitcast_convert_type(base, jnp.int32)
+  moved = jax.lax.bitcast_convert_type(bits + ulps, jnp.float32)
+  outs = iter([base, moved])
+  monkeypatch.setattr(serving.hosts, 'run_jit', lambda *a: next(outs))
+  if outcome == 'raise':
+    with pytest.raises(ValueError, match=f'{ulps} ULP'):
+      serving.check_served(None, None, None, None, (), {})
+  elif outcome == 'warn':
+    with pytest.warns(UserWarning, match=f'by up to {ulps} ULP'):
+      serving.check_served(None, None, None, None, (), {})
+  else:
+    serving.check_served(None, None, None, None, (), {})
