@@ -219,7 +219,7 @@ def convert(
       w = s.weights.get(e.path)
       if w is not None and e.config is None:
         float_read.add(w.path)
-  todo, derived = {}, set()
+  todo, derived, empty = {}, set(), {}
   for path, uses in groups.items():
     where = '/'.join(map(str, path))
     if rx is not None and any(
@@ -233,14 +233,23 @@ def convert(
     )
     if whole:
       todo[where] = (uses, hosts.read_param(model, variables, path), path)
-    else:
-      derived |= {u.where for u in uses if not u.info.in_loop}
+      continue
+    derived |= {u.where for u in uses if not u.info.in_loop}
+    if path not in float_read and not any(
+      u.info.elsewhere or u.info.in_loop for u in uses
+    ):
+      # Read only through derived weights of quantized ops (GPT-2's
+      # `kernel.transpose()`): their frozen values are in the op store, so
+      # the float parameter leaves the tree (an empty holder).
+      w = hosts.read_param(model, variables, path)
+      empty[path] = ({}, tuple(jnp.shape(w)), jnp.dtype(w.dtype), jnp.ndim(w))
   frozen = _freeze_all(todo)  # one compiled program for every weight
   holders = {}
   for where, (uses, w, path) in todo.items():
     ref = jax.tree.leaves(_entry_shapes(uses[0]))[0]
     shape, dtype = tuple(uses[0].weight.shape), jnp.dtype(w.dtype)
     holders[path] = (frozen[where], shape, dtype, ref.ndim)
+  holders.update(empty)
   ops = _freeze_ops(model, variables, args, kwargs, derived)
   served, out = hosts.with_frozen(model, variables, holders, ops)
   if hosts.is_linen(model):

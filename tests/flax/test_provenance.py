@@ -241,3 +241,25 @@ def test_counts_helper_sees_nested_jaxprs():
     jnp.ones((2, 3), jnp.int8), jnp.ones((3, 4), jnp.int8)
   )
   assert _int8_dots(j.jaxpr) == 1
+
+
+class _Conv1D(nn.Module):
+  """GPT-2's Conv1D: the kernel is read transposed."""
+
+  @nn.compact
+  def __call__(self, x):
+    k = self.param('kernel', nn.initializers.normal(), (2 * D, D))
+    return x @ k.transpose()
+
+
+def test_a_parameter_read_only_transposed_leaves_the_serving_tree():
+  m = _Conv1D()
+  v = m.init(jax.random.key(0), X)
+  q = af.quantize(m, [Rule('int8')])
+  served, sv = af.convert(q, X, variables=v)
+  sizes = af.sizes(served, sv)
+  assert sizes.float_kernel_bytes == 2 * D * D * 4  # the kernel is gone
+  assert sizes.serving_bytes < sizes.float_kernel_bytes / 3
+  np.testing.assert_array_equal(
+    jax.jit(served.apply)(sv, X), jax.jit(q.apply)(v, X)
+  )
