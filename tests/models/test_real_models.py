@@ -62,9 +62,17 @@ KNOWN = {
     'recorded with an empty path and serving.py convert raises KeyError: '
     "'kernel'"
   ),
-  ('lora', 'hf_gpt2', ('float',)): (
+  ('lora', 'hf_gpt2', ('float', 'nf4')): (
     "GPT-2's Conv1D reads kernel.transpose(): lora/session.py refuses it as "
     'a derived weight (provenance: a transpose of a parameter is a weight)'
+  ),
+  ('ptq', 'hf_gpt2', ('rtn', 'gptq')): (
+    "GPT-2's Conv1D reads kernel.transpose(): not seen as a weight op, so "
+    'ptq finds "no weight op of the model matched a rule"'
+  ),
+  ('ptq', 'griffin', ('rtn', 'gptq')): (
+    "Griffin's blocks run under nn.remat: ptq/collect.py refuses their ops "
+    '("a weight op ran inside a JAX transform (scan over layers?)")'
   ),
 }
 
@@ -249,23 +257,28 @@ def test_convert_serves_what_trains_under_jit(name, preset):
 
 
 def _batches(z, n=2):
-  return [z.sample(seed) for seed in range(1, n + 1)]
+  """Calibration batches: more tokens than any layer has inputs (GPTQ's
+  Hessian is then full rank)."""
+  return [z.sample(seed, batch=8 * zoo.B) for seed in range(1, n + 1)]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize('name,method', _params('ptq', ('rtn', 'gptq')))
 def test_ptq_int4(name, method):
-  """int4 PTQ of the blocks' weights; GPTQ no worse than RTN."""
+  """int4 PTQ of the blocks' weights; on its calibration data GPTQ's output
+  error is no worse than RTN's."""
   z, mod, x, _ = _model(name)
   v = _variables(name)
   rules = [Rule('int4_weight_only', path=z.blocks, weight=True)]
-  y0 = jax.jit(mod.apply)(v, x)
+  batches = _batches(z)
+  y0, c0 = jax.jit(mod.apply)(v, x), jax.jit(mod.apply)(v, batches[0])
   errors = {}
   for m in ('rtn', method):
-    (sm, sv), _ = ptq.quantize(mod, rules, _batches(z), variables=v, method=m)
-    errors[m] = _rel(jax.jit(sm.apply)(sv, x), y0)
-  assert 0 < errors[method] < ERROR['int4_weight_only'], errors
-  assert errors[method] <= 1.1 * errors['rtn'], errors
+    (sm, sv), _ = ptq.quantize(mod, rules, batches, variables=v, method=m)
+    serve = jax.jit(sm.apply)
+    errors[m] = (_rel(serve(sv, x), y0), _rel(serve(sv, batches[0]), c0))
+  assert 0 < errors[method][0] < ERROR['int4_weight_only'], errors
+  assert errors[method][1] <= 1.1 * errors['rtn'][1], errors
 
 
 @pytest.mark.slow

@@ -51,12 +51,12 @@ class Zoo:
   def available(self) -> bool:
     return importlib.util.find_spec(self.package) is not None
 
-  def sample(self, seed: int = 0) -> jax.Array:
+  def sample(self, seed: int = 0, batch: int = B) -> jax.Array:
     """One input batch (deterministic in `seed`)."""
     key = jax.random.key(seed)
     if self.image:
-      return jax.random.normal(key, (B, IMG, IMG, 3))
-    return jax.random.randint(key, (B, T), 0, VOCAB)
+      return jax.random.normal(key, (batch, IMG, IMG, 3))
+    return jax.random.randint(key, (batch, T), 0, VOCAB)
 
 
 class HfLm(nn.Module):
