@@ -49,7 +49,11 @@ class Zoo:
   blocks: str = ''
 
   def available(self) -> bool:
-    return importlib.util.find_spec(self.package) is not None
+    """Whether the model's package is installed."""
+    try:
+      return importlib.util.find_spec(self.package) is not None
+    except ModuleNotFoundError:  # Its parent package is missing.
+      return False
 
   def sample(self, seed: int = 0, batch: int = B) -> jax.Array:
     """One input batch (deterministic in `seed`)."""
