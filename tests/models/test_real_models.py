@@ -265,20 +265,20 @@ def _batches(z, n=2):
 @pytest.mark.slow
 @pytest.mark.parametrize('name,method', _params('ptq', ('rtn', 'gptq')))
 def test_ptq_int4(name, method):
-  """int4 PTQ of the blocks' weights; on its calibration data GPTQ's output
-  error is no worse than RTN's."""
+  """int4 PTQ of the blocks' weights: the served logits stay close to
+  float; GPTQ's layer output errors on its calibration data (its
+  objective, in the PtqReport) are below fresh RTN's."""
   z, mod, x, _ = _model(name)
   v = _variables(name)
   rules = [Rule('int4_weight_only', path=z.blocks, weight=True)]
-  batches = _batches(z)
-  y0, c0 = jax.jit(mod.apply)(v, x), jax.jit(mod.apply)(v, batches[0])
-  errors = {}
-  for m in ('rtn', method):
-    (sm, sv), _ = ptq.quantize(mod, rules, batches, variables=v, method=m)
-    serve = jax.jit(sm.apply)
-    errors[m] = (_rel(serve(sv, x), y0), _rel(serve(sv, batches[0]), c0))
-  assert 0 < errors[method][0] < ERROR['int4_weight_only'], errors
-  assert errors[method][1] <= 1.1 * errors['rtn'][1], errors
+  (sm, sv), rep = ptq.quantize(
+    mod, rules, _batches(z), variables=v, method=method
+  )
+  err = _rel(jax.jit(sm.apply)(sv, x), jax.jit(mod.apply)(v, x))
+  assert 0 < err < ERROR['int4_weight_only']
+  ours = sum(r.error for r in rep.layers)
+  rtn = sum(r.rtn_error for r in rep.layers)
+  assert ours <= rtn * (1.0 if method == 'rtn' else 0.95), str(rep)
 
 
 @pytest.mark.slow
