@@ -157,7 +157,8 @@ def _convert(target, args):
     def place(site, parts):
       mpath, param, key = site.holder
       holder = getattr(mods[mpath], param)
-      if isinstance(holder, nnx.Param):  # kept: its op is in the op store
+      if isinstance(holder, nnx.Param) or key not in holder.entries():
+        # Kept, or read through a derived weight: the op store has it.
         entries = jax.tree.map(lambda x: x, store.get_value())
         entries[store_key(site.path)][key][_entry(site)]['rhs'] = parts
         store.set_value(entries)
@@ -176,7 +177,8 @@ def _convert(target, args):
     for k in mpath:
       node = node[k]
     box = node[param]
-    if not hasattr(box, 'entries'):  # kept: its op is in the op store
+    if not hasattr(box, 'entries') or key not in box.entries():
+      # Kept, or read through a derived weight: the op store has it.
       svars[STORE]['ops'][store_key(site.path)][key][_entry(site)]['rhs'] = (
         parts
       )

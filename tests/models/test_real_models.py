@@ -41,7 +41,12 @@ HF_LMS = tuple(n for n in HF if n != 'hf_vit')
 TIED = ('hf_gpt2', 'hf_opt', 'hf_bloom')  # lm_head.apply(embedding.T)
 
 # (test, models, cases) -> why they fail today.
-KNOWN: dict = {}
+KNOWN = {
+  ('lora', 'hf_gpt2', ('float', 'nf4')): (
+    "GPT-2's Conv1D reads kernel.transpose(): aqtr.lora refuses a derived "
+    'weight in one line (an adapter needs the parameter itself)'
+  ),
+}
 
 
 def _tuple(x):
@@ -224,20 +229,56 @@ def test_convert_serves_what_trains_under_jit(name, preset):
 
 
 def _batches(z, n=2):
-  return [z.sample(seed) for seed in range(1, n + 1)]
+  """Calibration batches: more tokens than any layer has inputs (GPTQ's
+  Hessian is then full rank)."""
+  return [z.sample(seed, batch=8 * zoo.B) for seed in range(1, n + 1)]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize('name,method', _params('ptq', ('rtn', 'gptq', 'awq')))
+@pytest.mark.parametrize('name,method', _params('ptq', ('rtn', 'gptq')))
 def test_ptq_int4(name, method):
+  """int4 PTQ of the blocks' weights: the served logits stay close to
+  float; GPTQ's layer output errors on its calibration data (its
+  objective, in the PtqReport) are below fresh RTN's."""
   z, mod, x, _ = _model(name)
   v = _variables(name)
-  rules = [Rule('int4_weight_only', weight=True)]
+  rules = [Rule('int4_weight_only', path=z.blocks, weight=True)]
   (sm, sv), rep = ptq.quantize(
     mod, rules, _batches(z), variables=v, method=method
   )
-  y0 = jax.jit(mod.apply)(v, x)
-  assert 0 < _rel(jax.jit(sm.apply)(sv, x), y0) < ERROR['int4_weight_only']
+  err = _rel(jax.jit(sm.apply)(sv, x), jax.jit(mod.apply)(v, x))
+  assert 0 < err < ERROR['int4_weight_only']
+  ours = sum(r.error for r in rep.layers)
+  rtn = sum(r.rtn_error for r in rep.layers)
+  assert ours <= rtn * (1.0 if method == 'rtn' else 0.95), str(rep)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('name', [z.name for z in zoo.MODELS[:1]])
+def test_awq_without_a_fold_map_is_refused_in_one_line(name):
+  """No fold map is registered for third-party models (AWQ folds its
+  scales into the preceding norm or linear: the model's structure)."""
+  z, mod, _, _ = _model(name)
+  rules = [Rule('int4_weight_only', path=z.blocks, weight=True)]
+  with pytest.raises(ValueError, match='no fold map known.*fold_map='):
+    ptq.quantize(
+      mod, rules, _batches(z), variables=_variables(name), method='awq'
+    )
+
+
+@pytest.mark.parametrize('name', ['griffin'])
+def test_weights_with_batch_axes_are_refused_by_ptq_and_lora(name):
+  """Griffin's per-head gates ('... h i, h i j -> ... h j'): QAT quantizes
+  them (per head scales); PTQ and LoRA refuse them in one line."""
+  z = next(z for z in zoo.MODELS if z.name == name)
+  if not z.available():
+    pytest.skip(z.package)
+  _, mod, x, v = _model(name)
+  gates = Rule('int4_weight_only', path='.*rg_lru.*', weight=True)
+  with pytest.raises(ValueError, match='weight op with batch dimensions'):
+    ptq.quantize(mod, [gates], _batches(z), variables=v, method='rtn')
+  with pytest.raises(ValueError, match='the weight has batch axes'):
+    lora.attach(mod, {'.*rg_lru.*': lora.LoraConfig(rank=2)}, x, variables=v)
 
 
 @pytest.mark.slow
@@ -246,7 +287,7 @@ def test_lora_and_qlora_train_and_merge(name, base):
   z, mod, x, _ = _model(name)
   v = _variables(name)
   cfg = lora.LoraConfig(rank=4, base=None if base == 'float' else base)
-  lm, lv = lora.attach(mod, cfg, x, variables=v)
+  lm, lv = lora.attach(mod, {z.blocks: cfg}, x, variables=v)
   ad, frozen = lora.partition(lv['params'])
   tx = optax.adam(1e-2)
 

@@ -35,6 +35,9 @@ class Zoo:
     image: the input is an image batch (else token ids).
     mqa: the attention broadcasts one KV head over the query heads.
     remat: the blocks run under `nn.remat` (the gradient recomputes them).
+    blocks: a path regex of the blocks' weight ops (PTQ and LoRA targets,
+      as a user picks them: not the embedding or head, nor Griffin's
+      per-head gates, which PTQ and LoRA refuse).
   """
 
   name: str
@@ -43,16 +46,21 @@ class Zoo:
   image: bool = False
   mqa: bool = False
   remat: bool = False
+  blocks: str = ''
 
   def available(self) -> bool:
-    return importlib.util.find_spec(self.package) is not None
+    """Whether the model's package is installed."""
+    try:
+      return importlib.util.find_spec(self.package) is not None
+    except ModuleNotFoundError:  # Its parent package is missing.
+      return False
 
-  def sample(self, seed: int = 0) -> jax.Array:
+  def sample(self, seed: int = 0, batch: int = B) -> jax.Array:
     """One input batch (deterministic in `seed`)."""
     key = jax.random.key(seed)
     if self.image:
-      return jax.random.normal(key, (B, IMG, IMG, 3))
-    return jax.random.randint(key, (B, T), 0, VOCAB)
+      return jax.random.normal(key, (batch, IMG, IMG, 3))
+    return jax.random.randint(key, (batch, T), 0, VOCAB)
 
 
 class HfLm(nn.Module):
@@ -200,11 +208,13 @@ MODELS = (
     name='hf_llama_gqa',
     package='transformers',
     build=_P(_hf, 'llama', **_hf_llama_kw(), num_key_value_heads=2),
+    blocks='inner/model/layers/.*',
   ),
   Zoo(
     name='hf_llama_mqa',
     package='transformers',
     build=_P(_hf, 'llama', **_hf_llama_kw(), num_key_value_heads=1),
+    blocks='inner/model/layers/.*',
     mqa=True,
   ),
   Zoo(
@@ -217,6 +227,7 @@ MODELS = (
       num_key_value_heads=2,
       sliding_window=T // 2,
     ),
+    blocks='inner/model/layers/.*',
   ),
   Zoo(
     name='hf_gpt2',
@@ -230,6 +241,7 @@ MODELS = (
       n_head=HEADS,
       n_positions=2 * T,
     ),
+    blocks='inner/transformer/h/.*',
   ),
   Zoo(
     name='hf_opt',
@@ -245,6 +257,7 @@ MODELS = (
       max_position_embeddings=2 * T,
       word_embed_proj_dim=D,
     ),
+    blocks='inner/model/decoder/layers/.*',
   ),
   Zoo(
     name='hf_bloom',
@@ -257,6 +270,7 @@ MODELS = (
       n_layer=LAYERS,
       n_head=HEADS,
     ),
+    blocks='inner/transformer/h/.*',
   ),
   Zoo(
     name='hf_vit',
@@ -272,14 +286,21 @@ MODELS = (
       num_attention_heads=HEADS,
       num_labels=10,
     ),
+    blocks='inner/vit/encoder/.*',
     image=True,
   ),
-  Zoo(name='gemma2', package='gemma.transformer', build=_P(_gemma, 2)),
+  Zoo(
+    name='gemma2',
+    package='gemma.transformer',
+    build=_P(_gemma, 2),
+    blocks='inner/layer_.*',
+  ),
   Zoo(
     name='gemma3',
     package='gemma.transformer',
     build=_P(_gemma, 3),
     mqa=True,
+    blocks='inner/layer_.*',
   ),
   Zoo(
     name='griffin',
@@ -287,5 +308,9 @@ MODELS = (
     build=_griffin,
     mqa=True,
     remat=True,
+    blocks=(
+      r'inner/blocks\.\d+/'
+      r'(mlp_block|attention_block|recurrent_block/linear_\w+)/.*'
+    ),
   ),
 )
