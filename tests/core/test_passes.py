@@ -1,13 +1,18 @@
-"""The tile sum of the sub-channel dots (`aqtr.core.passes.tile_sum`)."""
+"""The tile sum of the sub-channel dots (`aqtr.core.passes.tile_sum`) and
+the one dot of dequantized operands that replaces it for float dots."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import aqtr
 from aqtr.core import passes
+from aqtr.tilings.subchannel import SubChannel
 
 
 @pytest.mark.parametrize('n', [1, 2, 7, 32, 33, 70])
@@ -27,3 +32,54 @@ def test_under_a_mesh_it_is_sum_itself():
   with jax.set_mesh(mesh):
     got = jax.jit(passes.tile_sum)(x)
   np.testing.assert_array_equal(got, jax.jit(lambda x: x.sum(axis=1))(x))
+
+
+def _weight_only_int4(tile: int):
+  """int4 weights in tiles of `tile` inputs, float activations: a float dot."""
+  cfg = aqtr.presets.int4_weight_only()
+  w = dataclasses.replace(
+    cfg.fwd.rhs, tiling=SubChannel(tile_size=tile, tile_count=0)
+  )
+  return dataclasses.replace(
+    cfg,
+    fwd=dataclasses.replace(cfg.fwd, rhs=w),
+    dlhs=dataclasses.replace(cfg.dlhs, rhs=w),
+  )
+
+
+def _dots(jaxpr) -> list:
+  """The dot_general equations of `jaxpr` and its sub-jaxprs."""
+  out = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == 'dot_general':
+      out.append(eqn)
+    for v in eqn.params.values():
+      for sub in v if isinstance(v, tuple | list) else (v,):
+        sub = getattr(sub, 'jaxpr', sub)
+        if hasattr(sub, 'eqns'):
+          out += _dots(sub)
+  return out
+
+
+def test_float_dot_over_tiles_is_one_dot_of_dequantized_operands():
+  # 4 tiles of 8 inputs: one dot over all 32 (no per-tile batch), equal
+  # to the dot of the dequantized weight; its gradient likewise.
+  cfg = _weight_only_int4(8)
+  x = jax.random.normal(jax.random.key(0), (6, 32))
+  w = jax.random.normal(jax.random.key(1), (32, 5))
+  g = jax.random.normal(jax.random.key(2), (6, 5))
+  dn = (((1,), (0,)), ((), ()))
+
+  def vjp(x, w):
+    out, pull = jax.vjp(lambda a, b: aqtr.dot_general(a, b, dn, cfg), x, w)
+    return (out, *pull(g))
+
+  dots = _dots(jax.make_jaxpr(vjp)(x, w).jaxpr)
+  assert dots, 'no dot_general traced'
+  for eqn in dots:  # [B=1, M, K] . [1, K, N]: no tile in the batch.
+    assert all(v.aval.shape[0] == 1 for v in eqn.invars if v.aval.ndim == 3)
+    assert all(v.aval.shape[-1] != 8 for v in eqn.invars), eqn
+  wq = aqtr.fake_quant(w, cfg.fwd.rhs, contracting_axes=(0,))
+  out, dx, _ = jax.jit(vjp)(x, w)
+  np.testing.assert_allclose(out, x @ wq, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(dx, g @ wq.T, rtol=1e-5, atol=1e-5)
