@@ -115,9 +115,9 @@ def _robust(s, bound, unit: float, po2: bool, check_s=True) -> jax.Array:
   if po2:
     s = po2_ceil(s)
   s = prims.where(bound == 0, unit, s)
-  ok = jnp.isfinite(bound)
-  if check_s:
-    ok = ok & jnp.isfinite(s)
+  if not check_s:  # bound - bound: 0 where finite, NaN elsewhere.
+    return s + (bound - bound)
+  ok = jnp.isfinite(bound) & jnp.isfinite(s)
   return prims.where(ok, s, float('nan'))
 
 
