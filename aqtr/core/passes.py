@@ -329,15 +329,12 @@ def _batched_dot(b_contract: int):
 def dense_tiles() -> bool:
   """Whether a float dot over tiles runs as one dot of dequantized operands.
 
-  A sub-channel dot whose operands enter the dot in float (codebooks such
-  as nf4, int4 widened against a float activation, emulated formats)
-  gains nothing from one dot per tile: on CPU, outside a mesh context,
-  both operands are dequantized (`(q - z) * s`, float32) and contracted
-  by one dot over the whole contraction, instead of T partial products,
-  scaled and summed (`tile_sum`). The products are rounded in another
-  order (float32, as the per-tile form), the same for training and
-  serving, which share this core. Elsewhere, and for int8 / fp8 dots,
-  the per-tile form.
+  A sub-channel dot whose operands enter it in float (nf4 codes, int4
+  against a float activation) gains nothing from one dot per tile: on
+  CPU outside a mesh context, both operands are dequantized (float32)
+  and contracted by one dot, instead of T partial products scaled and
+  summed (`tile_sum`); training and serving share it. int8 / fp8 dots,
+  and other backends, keep the per-tile form.
 
   Returns:
     True on CPU outside a mesh context.
@@ -360,11 +357,9 @@ def dequantized(q: QuantizedOperand, dtype) -> jax.Array:
     [B, F, K] ('fk') or [B, K, F] ('kf'), tiles merged back into K.
 
   Example:
-    >>> import jax.numpy as jnp
-    >>> q = QuantizedOperand(jnp.ones((1, 2, 1, 2), jnp.int8),
-    ...                      jnp.array([2.0, 3.0]).reshape(1, 2, 1, 1),
-    ...                      None, 'fk', jnp.dtype(jnp.int8))
-    >>> dequantized(q, jnp.float32).tolist()
+    >>> s, v = jnp.array([2.0, 3.0]).reshape(1, 2, 1, 1), jnp.ones((1, 2, 1, 2))
+    >>> q = QuantizedOperand(v, s, None, 'fk', v.dtype)
+    >>> dequantized(q, v.dtype).tolist()
     [[[2.0, 2.0, 3.0, 3.0]]]
   """
   v = q.values.astype(dtype)
