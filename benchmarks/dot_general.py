@@ -15,8 +15,15 @@ than wall time on a shared machine. `residual x` is the bytes `jax.vjp`'s
 closure keeps, over lax f32's. AQT (`aqtp`) and Qwix (`qwix`) rows appear
 when those packages are installed (`pip install -e '.[bench]'`).
 
+`--graph` prints, instead of times, the graph each implementation gives
+XLA for one dot (per shape and mode): `jaxpr eqns` (recursively, as
+benchmarks/compile_time.py counts them), `hlo ops` (instructions of the
+optimized HLO module, fusions' bodies included), `int8 dots` and
+`compile ms` (process CPU time of lower + compile, minimum of 3 fresh
+compiles after `jax.clear_caches()`).
+
 Run: python benchmarks/dot_general.py [--rounds 7] [--shapes 256x1024x1024]
-  [--impls 'lax f32' 'aqtr int8'] [--modes fwd+vjp]
+  [--impls 'lax f32' 'aqtr int8'] [--modes fwd+vjp] [--graph]
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import statistics
 import time
 from collections.abc import Callable
 
+import host
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -154,6 +162,40 @@ def _compile(f: Callable, mode: str, args):
   return g, time.perf_counter() - t
 
 
+def graph(shape, modes=('fwd', 'fwd+vjp'), only=None) -> list[str]:
+  """Table rows: the graph size and compile CPU time of one dot."""
+  from compile_time import count_eqns, count_hlo, count_int8_dots
+
+  m, k, n = shape
+  x, w, ct = jnp.ones((m, k)), jnp.ones((k, n)), jnp.ones((m, n))
+  rows = []
+  for mode in modes:
+    args = (x, w) if mode == 'fwd' else (x, w, ct)
+    for name, f in implementations().items():
+      if only is not None and name not in only and name != 'lax f32':
+        continue
+      g = f
+      if mode != 'fwd':
+
+        def g(x, w, ct, f=f):
+          out, vjp = jax.vjp(f, x, w)
+          return (out, *vjp(ct))
+
+      jaxpr = jax.make_jaxpr(g)(*args).jaxpr
+      best = float('inf')
+      for _ in range(3):
+        jax.clear_caches()
+        c = time.process_time()
+        compiled = jax.jit(g).lower(*args).compile()
+        best = min(best, time.process_time() - c)
+      rows.append(
+        f'| {"x".join(map(str, shape))} | {mode} | {name} | '
+        f'{count_eqns(jaxpr)} | {count_hlo(compiled)} | '
+        f'{count_int8_dots(jaxpr)} | {best * 1e3:.0f} |'
+      )
+  return rows
+
+
 def bench(shape, rounds: int, modes=('fwd', 'fwd+vjp'), only=None) -> list:
   m, k, n = shape
   kx, kw, kg = jax.random.split(jax.random.key(0), 3)
@@ -223,7 +265,19 @@ def main(argv=None) -> None:
   p.add_argument(
     '--impls', nargs='*', default=None, help='names to run (default: all)'
   )
+  p.add_argument('--graph', action='store_true', help='graph sizes, not times')
   a = p.parse_args(argv)
+  if a.graph:
+    print(f'jax {jax.__version__}, host CPU: {host.cpu_model()}')
+    print(
+      '| M x K x N | mode | impl | jaxpr eqns | hlo ops | int8 dots | '
+      'compile ms |'
+    )
+    print('|---|---|---|---:|---:|---:|---:|')
+    for s in a.shapes:
+      shape = tuple(int(v) for v in s.split('x'))
+      print('\n'.join(graph(shape, a.modes, a.impls)))
+    return
   print(
     f'jax {jax.__version__}, {jax.devices()[0].device_kind}, '
     f'rounds={a.rounds}; medians; ratios from one run'

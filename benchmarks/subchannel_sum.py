@@ -6,8 +6,11 @@ XLA:CPU reduces over that non-minor axis T element by element; the
 engine (`aqtr.core.passes.tile_sum`) adds whole slices instead. Part 1
 times the two sums alone; part 2 a whole `aqtr.einsum` forward + backward
 (`jax.grad` of the mean square) for weight configs with tiles, against
-the float dot, with the engine's sum and with `x.sum(axis=1)` patched
-back in (same process, interleaved rounds, median ms).
+the float dot: as the engine runs it (a dot whose operands enter it in
+float, such as nf4 or int4 weight-only, is one dot of the dequantized
+operands: `aqtr.core.passes.dense_tiles`), and with `dense_tiles` patched
+off (one dot per tile, scaled, summed by `tile_sum`: the engine before
+2026-11-27). Same process, interleaved rounds, median ms.
 
 Run: python benchmarks/subchannel_sum.py [--rounds 5]
 """
@@ -24,11 +27,12 @@ import jax
 import jax.numpy as jnp
 
 import aqtr
-from aqtr.core import passes
+from aqtr.core import backward, passes
 from aqtr.lora.config import nf4
 from aqtr.tilings.subchannel import SubChannel
 
 M, K, N = 2048, 512, 512
+passes_dense = passes.dense_tiles
 
 
 def _time(f, args, rounds: int, reps: int = 3) -> float:
@@ -79,35 +83,50 @@ def _configs():
   }
 
 
+def _per_tile(on: bool) -> None:
+  """Patches the engine's dense float path off (`on`) or back."""
+  for module in (passes, backward):
+    module.dense_tiles = (lambda: False) if on else passes_dense
+
+
 def _dots(rounds: int) -> list[str]:
   x = jax.random.normal(jax.random.key(0), (M, K))
   w = jax.random.normal(jax.random.key(1), (K, N))
 
-  def grad_of(cfg):
+  def grad_of(cfg):  # Compiled ahead: immune to later cache clears.
     def loss(x, w):
       return jnp.mean(aqtr.einsum('mk,kn->mn', x, w, config=cfg) ** 2)
 
-    return jax.jit(jax.grad(loss, argnums=(0, 1)))
+    return jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x, w).compile()
 
-  base = _time(grad_of(None), (x, w), rounds)
+  names = list(_configs())
+  _per_tile(True)
+  jax.clear_caches()  # The engine's inner jit re-traces with the patch.
+  try:
+    tiled = {n: grad_of(c) for n, c in _configs().items()}
+  finally:
+    _per_tile(False)
+    jax.clear_caches()
+  fns = {'float': grad_of(None)}
+  fns.update({n: grad_of(c) for n, c in _configs().items()})
+  times = {k: [] for k in [*fns, *(f'{n} per tile' for n in names)]}
+  for _ in range(rounds):  # Interleaved, one repeat each per round.
+    for k, f in fns.items():
+      times[k].append(_time(f, (x, w), 1))
+    for n, f in tiled.items():
+      times[f'{n} per tile'].append(_time(f, (x, w), 1))
+  med = {k: statistics.median(v) for k, v in times.items()}
+  base = med['float']
   lines = [
     f'float dot fwd+bwd: {base:.1f} ms',
     '',
-    '| config | engine ms | x float | with sum(axis=1) ms | x float |',
+    '| config | engine ms | x float | one dot per tile ms | x float |',
     '|---|---:|---:|---:|---:|',
   ]
-  fast = passes.tile_sum
-  for name, cfg in _configs().items():
-    a = _time(grad_of(cfg), (x, w), rounds)
-    passes.tile_sum = lambda p: p.sum(axis=1)
-    jax.clear_caches()  # The engine's inner jit re-traces with the patch.
-    try:
-      b = _time(grad_of(cfg), (x, w), rounds)
-    finally:
-      passes.tile_sum = fast
-      jax.clear_caches()
+  for n in names:
+    a, b = med[n], med[f'{n} per tile']
     lines.append(
-      f'| {name} | {a:.1f} | {a / base:.2f} | {b:.1f} | {b / base:.2f} |'
+      f'| {n} | {a:.1f} | {a / base:.2f} | {b:.1f} | {b / base:.2f} |'
     )
   return lines
 

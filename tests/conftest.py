@@ -16,6 +16,10 @@ os.environ.setdefault(
   + os.environ['AQTR_TEST_XLA_FLAGS'],
 )
 
+import ctypes
+import ctypes.util
+import gc
+
 import hypothesis
 import jax
 import pytest
@@ -74,3 +78,41 @@ def pytest_xdist_make_scheduler(config, log):
       return GROUPS.get(module, nodeid)
 
   return Scheduling(config, log)
+
+
+# Memory. Every jit compile keeps its executable (several MB on XLA:CPU)
+# in JAX's caches for the life of the process, so a worker running
+# hundreds of test modules grew past 5 GB. After each module (and after
+# any test that leaves the process above RSS_LIMIT_MB) the caches are
+# cleared, cycles collected and freed pages handed back to the OS. A later
+# module that calls a function compiled before recompiles it (a module's
+# own tests, fixtures and shared caches within it are not affected).
+RSS_LIMIT_MB = 2048
+_LIBC = ctypes.util.find_library('c')
+_TRIM = getattr(ctypes.CDLL(_LIBC), 'malloc_trim', None) if _LIBC else None
+
+
+def rss_mb() -> float:
+  """This process's resident memory in MiB (0 where /proc is missing)."""
+  try:
+    with open('/proc/self/statm') as f:
+      pages = int(f.read().split()[1])
+  except (OSError, IndexError, ValueError):
+    return 0.0
+  return pages * os.sysconf('SC_PAGE_SIZE') / 2**20
+
+
+def release_memory() -> None:
+  """Drops JAX's compilation caches and returns freed memory to the OS."""
+  jax.clear_caches()
+  gc.collect()
+  if _TRIM is not None:
+    _TRIM(0)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+  """After the module's fixtures are torn down: release memory."""
+  next_module = None if nextitem is None else nextitem.nodeid.split('::')[0]
+  if next_module != item.nodeid.split('::')[0] or rss_mb() > RSS_LIMIT_MB:
+    release_memory()

@@ -32,12 +32,15 @@ Internal API (used by `dot_general.py`): `backward`.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from aqtr.core import prims
 from aqtr.core.first_order import first_order_only
 from aqtr.core.passes import (
   Operand,
   canonical_noise,
+  dense_tiles,
+  dequantized,
   flip,
   fold_scale,
   k_axis,
@@ -111,7 +114,13 @@ def operand_gradient(plan: Plan, side: Side, res: Residuals, g, gst):
   if y_res.q is not None and not reuse:
     # A stored (frozen) Y in a rotating pass: rotate its dequantized values.
     y_x = _stored_values(plan, y, y_res.q)
-  if reuse:  # (g * s_Y) . q_Y, per tile of Y.
+  # A float g against a reused partner in tiles: g . dequant(Y), one dot.
+  dense = reuse and n > 1 and not raw.lhs.quantized and dense_tiles()
+  if dense:
+    n = 1
+    a = Operand(g3, g_form, raw.lhs, noise, state=gst)
+    b = Operand(dequantized(y_res.q, jnp.float32), flip(y.form))
+  elif reuse:  # (g * s_Y) . q_Y, per tile of Y.
     g_s, _ = fold_scale(g3, y_res.q, fy_axis)
     a = Operand(g_s, g_form, raw.lhs, repeat_tiles(noise, n), state=gst)
     b = y_res.q.as_partner()
@@ -132,7 +141,7 @@ def operand_gradient(plan: Plan, side: Side, res: Residuals, g, gst):
     out, st, _ = qdot(a, b, raw, plan.precision, tile)
   else:
     out, _, st = qdot(b, a, raw, plan.precision, tile)
-  z = y_res.q.partner_zero_point() if reuse else None
+  z = y_res.q.partner_zero_point() if reuse and not dense else None
   if z is not None:
     out = out - reuse_term(a.x, z, fy_axis, emit)
   out = merge_tiles(out, n, emit)

@@ -12,9 +12,10 @@ is the dtype dispatch, shared with `ragged.py`) and applies both scales:
 
 Internal API (used by `forward.py`, `backward.py` and `ragged.py`):
 `Operand`, `QuantizedOperand`, `quantize_tiled`, `contract`, `qdot`,
-`low_precision`, `fold_scale`, `repeat_tiles`, `merge_tiles`,
-`with_transposed_copy`, `flip`, `k_axis`, `rounding_noise`,
-`canonical_noise`, `residual_key`, `transform_key`, `slot_keys`.
+`low_precision`, `dense_tiles`, `dequantized`, `fold_scale`,
+`repeat_tiles`, `merge_tiles`, `with_transposed_copy`, `flip`, `k_axis`,
+`rounding_noise`, `canonical_noise`, `residual_key`, `transform_key`,
+`slot_keys`.
 """
 
 from __future__ import annotations
@@ -330,15 +331,83 @@ def _batched_dot(b_contract: int):
   return dot
 
 
+def dense_tiles() -> bool:
+  """Whether a float dot over tiles runs as one dot of dequantized operands.
+
+  A sub-channel dot whose operands enter it in float (nf4 codes, int4
+  against a float activation) gains nothing from one dot per tile: on
+  CPU outside a mesh context, both operands are dequantized (float32)
+  and contracted by one dot, instead of T partial products scaled and
+  summed (`tile_sum`); training and serving share it. int8 / fp8 dots,
+  and other backends, keep the per-tile form.
+
+  Returns:
+    True on CPU outside a mesh context.
+
+  Example:
+    >>> dense_tiles()  # On the CPU backend, no mesh set.
+    True
+  """
+  return jax.default_backend() == 'cpu' and get_abstract_mesh().empty
+
+
+def dequantized(q: QuantizedOperand, dtype) -> jax.Array:
+  """`(values - zero_point) * scale` as the canonical 3-D operand.
+
+  Args:
+    q: an operand in the tiled view.
+    dtype: the dtype to compute and return in.
+
+  Returns:
+    [B, F, K] ('fk') or [B, K, F] ('kf'), tiles merged back into K.
+
+  Example:
+    >>> s, v = jnp.array([2.0, 3.0]).reshape(1, 2, 1, 1), jnp.ones((1, 2, 1, 2))
+    >>> q = QuantizedOperand(v, s, None, 'fk', v.dtype)
+    >>> dequantized(q, v.dtype).tolist()
+    [[[2.0, 2.0, 3.0, 3.0]]]
+  """
+  v = q.values.astype(dtype)
+  if q.zero_point is not None:
+    v = v - q.zero_point.astype(dtype)
+  if q.scale is not None:
+    v = v * q.scale.astype(dtype)
+  return from_view(v, q.form)
+
+
+def _dense_contract(a: QuantizedOperand, b: QuantizedOperand, precision):
+  """One float dot of the dequantized operands -> [B, F_a, F_b] f32."""
+  floats = [
+    d for d in (a.dot_dtype, b.dot_dtype) if not (_is_int(d) or _is_fp8(d))
+  ]
+  dtype = jnp.result_type(*floats) if floats else jnp.float32
+  for q in (a, b):
+    if q.scale is not None or q.zero_point is not None:
+      dtype = jnp.promote_types(dtype, jnp.float32)
+  b_contract = 2 if b.form == 'fk' else 1
+  return lax.dot_general(
+    dequantized(a, dtype),
+    dequantized(b, dtype),
+    (((2,), (b_contract,)), ((0,), (0,))),
+    precision=precision,
+    preferred_element_type=jnp.float32,
+  )
+
+
 def contract(
   a: QuantizedOperand, b: QuantizedOperand, raw: DotGeneralRaw, precision
 ) -> jax.Array:
   """sum_tiles (q_a - z_a) . (q_b - z_b) * s_a * s_b -> [B, F_a, F_b] f32.
 
   `a` is 'fk' ([B, T, F_a, t]); `b` is either form. Zero points (affine
-  numerics) are None for symmetric operands.
+  numerics) are None for symmetric operands. A float dot over several
+  tiles runs as one dot of the dequantized operands (`dense_tiles`).
   """
   bsz, n, fa, t = a.values.shape
+  if (
+    n > 1 and _kind(a.dot_dtype, b.dot_dtype, raw) == 'float' and dense_tiles()
+  ):
+    return _dense_contract(a, b, precision)
   va, za = as_int8(a.values, a.zero_point)
   vb, zb = as_int8(b.values, b.zero_point)
   za = None if za is None else per_row(za, a.values.shape, a.form)

@@ -75,7 +75,11 @@ def scale_from_bound(
     float32 S shaped like `bound`: normal and > 0, or NaN.
   """
   s = numerics.scale_from_bound(bound)
-  return _robust(s, bound, numerics.unit, po2)
+  # `bound / max_value * unit` with max_value >= 1 >= unit is finite
+  # wherever the bound is: checking the bound alone is enough.
+  default = type(numerics).scale_from_bound is Numerics.scale_from_bound
+  bounded = default and numerics.max_value >= 1 >= numerics.unit
+  return _robust(s, bound, numerics.unit, po2, check_s=not bounded)
 
 
 def scale_from_range(
@@ -99,8 +103,11 @@ def scale_from_range(
   return _robust(s, hi - lo, numerics.unit, po2)
 
 
-def _robust(s, bound, unit: float, po2: bool) -> jax.Array:
-  """`s * unit` kept normal, 1 for an all-zero group, NaN if not finite."""
+def _robust(s, bound, unit: float, po2: bool, check_s=True) -> jax.Array:
+  """`s * unit` kept normal, 1 for an all-zero group, NaN if not finite.
+
+  `check_s=False`: the caller knows s is finite wherever `bound` is.
+  """
   s = s if unit == 1.0 else s * unit
   # A NaN that XLA:CPU's fast max may drop here comes from a non-finite
   # bound, which the last select turns back into NaN.
@@ -108,6 +115,8 @@ def _robust(s, bound, unit: float, po2: bool) -> jax.Array:
   if po2:
     s = po2_ceil(s)
   s = prims.where(bound == 0, unit, s)
+  if not check_s:  # bound - bound: 0 where finite, NaN elsewhere.
+    return s + (bound - bound)
   ok = jnp.isfinite(bound) & jnp.isfinite(s)
   return prims.where(ok, s, float('nan'))
 

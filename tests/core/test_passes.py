@@ -1,13 +1,18 @@
-"""The tile sum of the sub-channel dots (`aqtr.core.passes.tile_sum`)."""
+"""The tile sum of the sub-channel dots (`aqtr.core.passes.tile_sum`) and
+the one dot of dequantized operands that replaces it for float dots."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import aqtr
 from aqtr.core import passes
+from aqtr.tilings.subchannel import SubChannel
 
 
 @pytest.mark.parametrize('n', [1, 2, 7, 32, 33, 70])
@@ -29,7 +34,7 @@ def test_under_a_mesh_it_is_sum_itself():
   np.testing.assert_array_equal(got, jax.jit(lambda x: x.sum(axis=1))(x))
 
 
-def _dots(f, *args) -> list[str]:
+def _hlo_dots(f, *args) -> list[str]:
   text = jax.jit(f).lower(*args).compile().as_text()
   return [line for line in text.splitlines() if ' dot(' in line]
 
@@ -48,5 +53,56 @@ def test_a_one_row_int8_dot_runs_as_two_rows_and_is_exact():
   rows = jax.jit(lambda x, q: aqtr.dot_general(x, q, dn, cfg))(x, q)
   np.testing.assert_array_equal(got, rows[:1])
   if jax.default_backend() == 'cpu':
-    dots = _dots(lambda x, q: aqtr.dot_general(x, q, dn, cfg), x[:1], q)
+    dots = _hlo_dots(lambda x, q: aqtr.dot_general(x, q, dn, cfg), x[:1], q)
     assert dots and all('s32[2,48]' in d for d in dots), dots
+
+
+def _weight_only_int4(tile: int):
+  """int4 weights in tiles of `tile` inputs, float activations: a float dot."""
+  cfg = aqtr.presets.int4_weight_only()
+  w = dataclasses.replace(
+    cfg.fwd.rhs, tiling=SubChannel(tile_size=tile, tile_count=0)
+  )
+  return dataclasses.replace(
+    cfg,
+    fwd=dataclasses.replace(cfg.fwd, rhs=w),
+    dlhs=dataclasses.replace(cfg.dlhs, rhs=w),
+  )
+
+
+def _dots(jaxpr) -> list:
+  """The dot_general equations of `jaxpr` and its sub-jaxprs."""
+  out = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == 'dot_general':
+      out.append(eqn)
+    for v in eqn.params.values():
+      for sub in v if isinstance(v, tuple | list) else (v,):
+        sub = getattr(sub, 'jaxpr', sub)
+        if hasattr(sub, 'eqns'):
+          out += _dots(sub)
+  return out
+
+
+def test_float_dot_over_tiles_is_one_dot_of_dequantized_operands():
+  # 4 tiles of 8 inputs: one dot over all 32 (no per-tile batch), equal
+  # to the dot of the dequantized weight; its gradient likewise.
+  cfg = _weight_only_int4(8)
+  x = jax.random.normal(jax.random.key(0), (6, 32))
+  w = jax.random.normal(jax.random.key(1), (32, 5))
+  g = jax.random.normal(jax.random.key(2), (6, 5))
+  dn = (((1,), (0,)), ((), ()))
+
+  def vjp(x, w):
+    out, pull = jax.vjp(lambda a, b: aqtr.dot_general(a, b, dn, cfg), x, w)
+    return (out, *pull(g))
+
+  dots = _dots(jax.make_jaxpr(vjp)(x, w).jaxpr)
+  assert dots, 'no dot_general traced'
+  for eqn in dots:  # [B=1, M, K] . [1, K, N]: no tile in the batch.
+    assert all(v.aval.shape[0] == 1 for v in eqn.invars if v.aval.ndim == 3)
+    assert all(v.aval.shape[-1] != 8 for v in eqn.invars), eqn
+  wq = aqtr.fake_quant(w, cfg.fwd.rhs, contracting_axes=(0,))
+  out, dx, _ = jax.jit(vjp)(x, w)
+  np.testing.assert_allclose(out, x @ wq, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(dx, g @ wq.T, rtol=1e-5, atol=1e-5)
