@@ -369,9 +369,24 @@ def with_frozen(model, variables, holders: dict, ops: dict):
 
 
 def run_jit(model, variables, args, kwargs):
-  """One call of the model under `jit` (its outputs)."""
-  fn, state = call_fn(model, variables, args, kwargs)
-  return jax.jit(fn)(state)
+  """One call of the model under `jit` (its outputs).
+
+  The array inputs are arguments of the jitted function, as in a serving
+  loop (closed over, XLA would fold what depends on them alone).
+  """
+  leaves, tree = jax.tree.flatten((args, kwargs))
+  where = [i for i, x in enumerate(leaves) if _is_array(x)]
+
+  def run(state, arrays):
+    got = list(leaves)
+    for i, a in zip(where, arrays, strict=True):
+      got[i] = a
+    a, k = jax.tree.unflatten(tree, got)
+    fn, _ = call_fn(model, variables, a, k)
+    return fn(state)
+
+  _, state = call_fn(model, variables, args, kwargs)
+  return jax.jit(run)(state, [leaves[i] for i in where])
 
 
 def frozen_holders(model, variables) -> list:
