@@ -4,17 +4,11 @@ import os
 
 # Tests compile many tiny programs: XLA's backend optimizations (LLVM passes)
 # cost more than they save there, and they do not change what a program
-# computes (no fast-math). XLA:CPU's older elemental emitters compile a
-# fusion in about half the time of its MLIR fusion emitters (a quantized
-# dot's fwd + VJP: 200 -> 100 ms). Of exp, log, tanh, erf, gelu, sigmoid,
-# softmax, rsqrt, pow and sin only tanh came out different (by 1 ulp), and
-# every comparison here is made within one process. Subprocesses that
-# want one device use AQTR_TEST_XLA_FLAGS. Set either variable yourself
-# to override it.
+# computes (no fast-math). Subprocesses that want one device use
+# AQTR_TEST_XLA_FLAGS. Set either variable yourself to override it.
 os.environ.setdefault(
   'AQTR_TEST_XLA_FLAGS',
-  '--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true'
-  ' --xla_cpu_use_fusion_emitters=false',
+  '--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true',
 )
 os.environ.setdefault(
   'XLA_FLAGS',
