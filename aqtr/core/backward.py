@@ -119,7 +119,7 @@ def operand_gradient(plan: Plan, side: Side, res: Residuals, g, gst):
   if dense:
     n = 1
     a = Operand(g3, g_form, raw.lhs, noise, state=gst)
-    b = Operand(dequantized(y_res.q, jnp.float32), flip(y.form))
+    b = Operand(dequantized(y_res.q, jnp.float32), flip(y_res.q.form))
   elif reuse:  # (g * s_Y) . q_Y, per tile of Y.
     g_s, _ = fold_scale(g3, y_res.q, fy_axis)
     a = Operand(g_s, g_form, raw.lhs, repeat_tiles(noise, n), state=gst)

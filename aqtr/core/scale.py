@@ -110,7 +110,7 @@ def _robust(s, bound, unit: float, po2: bool, check_s=True) -> jax.Array:
   """
   s = s if unit == 1.0 else s * unit
   # A NaN that XLA:CPU's fast max may drop here comes from a non-finite
-  # bound, which the last select turns back into NaN.
+  # bound, which the last step turns back into NaN.
   s = lax.max(s, jnp.asarray(TINY, s.dtype))
   if po2:
     s = po2_ceil(s)
