@@ -23,6 +23,7 @@ import collections
 import datetime
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -97,6 +98,11 @@ def _loss(z, logits, x):
   return -jnp.take_along_axis(logp, x[:, 1:, None], -1).mean()
 
 
+def _ulp_text(message: str) -> str:
+  """'3 ULP' from convert's check message (ULP of the largest output)."""
+  return re.search(r'by up to (\d+) ULP', message).group(1) + ' ULP'
+
+
 def _bytes(tree) -> int:
   return lifecycle.nbytes(tree)  # int4 counted packed
 
@@ -120,10 +126,10 @@ def _row(z, mod, v, x, name, rules) -> str:
       check_served(q, v, sm, sv, (x,), {})
       same = 'yes'
     except ValueError as e:
-      same = 'NO: ' + str(e).split('by up to ')[1].split(' under')[0]
+      same = 'NO: ' + _ulp_text(str(e))
   for w in caught:
     if 'ULP' in str(w.message):
-      same = str(w.message).split('by up to ')[1].split(' under')[0]
+      same = _ulp_text(str(w.message))
   served = _bytes(sv) / _bytes(v)
   return (
     f'| {z.name} | {name} | {nq}/{len(rep.ops)} ({nw} w) | {fwd} | {grad} '
