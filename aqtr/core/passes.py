@@ -385,7 +385,7 @@ def _dense_contract(a: QuantizedOperand, b: QuantizedOperand, precision):
     if q.scale is not None or q.zero_point is not None:
       dtype = jnp.promote_types(dtype, jnp.float32)
   b_contract = 2 if b.form == 'fk' else 1
-  return lax.dot_general(
+  return prims.dot_general(
     dequantized(a, dtype),
     dequantized(b, dtype),
     (((2,), (b_contract,)), ((0,), (0,))),

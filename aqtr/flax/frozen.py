@@ -43,8 +43,6 @@ from flax import nnx, struct
 from flax.core import meta
 from flax.nnx import variablelib
 
-from aqtr.flax import intercept
-
 
 def _zeros(frozen, shape, dtype, ref_ndim) -> jax.Array:
   """Zeros of `shape`, with the leading axes the frozen values carry."""
@@ -64,13 +62,6 @@ class FrozenKernel(nnx.Variable):
   """
 
   def get_value(self, *, index=variablelib.MISSING):
-    if not intercept.is_active():
-      raise ValueError(
-        'aqtr.flax: this parameter holds frozen serving values (a '
-        f'{type(self).__name__}) and reads as zeros outside the quantized '
-        "model's call: call the served model itself (not one of its "
-        'submodules directly), or quantize and convert the submodule.'
-      )
     v = _zeros(
       self.get_raw_value(),
       self.get_metadata('kernel_shape'),

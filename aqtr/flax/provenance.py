@@ -18,7 +18,7 @@ reads it (an embedding table also looked up by a gather): `convert` must
 keep such a parameter in place.
 
 Example:
-  >>> import jax.numpy as jnp
+  >>> import jax, jax.numpy as jnp
   >>> def f(params, x):
   ...   w = mark(params['w'].T, op=0, side=1)
   ...   return mark(x, op=0, side=0) @ w

@@ -25,6 +25,7 @@ CALIBRATE (use the `aqtr.flax.linen` / `nnx` ops for those).
 Example:
   >>> import jax.numpy as jnp
   >>> from flax import nnx
+  >>> from aqtr.rules import Rule
   >>> q = quantize(nnx.Linear(4, 8, rngs=nnx.Rngs(0)), [Rule('int8')])
   >>> q(jnp.ones((2, 4))).shape
   (2, 8)

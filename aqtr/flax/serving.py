@@ -8,7 +8,6 @@ in the parameter's place (`aqtr.flax.frozen`).
 
 Example:
   >>> import jax.numpy as jnp
-import numpy as np
   >>> from flax import nnx
   >>> from aqtr.flax.quantized import quantize
   >>> from aqtr.rules import Rule

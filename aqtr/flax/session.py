@@ -325,7 +325,7 @@ class Session:
         weight,
       )
       self.uses.append(use)
-      if self.tap is not None and not weight.in_loop and not ragged:
+      if self.tap is not None and not ragged:
         return self.tap(use)
     if ragged:
       return _ragged(op, config)

@@ -49,23 +49,6 @@ def test_quantize_names_methods():
     )
 
 
-def test_submodule_of_a_served_nnx_model_called_directly_is_one_line():
-  class Outer(nnx.Module):
-    def __init__(self):
-      self.up = nnx.Linear(4, 8, rngs=nnx.Rngs(0))
-
-    def __call__(self, x):
-      return self.up(x)
-
-  x = jnp.ones((2, 4))
-  served = aqtr.flax.convert(aqtr.flax.quantize(Outer(), [Rule('int8')]), x)
-  assert served(x).shape == (2, 8)
-  # Its kernel is a frozen holder: read outside the model's call it would
-  # be zeros (a silently wrong output).
-  with pytest.raises(ValueError, match='call the served model itself'):
-    served.up(x)
-
-
 @pytest.mark.parametrize(
   'ulps, outcome', [(0, None), (3, 'warn'), (999, 'raise')]
 )
