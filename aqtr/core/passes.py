@@ -10,12 +10,8 @@ is the dtype dispatch, shared with `ragged.py`) and applies both scales:
   out[b, f_a, f_b] = sum_j (q_a[b, j, f_a, :] . q_b[b, j, f_b, :])
                      * s_a[b, j, f_a] * s_b[b, j, f_b]
 
-Internal API (used by `forward.py`, `backward.py` and `ragged.py`):
-`Operand`, `QuantizedOperand`, `quantize_tiled`, `contract`, `qdot`,
-`low_precision`, `dense_tiles`, `dequantized`, `fold_scale`,
-`repeat_tiles`, `merge_tiles`, `with_transposed_copy`, `flip`, `k_axis`,
-`rounding_noise`, `canonical_noise`, `residual_key`, `transform_key`,
-`slot_keys`.
+Internal API (for `forward.py`, `backward.py`, `ragged.py`): the names
+below without a leading underscore.
 """
 
 from __future__ import annotations
@@ -332,17 +328,11 @@ def _batched_dot(b_contract: int):
 
 
 def dense_tiles() -> bool:
-  """Whether a float dot over tiles runs as one dot of dequantized operands.
+  """Whether a float dot over tiles runs as one dot of dequantized operands
+  (nf4 codes, int4 against float activations: train and serve alike).
 
-  A sub-channel dot whose operands enter it in float (nf4 codes, int4
-  against a float activation) gains nothing from one dot per tile: on
-  CPU outside a mesh context, both operands are dequantized (float32)
-  and contracted by one dot, instead of T partial products scaled and
-  summed (`tile_sum`); training and serving share it. int8 / fp8 dots,
-  and other backends, keep the per-tile form.
-
-  Returns:
-    True on CPU outside a mesh context.
+  True on CPU outside a mesh context; elsewhere, and for int8 / fp8 dots,
+  the per-tile form (`tile_sum`) stays.
 
   Example:
     >>> dense_tiles()  # On the CPU backend, no mesh set.
@@ -352,14 +342,8 @@ def dense_tiles() -> bool:
 
 
 def dequantized(q: QuantizedOperand, dtype) -> jax.Array:
-  """`(values - zero_point) * scale` as the canonical 3-D operand.
-
-  Args:
-    q: an operand in the tiled view.
-    dtype: the dtype to compute and return in.
-
-  Returns:
-    [B, F, K] ('fk') or [B, K, F] ('kf'), tiles merged back into K.
+  """`(values - zero_point) * scale` of `q` (tiled view) as the canonical
+  3-D operand [B, F, K] ('fk') or [B, K, F] ('kf') in `dtype`.
 
   Example:
     >>> s, v = jnp.array([2.0, 3.0]).reshape(1, 2, 1, 1), jnp.ones((1, 2, 1, 2))
@@ -413,16 +397,13 @@ def contract(
   za = None if za is None else per_row(za, a.values.shape, a.form)
   zb = None if zb is None else per_row(zb, b.values.shape, b.form)
   kind = _kind(a.dot_dtype, b.dot_dtype, raw)
-  # XLA:CPU emits a one-row integer dot (decoding at batch 1) as a plain
-  # loop over int32-widened operands, 8-30x slower than the two-row dot
-  # its library kernel runs: add a zero row (integer sums are exact, so
-  # the result is the same bit for bit) and drop its output.
+  # XLA:CPU runs a one-row integer dot as a slow int32 loop: add a zero
+  # row (integer sums are exact: same bits) and drop its output.
   one_row = za is None and zb is None and fa == 1 and kind == 'int'
   if one_row:
     va = jnp.concatenate([va, jnp.zeros_like(va)], axis=2)
   if kind != 'float':
-    # Pinned as they lie: a reshape of a pinned array is a copy on
-    # XLA:CPU, a copy of every stored weight at every call.
+    # Pinned as they lie (a reshape of a pinned array is a copy on CPU).
     va, vb = lax.optimization_barrier((va, vb))
   qa = va.reshape(bsz * n, va.shape[2], t).astype(a.dot_dtype)
   qb = vb.reshape((bsz * n,) + vb.shape[2:]).astype(b.dot_dtype)
@@ -449,16 +430,11 @@ _FAN = 32  # Slices one unrolled add sums (bounds the program's size).
 
 
 def tile_sum(x: jax.Array) -> jax.Array:
-  """`x.sum(axis=1)`: the per-tile partial products summed over tiles.
-
-  On CPU, as chained adds of whole slices (`_FAN` at a time; more tiles
-  are summed in consecutive chunks first, zero-padded): XLA:CPU reduces a
-  non-minor axis element by element, 10-200x slower than it adds slices
-  (benchmarks/subchannel_sum.py). The order of the additions differs from
-  `sum`'s in the last bits. Elsewhere, and under a mesh context (the tile
-  axis may be split over devices: one all-reduce, not a chain of
-  transfers), `sum`.
-  """
+  """`x.sum(axis=1)` over tiles; on CPU outside a mesh as chained adds of
+  slices (`_FAN` at a time, zero-padded chunks): XLA:CPU reduces a
+  non-minor axis element by element, 10-200x slower
+  (benchmarks/subchannel_sum.py); the order differs from `sum`'s in the
+  last bits. Under a mesh the tile axis may be split: one all-reduce."""
   if x.shape[1] == 1:
     return x[:, 0]
   if jax.default_backend() != 'cpu' or not get_abstract_mesh().empty:
