@@ -32,7 +32,7 @@ import dataclasses
 
 import numpy as np
 
-from aqtr.checkpoints.layouts import Layout, need, register, shape_is
+from aqtr.checkpoints.layouts import Layout, modules, need, register, shape_is
 from aqtr.checkpoints.stored import CheckpointError, Stored, pack, unpack
 
 __all__ = ['Awq']
@@ -97,11 +97,9 @@ class Awq(Layout):
       )
     group = config.get('group_size', 128)
     has_zero = bool(config.get('zero_point', True))
-    modules = sorted(
-      {k.rsplit('.', 1)[0] for k in tensors if k.endswith('.qweight')}
-    )
+    found = modules(tensors, '.qweight')
     out = {}
-    for m in modules:
+    for m in found:
       qweight = need(tensors, f'{m}.qweight', 'the codes')
       scales = need(tensors, f'{m}.scales', 'the scales')
       d_in, d_out = qweight.shape[0], qweight.shape[1] * 8

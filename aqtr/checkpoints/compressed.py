@@ -36,7 +36,7 @@ import re
 
 import numpy as np
 
-from aqtr.checkpoints.layouts import Layout, need, register, shape_is
+from aqtr.checkpoints.layouts import Layout, modules, need, register, shape_is
 from aqtr.checkpoints.stored import CheckpointError, Stored, pack, unpack
 
 __all__ = ['CompressedTensors']
@@ -106,11 +106,9 @@ class CompressedTensors(Layout):
         "'pack-quantized'."
       )
     groups = config.get('config_groups') or {}
-    modules = sorted(
-      {k.rsplit('.', 1)[0] for k in tensors if k.endswith('.weight_packed')}
-    )
+    found = modules(tensors, '.weight_packed')
     out = {}
-    for m in modules:
+    for m in found:
       args = _scheme(groups, m)
       out[m] = _decode_one(tensors, m, args)
     return out, tensors

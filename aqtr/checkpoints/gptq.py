@@ -37,7 +37,7 @@ import dataclasses
 
 import numpy as np
 
-from aqtr.checkpoints.layouts import Layout, need, register, shape_is
+from aqtr.checkpoints.layouts import Layout, modules, need, register, shape_is
 from aqtr.checkpoints.stored import CheckpointError, Stored, pack, unpack
 
 __all__ = ['Gptq']
@@ -129,11 +129,9 @@ class Gptq(Layout):
     group = config.get('group_size', -1)
     sym = bool(config.get('sym', True))
     p = 32 // bits
-    modules = sorted(
-      {k.rsplit('.', 1)[0] for k in tensors if k.endswith('.qweight')}
-    )
+    found = modules(tensors, '.qweight')
     out = {}
-    for m in modules:
+    for m in found:
       qweight = need(tensors, f'{m}.qweight', 'the codes')
       scales = need(tensors, f'{m}.scales', 'the scales')
       qzeros = need(tensors, f'{m}.qzeros', 'the zero points')

@@ -133,6 +133,11 @@ def need(tensors: dict, name: str, field: str) -> np.ndarray:
   return tensors.pop(name)
 
 
+def modules(tensors: dict, suffix: str) -> list[str]:
+  """The sorted module names of the tensors named '<module><suffix>'."""
+  return sorted({k[: -len(suffix)] for k in tensors if k.endswith(suffix)})
+
+
 def shape_is(a: np.ndarray, want: tuple, name: str, field: str) -> None:
   if tuple(a.shape) != tuple(want):
     raise CheckpointError(

@@ -37,7 +37,6 @@ __all__ = [
   'fresh_copy',
   'frozen_holders',
   'is_linen',
-  'is_model',
   'mode_copy',
   'own_params',
   'path_of',
@@ -56,11 +55,6 @@ __all__ = [
 def is_linen(model) -> bool:
   """Whether `model` is a linen Module (else nnx)."""
   return isinstance(model, nn.Module)
-
-
-def is_model(model) -> bool:
-  """Whether `model` is a linen or an nnx Module."""
-  return isinstance(model, nn.Module | nnx.Module)
 
 
 def path_of(module) -> tuple:
