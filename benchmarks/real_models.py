@@ -39,7 +39,7 @@ import zoo  # noqa: E402
 
 import aqtr.flax as af  # noqa: E402
 import aqtr.ptq as ptq  # noqa: E402
-from aqtr.flax import Rule  # noqa: E402
+from aqtr.flax import Rule, hosts  # noqa: E402
 from aqtr.flax.serving import check_served  # noqa: E402
 from aqtr.freezers import lifecycle  # noqa: E402
 
@@ -123,7 +123,7 @@ def _row(z, mod, v, x, name, rules) -> str:
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter('always')
     try:
-      check_served(q, v, sm, sv, (x,), {})
+      check_served(hosts.of(q, v), hosts.of(sm, sv), (x,), {})
       same = 'yes'
     except ValueError as e:
       same = 'NO: ' + _ulp_text(str(e))

@@ -89,14 +89,15 @@ def analyze(model, method, args, kwargs) -> dict[str, Weight]:
   Returns:
     The weight operand of every op that has one, by op path.
   """
-  key = hosts.signature(model, method, args, kwargs)
+  host = hosts.of(model, need_variables=False)
+  key = host.signature(method, args, kwargs)
   if key is not None and key in _CACHE:
     _CACHE.move_to_end(key)
     return _CACHE[key]
-  prefix = hosts.path_of(model) if hosts.is_linen(model) else ()
+  prefix = hosts.call_prefix(model)
   probe = _Probe(prefix)
   with intercept.active(probe):
-    paths, closed = hosts.trace_params(model, method, args, kwargs)
+    paths, closed = host.trace_params(method, args, kwargs)
   found = provenance.walk(closed, len(paths))
   out = {}
   for n, where in enumerate(probe.wheres):

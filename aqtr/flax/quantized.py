@@ -79,7 +79,9 @@ def _intercepting(method):
   return intercepting(
     method,
     lambda model, weights: Session(
-      type(model).aqtr_spec, weights, stored=hosts.stored_ops(model)
+      type(model).aqtr_spec,
+      weights,
+      stored=hosts.of(model, need_variables=False).stored_ops(),
     ),
     'aqtr.flax.quantize',
     'Quantize the module before wrapping it in jax.jit / nnx.jit.',
@@ -138,7 +140,8 @@ def quantize(model, rules, *, methods=('__call__',)):
       'quantize the float model again, or use aqtr.flax.set_mode.'
     )
   spec = _spec(rules, methods)
-  model = hosts.fresh_copy(model, 'aqtr.flax.quantize')
+  who = 'aqtr.flax.quantize'
+  model = hosts.of(model, who=who, need_variables=False).fresh_copy(who)
   model.__class__ = _subclass(type(model), spec)
   return model
 
@@ -163,7 +166,7 @@ def set_mode(model, mode: Mode, *, converted_=None):
   spec = spec_of(model)
   converted = spec.converted if converted_ is None else converted_
   spec = dataclasses.replace(spec, mode=mode, converted=converted)
-  model = hosts.mode_copy(model)
+  model = hosts.of(model, need_variables=False).mode_copy()
   model.__class__ = _subclass(type(model).aqtr_base, spec)
   return model
 

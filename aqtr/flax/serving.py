@@ -30,7 +30,7 @@ import numpy as np
 from aqtr import rules as rules_lib
 from aqtr.core.ragged_dot import freeze_ragged
 from aqtr.flax import common, hosts, intercept
-from aqtr.flax.frozen import STORE, kernel_bytes, store_key
+from aqtr.flax.frozen import kernel_bytes, store_key
 from aqtr.flax.quantized import set_mode, spec_of
 from aqtr.flax.session import (
   Session,
@@ -55,9 +55,12 @@ def trace(model, fn) -> list[Session]:
   return got
 
 
-def abstract_call(model, variables, args, kwargs, method='__call__'):
+def abstract_call(
+  model, variables, args, kwargs, method='__call__', who='aqtr.flax'
+):
   """A thunk tracing one call of the model abstractly (no compute)."""
-  fn, state = hosts.call_fn(model, variables, args, kwargs, method)
+  host = hosts.of(model, variables, who=who)
+  fn, state = host.call_fn(args, kwargs, method)
   return lambda: jax.eval_shape(fn, state)
 
 
@@ -77,7 +80,8 @@ def report(model, *args, variables=None, strict=False, **kwargs) -> Report:
     An `aqtr.rules.Report` (the format of `aqtr.pax.inject`'s).
   """
   spec = spec_of(model)
-  sessions = trace(model, abstract_call(model, variables, args, kwargs))
+  call = abstract_call(model, variables, args, kwargs, who='aqtr.flax.report')
+  sessions = trace(model, call)
   return merge_report(spec, sessions, strict)
 
 
@@ -204,8 +208,7 @@ def convert(
       'aqtr.flax.convert: the model is already converted (Mode.SERVE); '
       'convert the trained model (Mode.TRAIN).'
     )
-  if hosts.is_linen(model) and variables is None:
-    raise TypeError('aqtr.flax.convert: a linen model needs variables=.')
+  host = hosts.of(model, variables, who='aqtr.flax.convert')
   rx = _keep_regex(keep)
   sessions = trace(model, abstract_call(model, variables, args, kwargs))
   merge_report(spec, sessions, strict=False)
@@ -231,7 +234,7 @@ def convert(
       and len({u.weight.shape for u in uses}) == 1
     )
     if whole:
-      todo[where] = (uses, hosts.read_param(model, variables, path), path)
+      todo[where] = (uses, host.read_param(path), path)
       continue
     derived |= {u.where for u in uses if not u.info.in_loop}
     if path not in float_read and not any(
@@ -240,7 +243,7 @@ def convert(
       # Read only through derived weights of quantized ops (GPT-2's
       # `kernel.transpose()`): their frozen values are in the op store, so
       # the float parameter leaves the tree (an empty holder).
-      w = hosts.read_param(model, variables, path)
+      w = host.read_param(path)
       empty[path] = ({}, tuple(jnp.shape(w)), jnp.dtype(w.dtype), jnp.ndim(w))
   frozen = _freeze_all(todo)  # one compiled program for every weight
   holders = {}
@@ -250,14 +253,11 @@ def convert(
     holders[path] = (frozen[where], shape, dtype, ref.ndim)
   holders.update(empty)
   ops = _freeze_ops(model, variables, args, kwargs, derived)
-  served, out = hosts.with_frozen(model, variables, holders, ops)
-  if hosts.is_linen(model):
-    served = set_mode(model, Mode.SERVE, converted_=True)
-  else:
-    served = set_mode(served, Mode.SERVE, converted_=True)
+  done = host.with_frozen(holders, ops)
+  done.model = set_mode(done.model, Mode.SERVE, converted_=True)
   if check:
-    check_served(model, variables, served, out, args, kwargs)
-  return served if out is None else (served, out)
+    check_served(host, done, args, kwargs)
+  return done.result()
 
 
 def _keep_regex(keep) -> re.Pattern | None:
@@ -294,7 +294,7 @@ def _freeze_ops(model, variables, args, kwargs, wanted: set) -> dict:
   weight operands, in one jitted TRAIN call of the model."""
   if not wanted:
     return {}
-  fn, state = hosts.call_fn(model, variables, args, kwargs)
+  fn, state = hosts.of(model, variables).call_fn(args, kwargs)
   stack = intercept.context().observers
 
   def run(state):
@@ -316,7 +316,7 @@ def _freeze_ops(model, variables, args, kwargs, wanted: set) -> dict:
 FUSION_ULP = 64  # the largest fusion-order difference `check` accepts
 
 
-def check_served(model, variables, served, served_vars, args, kwargs):
+def check_served(trained: hosts.Host, served: hosts.Host, args, kwargs):
   """Compares the served model's jitted outputs with the trained model's.
 
   Equal: nothing. Within `FUSION_ULP` units in the last place: a
@@ -327,8 +327,8 @@ def check_served(model, variables, served, served_vars, args, kwargs):
   Hugging Face Flax LMs: 3-4 ULP of the logits). Further apart: a
   ValueError (a real difference).
   """
-  want = jax.tree.leaves(hosts.run_jit(model, variables, args, kwargs))
-  got = jax.tree.leaves(hosts.run_jit(served, served_vars, args, kwargs))
+  want = jax.tree.leaves(trained.run_jit(args, kwargs))
+  got = jax.tree.leaves(served.run_jit(args, kwargs))
   bad = [
     (a, b)
     for a, b in zip(want, got, strict=True)
@@ -385,26 +385,12 @@ def sizes(served, variables=None) -> common.Report:
     served: a converted model (`convert`).
     variables: linen: the serving variables `convert` returned.
   """
-  if isinstance(served, tuple) and len(served) == 2 and variables is None:
-    served, variables = served  # linen: what convert returned
-  if hosts.is_linen(served) and variables is None:
-    raise TypeError(
-      'aqtr.flax.sizes: a linen model needs variables= (the serving '
-      'variables aqtr.flax.convert returned).'
-    )
-  holders = hosts.frozen_holders(served, variables)
+  host = hosts.served(served, variables, who='aqtr.flax.sizes')
+  holders = [h for _, h in host.holders()]
   removed = sum(kernel_bytes(h) for h in holders)
   frozen = sum(common.nbytes(h.entries()) for h in holders)
-  tree = hosts.state_of(served, variables)
-  store = (
-    variables.get(STORE, {})
-    if hosts.is_linen(served)
-    else getattr(served, STORE, None)
-  )
-  if store is not None and not isinstance(store, dict):
-    store = store.get_value()
-  frozen += common.nbytes(store or {})
-  return common.Report(removed, frozen, common.nbytes(tree))
+  frozen += common.nbytes(host.stored_ops())
+  return common.Report(removed, frozen, common.nbytes(host.state()))
 
 
 __all__ = ['convert', 'report', 'sizes']

@@ -148,7 +148,10 @@ def _intercepting(method):
   return intercepting(
     method,
     lambda m, weights: LoraSession(
-      type(m).aqtr_spec, type(m).aqtr_lora, weights, hosts.stored_ops(m)
+      type(m).aqtr_spec,
+      type(m).aqtr_lora,
+      weights,
+      hosts.of(m, need_variables=False).stored_ops(),
     ),
     'aqtr.lora',
     'Attach adapters before jitting the model.',

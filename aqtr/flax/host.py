@@ -1,0 +1,221 @@
+"""The host protocol: what every feature needs from a model, once per kind.
+
+A host wraps one model (a linen Module with its variables, an nnx Module,
+a Pax template with its variables) and answers, for every feature above
+it (`aqtr.flax.convert`, `report`, `sizes`, the PTQ calibration pass and
+solvers, `aqtr.lora`, `aqtr.checkpoints`), the same questions in the same
+conventions:
+
+  fresh_copy     a copy of the float model to quantize by rules
+  mode_copy      the model whose interception mode to switch
+  program        a pure function `(state, *inputs) -> outputs` and its state
+  call_fn        one call with given inputs, as `(fn(state), state)`
+  run_jit        that call under `jit`, inputs as arguments
+  trace_params   the call as a jaxpr with the parameters as explicit inputs
+  signature      a hashable key of a call (same key, same jaxpr)
+  params         the float parameters, {path tuple: array}
+  with_params    a host of the same model holding other float parameters
+  read_param     one parameter's float value
+  holders        the frozen holders, [(path tuple, holder)]
+  with_frozen    a host whose parameters are replaced by frozen holders
+  stored_ops     the op store's content
+  state          every array the model holds (what `sizes` counts)
+  result         what a feature returns: nnx: the model; linen and Pax:
+                 (module or template, variables)
+
+Implemented once per kind: `aqtr.flax.host_nnx.NnxHost`,
+`aqtr.flax.host_linen.LinenHost`, `aqtr.pax.host.TemplateHost`;
+`aqtr.flax.hosts.of(model, variables)` is the one place that picks one.
+Features never test the model kind themselves.
+
+Example:
+  >>> import jax.numpy as jnp
+  >>> from flax import nnx
+  >>> from aqtr.flax import hosts
+  >>> h = hosts.of(nnx.Linear(2, 3, rngs=nnx.Rngs(0)))
+  >>> sorted(h.params())
+  [('bias',), ('kernel',)]
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+__all__ = [
+  'Host',
+  'abstract',
+  'aval_key',
+  'is_array',
+  'leaf_names',
+  'split_inputs',
+  'tree_key',
+]
+
+
+class Host(abc.ABC):
+  """One model seen by aqtr's features (see the module docstring).
+
+  Attributes:
+    model: the model (nnx Module, linen Module, Pax template).
+    variables: linen / Pax: its variables (nnx: None, the model holds them).
+  """
+
+  def __init__(self, model: Any, variables: Any = None):
+    self.model, self.variables = model, variables
+
+  def fresh_copy(self, who: str = 'aqtr') -> Any:
+    """A copy of the float model to quantize by rules."""
+    raise TypeError(
+      f'{who}: a {type(self.model).__name__} is quantized by injection '
+      '(aqtr.pax.inject), not by interception rules.'
+    )
+
+  def mode_copy(self) -> Any:
+    """The model whose mode to switch (nnx: itself; linen: a copy)."""
+    raise TypeError(f'{type(self.model).__name__}: no interception mode.')
+
+  # -- calls ----------------------------------------------------------------
+  @abc.abstractmethod
+  def call_fn(
+    self, args: tuple, kwargs: Mapping, method: str = '__call__'
+  ) -> tuple[Callable[[Any], Any], Any]:
+    """(fn(state) -> outputs of one call, the model's state)."""
+
+  def program(self, method: str = '__call__'):
+    """(fn(state, *args, **kwargs) -> outputs, state): the pure model."""
+    _, state = self.call_fn((), {}, method)
+
+    def fn(state, *args, **kwargs):
+      return self.call_fn(args, kwargs, method)[0](state)
+
+    return fn, state
+
+  def run_jit(self, args: tuple, kwargs: Mapping):
+    """One call under `jit`, its array inputs as arguments (as a serving
+    loop passes them; closed over, XLA would fold input-only work)."""
+    arrays, rebuild = split_inputs(args, kwargs, abstract_=False)
+
+    def run(state, arrays):
+      a, k = rebuild(arrays)
+      return self.call_fn(a, k)[0](state)
+
+    _, state = self.call_fn(args, kwargs)
+    return jax.jit(run)(state, arrays)
+
+  @abc.abstractmethod
+  def trace_params(self, raw, args: tuple, kwargs: Mapping):
+    """(parameter leaf paths, jaxpr) of `raw(model, *args, **kwargs)`.
+
+    The jaxpr's first inputs are the parameter leaves (paths: module path
+    then name, in that order), then the other variables and the array
+    inputs. Frozen holders are not parameters.
+    """
+
+  @abc.abstractmethod
+  def signature(self, raw, args: tuple, kwargs: Mapping):
+    """A hashable key of a call (None when something is unhashable)."""
+
+  # -- parameters -------------------------------------------------------------
+  @abc.abstractmethod
+  def params(self) -> dict[tuple, Any]:
+    """{parameter path: float value} (frozen holders excluded)."""
+
+  @abc.abstractmethod
+  def with_params(self, params: Mapping[tuple, Any]) -> Host:
+    """A host of a copy of the model whose float parameters at the given
+    paths are replaced (the others kept)."""
+
+  def read_param(self, path: tuple):
+    """The float value of the parameter at `path`."""
+    got = self.params()
+    if tuple(path) not in got:
+      raise KeyError(f'no float parameter at {"/".join(map(str, path))}')
+    return got[tuple(path)]
+
+  # -- frozen values ----------------------------------------------------------
+  @abc.abstractmethod
+  def holders(self) -> list[tuple[tuple, Any]]:
+    """[(parameter path, frozen holder)] of a served model."""
+
+  @abc.abstractmethod
+  def with_frozen(self, holders: Mapping, ops: Mapping) -> Host:
+    """A host of the served model.
+
+    Args:
+      holders: parameter path -> (entries, kernel shape, dtype, ref_ndim):
+        the parameter becomes a frozen holder (`aqtr.flax.frozen`).
+      ops: the op store's content ({store key: {op key: entries}}).
+    """
+
+  @abc.abstractmethod
+  def stored_ops(self) -> dict:
+    """The op store's content ({} when there is none)."""
+
+  @abc.abstractmethod
+  def state(self) -> Any:
+    """Every array the model holds."""
+
+  @abc.abstractmethod
+  def result(self) -> Any:
+    """nnx: the model; linen / Pax: (module or template, variables)."""
+
+
+def is_array(x) -> bool:
+  """An array or an abstract array (anything with shape, dtype, ndim)."""
+  return isinstance(x, jax.Array | jax.ShapeDtypeStruct) or (
+    hasattr(x, 'shape') and hasattr(x, 'dtype') and hasattr(x, 'ndim')
+  )
+
+
+def abstract(x):
+  """The ShapeDtypeStruct of an array (anything else unchanged)."""
+  if isinstance(x, jax.Array) or hasattr(x, '__jax_array__'):
+    x = jnp.asarray(x)
+    return jax.ShapeDtypeStruct(x.shape, x.dtype)
+  if hasattr(x, 'shape') and hasattr(x, 'dtype'):
+    return jax.ShapeDtypeStruct(x.shape, x.dtype)
+  return x
+
+
+def split_inputs(args, kwargs, abstract_: bool = True):
+  """(array leaves, rebuild(arrays) -> (args, kwargs)) of a call's inputs."""
+  leaves, tree = jax.tree.flatten((args, kwargs))
+  where = [i for i, x in enumerate(leaves) if is_array(x)]
+
+  def rebuild(arrays):
+    got = list(leaves)
+    for i, a in zip(where, arrays, strict=True):
+      got[i] = a
+    return jax.tree.unflatten(tree, got)
+
+  pick = abstract if abstract_ else (lambda x: x)
+  return [pick(leaves[i]) for i in where], rebuild
+
+
+def leaf_names(keypath) -> tuple:
+  """A key path as names and indices."""
+  out = []
+  for k in keypath:
+    if isinstance(k, jax.tree_util.DictKey):
+      out.append(k.key)
+    elif isinstance(k, jax.tree_util.SequenceKey):
+      out.append(k.idx)
+  return tuple(out)
+
+
+def aval_key(x):
+  """A hashable stand-in for an array: ('array', shape, dtype)."""
+  if is_array(x):
+    return ('array', tuple(x.shape), str(x.dtype))
+  return x
+
+
+def tree_key(tree):
+  """A hashable key of a tree of arrays (structure, shapes, dtypes)."""
+  leaves, treedef = jax.tree.flatten(tree)
+  return treedef, tuple(aval_key(x) for x in leaves)

@@ -1,0 +1,178 @@
+"""The host protocol (`aqtr.flax.host`) for linen Modules.
+
+A linen model is a module plus its variables; frozen weights are
+`FrozenBox`es in the 'params' collection at the kernel's name and the op
+store is the collection 'aqtr_frozen' (`aqtr.flax.frozen`); `result()` is
+(module, variables). Inside a call the host of the bound module reads its
+variables from its scope.
+
+Example:
+  >>> import jax, jax.numpy as jnp, flax.linen as nn
+  >>> m = nn.Dense(3)
+  >>> h = LinenHost(m, m.init(jax.random.key(0), jnp.ones((1, 2))))
+  >>> sorted(h.params())
+  [('bias',), ('kernel',)]
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from typing import Any
+
+import flax
+import flax.linen as nn
+import jax
+
+from aqtr.flax import host
+from aqtr.flax.frozen import STORE, FrozenBox
+
+__all__ = ['LinenHost', 'unbound']
+
+
+def _is_box(x) -> bool:
+  return isinstance(x, FrozenBox)
+
+
+def unbound(model: nn.Module) -> nn.Module:
+  """An unbound deep copy of a (maybe bound) linen module."""
+  return model.clone(parent=None, _deep_clone=True, _reset_names=True)
+
+
+def _flat_params(variables) -> dict[tuple, Any]:
+  params = flax.core.unfreeze(variables.get('params', {}))
+  return flax.traverse_util.flatten_dict(
+    params, is_leaf=lambda _, x: _is_box(x)
+  )
+
+
+class LinenHost(host.Host):
+  """A linen Module and its variables (see `aqtr.flax.host.Host`)."""
+
+  def fresh_copy(self, who: str = 'aqtr') -> nn.Module:
+    """A copy to quantize (the module must be unbound)."""
+    if self.model.scope is not None:
+      raise TypeError(f'{who}: pass an unbound linen Module.')
+    return self.model.copy()
+
+  def mode_copy(self) -> nn.Module:
+    """The model whose mode to switch (a copy for linen)."""
+    return self.model.copy()
+
+  def call_fn(self, args, kwargs, method='__call__'):
+    model = self.model
+    return (
+      lambda v: model.apply(v, *args, method=method, **kwargs),
+      self.variables,
+    )
+
+  def _variables(self) -> dict:
+    if self.variables is not None:
+      return dict(self.variables)
+    return dict(self.model.variables)  # bound: its scope's
+
+  def trace_params(self, raw, args, kwargs):
+    arrays, rebuild = host.split_inputs(args, kwargs)
+    variables = self._variables()
+    params = variables.pop('params', {})
+    flat = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_box)[0]
+    pleaves = [(p, v) for p, v in flat if not _is_box(v)]
+    boxes = [(p, v) for p, v in flat if _is_box(v)]
+    paths = [host.leaf_names(p) for p, _ in pleaves]
+    leaves = [host.abstract(v) for _, v in pleaves]
+    rest = jax.tree.map(host.abstract, (variables, [v for _, v in boxes]))
+    ptree = jax.tree.structure(params, is_leaf=_is_box)
+    kinds = [_is_box(v) for _, v in flat]
+    scope = self.model.scope
+    rngs = {name: jax.random.key(0) for name in getattr(scope, 'rngs', {})}
+    free = unbound(self.model)
+
+    def fn(pleaves, rest, arrays):
+      others, boxed = rest
+      it, ib = iter(pleaves), iter(boxed)
+      got = [next(ib) if k else next(it) for k in kinds]
+      v = dict(others, params=jax.tree.unflatten(ptree, got))
+      a, k = rebuild(arrays)
+      # By name when it is one: linen's method wrapper (compact names) runs.
+      named = getattr(type(free), raw.__name__, None) is not None
+      method = raw.__name__ if named else functools.partial(_call, raw)
+      out, _ = free.apply(v, *a, method=method, rngs=rngs, mutable=True, **k)
+      return out
+
+    return paths, jax.make_jaxpr(fn)(leaves, rest, arrays)
+
+  def signature(self, raw, args, kwargs):
+    leaves, tree = jax.tree.flatten((args, kwargs))
+    inputs = tuple(host.aval_key(x) for x in leaves)
+    try:
+      state = jax.tree.map(host.aval_key, self._variables())
+      key = (raw, unbound(self.model), tree, inputs, host.tree_key(state))
+      hash(key)
+    except TypeError:
+      return None
+    return key
+
+  def params(self) -> dict[tuple, Any]:
+    return {
+      path: nn.meta.unbox(v)
+      for path, v in _flat_params(self._variables()).items()
+      if not _is_box(v)
+    }
+
+  def with_params(self, params: Mapping[tuple, Any]) -> LinenHost:
+    variables = flax.core.unfreeze(self._variables())
+    for path, value in params.items():
+      node = variables['params']
+      for k in path[:-1]:
+        node = node[k]
+      old = node[path[-1]]
+      if isinstance(old, nn.meta.AxisMetadata):
+        value = old.replace_boxed(value)
+      node[path[-1]] = value
+    return LinenHost(self.model, variables)
+
+  def read_param(self, path):
+    node = self._variables()['params']
+    for k in path:
+      node = node[k]
+    return nn.meta.unbox(node)
+
+  def holders(self):
+    return [
+      (path, v)
+      for path, v in _flat_params(self._variables()).items()
+      if _is_box(v)
+    ]
+
+  def with_frozen(self, holders, ops) -> LinenHost:
+    variables = self._variables()
+    params = flax.core.unfreeze(variables['params'])
+    for path, (entries, shape, dtype, ref_ndim) in holders.items():
+      parent = params
+      for k in path[:-1]:
+        parent = parent[k]
+      parent[path[-1]] = FrozenBox(
+        entries, shape=shape, dtype=dtype, ref_ndim=ref_ndim
+      )
+    out = dict(variables, params=params)
+    if ops:
+      out[STORE] = {'ops': ops}
+    return LinenHost(self.model, out)
+
+  def stored_ops(self) -> dict:
+    if self.variables is not None:
+      return dict(self.variables.get(STORE, {})).get('ops', {})
+    model = self.model
+    if model.scope is not None and model.has_variable(STORE, 'ops'):
+      return model.get_variable(STORE, 'ops')
+    return {}
+
+  def state(self):
+    return self._variables()
+
+  def result(self):
+    return self.model, self.variables
+
+
+def _call(raw, module, *args, **kwargs) -> Any:
+  return raw(module, *args, **kwargs)

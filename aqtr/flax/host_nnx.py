@@ -1,0 +1,129 @@
+"""The host protocol (`aqtr.flax.host`) for nnx Modules.
+
+The model holds its variables; frozen weights are `FrozenKernel` variables
+in place of the kernel and the op store is the model's `aqtr_frozen`
+attribute (`aqtr.flax.frozen`); `result()` is the model.
+
+Example:
+  >>> import jax.numpy as jnp
+  >>> from flax import nnx
+  >>> h = NnxHost(nnx.Linear(2, 3, rngs=nnx.Rngs(0)))
+  >>> h.read_param(('kernel',)).shape
+  (2, 3)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+from flax import nnx
+
+from aqtr.flax import host, intercept
+from aqtr.flax.frozen import STORE, FrozenKernel, FrozenOps
+
+__all__ = ['NnxHost']
+
+
+def _node(model, path):
+  for k in path:
+    model = model[k] if isinstance(k, int) else getattr(model, k)
+  return model
+
+
+class NnxHost(host.Host):
+  """An nnx Module (see `aqtr.flax.host.Host`)."""
+
+  def fresh_copy(self, who: str = 'aqtr') -> nnx.Module:
+    """A copy to quantize: interception retargeted, module paths set."""
+    model = nnx.clone(self.model)
+    intercept.retarget(model)
+    for path, m in nnx.iter_modules(model):
+      m.aqtr_path = tuple(path)
+    return model
+
+  def mode_copy(self) -> nnx.Module:
+    """The model whose mode to switch (in place for nnx)."""
+    return self.model
+
+  def call_fn(self, args, kwargs, method='__call__'):
+    graphdef, state = nnx.split(self.model)
+
+    def call_nnx(state):
+      return getattr(nnx.merge(graphdef, state), method)(*args, **kwargs)
+
+    return call_nnx, state
+
+  def trace_params(self, raw, args, kwargs):
+    arrays, rebuild = host.split_inputs(args, kwargs)
+    graphdef, params, rest = nnx.split(self.model, nnx.Param, ...)
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    paths = [host.leaf_names(p) for p, _ in flat]
+    leaves = [host.abstract(v) for _, v in flat]
+    ptree = jax.tree.structure(params)
+    rest = jax.tree.map(host.abstract, rest)
+
+    def fn(pleaves, rest, arrays):
+      m = nnx.merge(graphdef, jax.tree.unflatten(ptree, pleaves), rest)
+      a, k = rebuild(arrays)
+      return raw(m, *a, **k)
+
+    return paths, jax.make_jaxpr(fn)(leaves, rest, arrays)
+
+  def signature(self, raw, args, kwargs):
+    leaves, tree = jax.tree.flatten((args, kwargs))
+    inputs = tuple(host.aval_key(x) for x in leaves)
+    try:
+      graphdef, state = nnx.split(self.model)
+      key = (raw, graphdef, tree, inputs, host.tree_key(state))
+      hash(key)
+    except TypeError:
+      return None
+    return key
+
+  def params(self) -> dict[tuple, Any]:
+    state = nnx.state(self.model, nnx.Param)
+    return {
+      tuple(path): v.get_value()
+      for path, v in nnx.to_flat_state(state)
+      if not isinstance(v, FrozenKernel)
+    }
+
+  def with_params(self, params: Mapping[tuple, Any]) -> NnxHost:
+    model = nnx.clone(self.model)
+    for path, value in params.items():
+      _node(model, path).set_value(value)
+    return NnxHost(model)
+
+  def read_param(self, path):
+    return _node(self.model, path).get_value()
+
+  def holders(self):
+    return [
+      ((*mpath, name), v)
+      for mpath, m in nnx.iter_modules(self.model)
+      for name, v in vars(m).items()
+      if isinstance(v, FrozenKernel)
+    ]
+
+  def with_frozen(self, holders, ops) -> NnxHost:
+    served = nnx.clone(self.model)
+    for path, (entries, shape, dtype, ref_ndim) in holders.items():
+      holder = FrozenKernel(
+        entries, kernel_shape=shape, kernel_dtype=dtype, ref_ndim=ref_ndim
+      )
+      setattr(_node(served, path[:-1]), path[-1], holder)
+    if ops:
+      setattr(served, STORE, FrozenOps(ops))
+    return NnxHost(served)
+
+  def stored_ops(self) -> dict:
+    v = getattr(self.model, STORE, None)
+    return v.get_value() if isinstance(v, FrozenOps) else {}
+
+  def state(self):
+    return nnx.state(self.model)
+
+  def result(self):
+    return self.model
