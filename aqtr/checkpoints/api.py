@@ -27,11 +27,11 @@ import glob
 import os
 
 import numpy as np
-from flax import nnx
 
 from aqtr.checkpoints import files, naming, tree
 from aqtr.checkpoints.layouts import detect, layout
 from aqtr.checkpoints.stored import CheckpointError
+from aqtr.flax import hosts
 
 __all__ = ['export', 'load', 'read']
 
@@ -164,16 +164,5 @@ def load(model, folder: str, *args, variables=None, names='hf', **kwargs):
 
 def _params(model, variables):
   """(path, shape-like) of every parameter of a float model."""
-  if isinstance(model, nnx.Module):
-    for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-      yield tuple(path), v.get_value()
-    return
-  import flax  # noqa: PLC0415
-
-  if variables is None:
-    raise TypeError('aqtr.checkpoints.load: a linen model needs variables=.')
-  flat = flax.traverse_util.flatten_dict(
-    flax.core.unfreeze(variables['params'])
-  )
-  for path, v in flat.items():
-    yield path, flax.linen.meta.unbox(v)
+  host = hosts.of(model, variables, who='aqtr.checkpoints.load')
+  yield from host.params().items()

@@ -31,18 +31,15 @@ import dataclasses
 import re
 import warnings
 
-import flax
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from aqtr import presets
 from aqtr.calibrations.minmax import MinMax
 from aqtr.checkpoints.stored import CheckpointError, Stored
-from aqtr.flax import serving
-from aqtr.flax.frozen import FrozenBox, FrozenKernel
+from aqtr.flax import hosts, serving
+from aqtr.flax.frozen import holder_entries, kernel_shape
 from aqtr.flax.quantized import quantize
 from aqtr.numerics.int_asymmetric import IntAsymmetric
 from aqtr.numerics.int_symmetric import IntSymmetric
@@ -57,46 +54,14 @@ def path_text(path: tuple) -> str:
   return '/'.join(str(k) for k in path)
 
 
-def _holders(served, variables):
+def _holders(host):
   """Yields (param path, holder, kernel shape) of every frozen kernel."""
-  if isinstance(served, nnx.Module):
-    for mpath, m in nnx.iter_modules(served):
-      for name, v in vars(m).items():
-        if isinstance(v, FrozenKernel):
-          yield (*mpath, name), v, tuple(v.get_metadata('kernel_shape'))
-    return
-  flat = flax.traverse_util.flatten_dict(
-    flax.core.unfreeze(variables['params']),
-    is_leaf=lambda _, x: isinstance(x, FrozenBox),
-  )
-  for path, v in flat.items():
-    if isinstance(v, FrozenBox):
-      yield path, v, tuple(v.shape)
-
-
-def _floats(served, variables) -> dict:
-  if isinstance(served, nnx.Module):
-    state = nnx.state(served, nnx.Param)
-    flat = {}
-    for path, v in nnx.to_flat_state(state):
-      if not isinstance(v, FrozenKernel):
-        flat[tuple(path)] = v.get_value()
-    return flat
-  flat = flax.traverse_util.flatten_dict(
-    flax.core.unfreeze(variables['params']),
-    is_leaf=lambda _, x: isinstance(x, FrozenBox),
-  )
-  return {
-    p: nn.meta.unbox(v) for p, v in flat.items() if not isinstance(v, FrozenBox)
-  }
+  for path, h in host.holders():
+    yield tuple(path), h, kernel_shape(h)
 
 
 def _parts(holder, where: str) -> dict:
-  entries = (
-    holder.entries()
-    if isinstance(holder, FrozenBox)
-    else (holder.get_raw_value())
-  )
+  entries = holder_entries(holder)
   found = [
     e['rhs']
     for op in entries.values()
@@ -184,13 +149,12 @@ def read_frozen(served, variables=None, bits=None) -> tuple[dict, dict]:
     bits: the bits written for every weight (None: the fewest holding the
       codes, which the numerics' range gives for a calibrated weight).
   """
-  if isinstance(served, nn.Module) and variables is None:
-    raise TypeError('aqtr.checkpoints: a linen model needs variables=.')
+  host = hosts.served(served, variables, who='aqtr.checkpoints')
   frozen = {}
-  for path, holder, shape in _holders(served, variables):
+  for path, holder, shape in _holders(host):
     where = path_text(path)
     frozen[path] = to_stored(_parts(holder, where), shape, where, bits)
-  return frozen, _floats(served, variables)
+  return frozen, host.params()
 
 
 def config_for(w: Stored):
@@ -267,38 +231,30 @@ def build(model, weights: dict, floats: dict, args, kwargs, variables=None):
     nnx: the serving model. linen: (module, serving variables).
   """
   q = quantize(model, _rules(weights))
+  host = hosts.of(q, variables, who='aqtr.checkpoints')
+
+  def conv(h):
+    out = serving.convert(
+      h.model, *args, variables=h.variables, check=False, **kwargs
+    )
+    return hosts.served(out)
+
   with warnings.catch_warnings():
     warnings.simplefilter('ignore', UserWarning)
-    if isinstance(model, nnx.Module):
-      served = nnx.eval_shape(
-        lambda m: serving.convert(m, *args, check=False, **kwargs), q
-      )
-      svars = None
-    else:
-      if variables is None:
-        raise TypeError('aqtr.checkpoints: a linen model needs variables=.')
-      box = []
-
-      def conv(v):
-        m, sv = serving.convert(q, *args, variables=v, check=False, **kwargs)
-        box.append(m)
-        return sv
-
-      svars = flax.core.unfreeze(jax.eval_shape(conv, variables))
-      served = box[0]
+    served = host.abstract(conv)
   done = set()
-  for path, holder, _ in _holders(served, svars):
+  for path, holder, _ in _holders(served):
     where = path_text(path)
     if path not in weights:
       raise CheckpointError(f'{where}: frozen by the model but not stored.')
-    entries = jax.tree.map(lambda x: x, _entries(holder))
+    entries = jax.tree.map(lambda x: x, holder_entries(holder))
     for op in entries.values():
       for e in op.values():
         try:
           e['rhs'] = from_stored(weights[path], e['rhs'])
         except CheckpointError as err:
           raise CheckpointError(f'{where}: {err}') from None
-    _set_holder(served, svars, path, holder, entries)
+    served.set_holder(path, entries)
     done.add(path)
   missing = sorted(path_text(p) for p in weights if p not in done)
   if missing:
@@ -306,52 +262,14 @@ def build(model, weights: dict, floats: dict, args, kwargs, variables=None):
       f'{missing[0]}: stored quantized, but no quantized op of the model '
       'reads it (check the sample inputs and the name map).'
     )
-  _set_floats(served, svars, floats)
-  return served if svars is None else (served, svars)
+  new = {}
+  for path, like in served.params().items():
+    new[path] = _float(floats, path, like)
+  return served.with_params(new).result()
 
 
-def _entries(holder):
-  if isinstance(holder, FrozenBox):
-    return holder.entries()
-  return holder.get_raw_value()
-
-
-def _set_holder(served, svars, path, holder, entries):
-  if isinstance(holder, FrozenKernel):
-    holder.set_raw_value(entries)
-    return
-  node = svars['params']
-  for k in path[:-1]:
-    node = node[k]
-  node[path[-1]] = holder.replace(frozen=entries)
-
-
-def _set_floats(served, svars, floats):
-  if isinstance(served, nnx.Module):
-    for path, v in nnx.to_flat_state(nnx.state(served, nnx.Param)):
-      if isinstance(v, FrozenKernel):
-        continue
-      _put(floats, tuple(path), v.get_value(), v.set_value)
-    return
-  params = svars['params']
-  flat = flax.traverse_util.flatten_dict(
-    params, is_leaf=lambda _, x: isinstance(x, FrozenBox)
-  )
-  for path, v in flat.items():
-    if isinstance(v, FrozenBox):
-      continue
-    node = params
-    for k in path[:-1]:
-      node = node[k]
-    _put(
-      floats,
-      path,
-      nn.meta.unbox(v),
-      lambda a, n=node, k=path[-1]: n.__setitem__(k, a),
-    )
-
-
-def _put(floats, path, like, setter):
+def _float(floats, path, like):
+  """The checkpoint's tensor for parameter `path`, checked against `like`."""
   where = path_text(path)
   if path not in floats:
     raise CheckpointError(f'{where}: no tensor in the checkpoint maps to it.')
@@ -361,4 +279,4 @@ def _put(floats, path, like, setter):
       f'{where}: checkpoint tensor has shape {tuple(a.shape)}, the model '
       f'parameter {tuple(like.shape)}.'
     )
-  setter(jnp.asarray(a, like.dtype))
+  return jnp.asarray(a, like.dtype)

@@ -5,7 +5,7 @@ Every quantized op runs as one `aqtr.dot_general` through
 output; conv: im2col, `aqtr.core.conv`), so one set of freezer semantics
 serves Dense, DenseGeneral, Einsum and Conv alike. The op bodies here
 (`dot_general_op`, `einsum_op`, `conv_op`, and `quantized_dot` under them)
-take a `Host`: the few things that differ between frameworks (where the
+take an `OpHost`: the few things that differ between frameworks (where the
 variables live, where PRNG keys come from, what the error messages say).
 
 Example:
@@ -80,7 +80,7 @@ def check_mode(mode) -> None:
     )
 
 
-class Host:
+class OpHost:
   """What an adapter op gives the shared body: its state and its words.
 
   Attributes:
@@ -135,7 +135,7 @@ class Host:
     raise NotImplementedError
 
 
-def prng_key(host: Host) -> jax.Array | None:
+def prng_key(host: OpHost) -> jax.Array | None:
   """The key of one call: drawn when needed, fixed when any key will do."""
   use = lifecycle.key_use(host.config, host.mode)
   if use is None:
@@ -187,7 +187,7 @@ def stats_of(state: Mapping) -> dict:
   return {p: v['stats'] for p, v in state.items()}
 
 
-def quantized_dot(host: Host, lhs, rhs, dn, precision, preferred):
+def quantized_dot(host: OpHost, lhs, rhs, dn, precision, preferred):
   """One `dot_general` of an adapter op in its mode (see lifecycle.run)."""
   cfg, mode = host.config, host.mode
   lifecycle.validate(cfg)
@@ -223,7 +223,7 @@ def quantized_dot(host: Host, lhs, rhs, dn, precision, preferred):
 
 
 def dot_general_op(
-  host: Host,
+  host: OpHost,
   lhs,
   rhs,
   dimension_numbers,
@@ -248,7 +248,7 @@ def dot_general_op(
 
 
 def einsum_op(
-  host: Host,
+  host: OpHost,
   subscripts,
   lhs,
   rhs,
@@ -273,7 +273,7 @@ def einsum_op(
   return constrain(out, out_sharding)
 
 
-def conv_op(host: Host, lhs, rhs, *args, **kwargs):
+def conv_op(host: OpHost, lhs, rhs, *args, **kwargs):
   """The body of a `lax.conv_general_dilated` drop-in op.
 
   `args`, `kwargs`: lax's arguments after lhs and rhs (`ConvArgs`).

@@ -125,6 +125,13 @@ def holder_entries(value) -> dict | None:
   return None
 
 
+def kernel_shape(value) -> tuple:
+  """The shape of one op's float kernel a holder stands for."""
+  if isinstance(value, FrozenKernel):
+    return tuple(value.get_metadata('kernel_shape'))
+  return tuple(value.shape)
+
+
 def kernel_bytes(value) -> int:
   """Bytes of the float kernel a holder stands for (stacked axes counted)."""
   if isinstance(value, FrozenKernel):
@@ -148,5 +155,6 @@ __all__ = [
   'FrozenOps',
   'holder_entries',
   'kernel_bytes',
+  'kernel_shape',
   'store_key',
 ]

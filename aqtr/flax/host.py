@@ -15,9 +15,14 @@ conventions:
   signature      a hashable key of a call (same key, same jaxpr)
   params         the float parameters, {path tuple: array}
   with_params    a host of the same model holding other float parameters
+  param_tree     the float parameters as one nested dict (fold maps, PTQ)
   read_param     one parameter's float value
   holders        the frozen holders, [(path tuple, holder)]
   with_frozen    a host whose parameters are replaced by frozen holders
+  freeze_ops     the served model of a model whose own ops freeze (Pax)
+  set_holder     put entries in one frozen holder (checkpoint import)
+  abstract       run a host -> host function abstractly (shapes only)
+  put_frozen     replace one frozen op's stored values (PTQ solvers)
   stored_ops     the op store's content
   state          every array the model holds (what `sizes` counts)
   result         what a feature returns: nnx: the model; linen and Pax:
@@ -64,6 +69,10 @@ class Host(abc.ABC):
     model: the model (nnx Module, linen Module, Pax template).
     variables: linen / Pax: its variables (nnx: None, the model holds them).
   """
+
+  # Rules reach the model's ops by injection into its template
+  # (`aqtr.pax.inject`), not by interception (`aqtr.flax.quantize`).
+  by_injection: bool = False
 
   def __init__(self, model: Any, variables: Any = None):
     self.model, self.variables = model, variables
@@ -130,6 +139,21 @@ class Host(abc.ABC):
     """A host of a copy of the model whose float parameters at the given
     paths are replaced (the others kept)."""
 
+  @abc.abstractmethod
+  def param_tree(self) -> dict:
+    """The float parameters as one nested dict, as fold maps and solvers
+    name them (nnx: the pure dict of its Params; linen / Pax: the
+    variables, 'params/...')."""
+
+  @abc.abstractmethod
+  def with_param_tree(self, tree: Mapping) -> Host:
+    """A host of a copy of the model holding `tree` (`param_tree`'s
+    layout)."""
+
+  @abc.abstractmethod
+  def tree_path(self, path: tuple) -> tuple:
+    """The `param_tree` path of the parameter at `path`."""
+
   def read_param(self, path: tuple):
     """The float value of the parameter at `path`."""
     got = self.params()
@@ -150,6 +174,35 @@ class Host(abc.ABC):
       holders: parameter path -> (entries, kernel shape, dtype, ref_ndim):
         the parameter becomes a frozen holder (`aqtr.flax.frozen`).
       ops: the op store's content ({store key: {op key: entries}}).
+    """
+
+  @abc.abstractmethod
+  def set_holder(self, path: tuple, entries: Mapping) -> None:
+    """Puts `entries` in the frozen holder at `path` (in place)."""
+
+  @abc.abstractmethod
+  def abstract(self, fn: Callable[[Host], Host]) -> Host:
+    """`fn(self)` run abstractly: the host it returns, arrays as shapes
+    (e.g. a serving tree to fill from a checkpoint, no compute)."""
+
+  def freeze_ops(self, args: tuple, kwargs: Mapping) -> Host:
+    """The served model of a model whose own ops freeze (injected Pax ops
+    switched to CONVERT, then SERVE)."""
+    raise TypeError(
+      f'{type(self.model).__name__} is not quantized: quantize it first '
+      '(aqtr.flax.quantize(model, rules)).'
+    )
+
+  @abc.abstractmethod
+  def put_frozen(self, op_path: str, holder: tuple, entry: str, parts):
+    """Replaces the stored rhs `parts` of one frozen op, in place.
+
+    Args:
+      op_path: the op's path ('layer/dense/dot_general0').
+      holder: (module path, parameter name, op key) of the parameter
+        whose holder keeps the op's entries (Pax: ()).
+      entry: the freezer entry's name (`aqtr.freezers.lifecycle`).
+      parts: the new rhs parts ({'qvalue', 'scale', ...}).
     """
 
   @abc.abstractmethod

@@ -25,7 +25,7 @@ import flax.linen as nn
 import jax
 
 from aqtr.flax import host
-from aqtr.flax.frozen import STORE, FrozenBox
+from aqtr.flax.frozen import STORE, FrozenBox, store_key
 
 __all__ = ['LinenHost', 'unbound']
 
@@ -131,6 +131,15 @@ class LinenHost(host.Host):
       node[path[-1]] = value
     return LinenHost(self.model, variables)
 
+  def param_tree(self) -> dict:
+    return dict(self._variables())
+
+  def with_param_tree(self, tree) -> LinenHost:
+    return LinenHost(self.model, dict(tree))
+
+  def tree_path(self, path) -> tuple:
+    return ('params', *path)
+
   def read_param(self, path):
     node = self._variables()['params']
     for k in path:
@@ -158,6 +167,40 @@ class LinenHost(host.Host):
     if ops:
       out[STORE] = {'ops': ops}
     return LinenHost(self.model, out)
+
+  def put_frozen(self, op_path, holder, entry, parts):
+    mpath, param, key = holder
+    self.variables = flax.core.unfreeze(self.variables)
+    node = self.variables['params']
+    for k in mpath:
+      node = node[k]
+    box = node[param]
+    if not _is_box(box) or key not in box.entries():
+      # Kept float, or read through a derived weight: the op store has it.
+      ops = self.variables[STORE]['ops']
+      ops[store_key(op_path)][key][entry]['rhs'] = parts
+      return
+    entries = jax.tree.map(lambda x: x, box.entries())
+    entries[key][entry]['rhs'] = parts
+    node[param] = box.replace(frozen=entries)
+
+  def set_holder(self, path, entries) -> None:
+    self.variables = flax.core.unfreeze(self.variables)
+    node = self.variables['params']
+    for k in path[:-1]:
+      node = node[k]
+    node[path[-1]] = node[path[-1]].replace(frozen=entries)
+
+  def abstract(self, fn) -> LinenHost:
+    box = []
+
+    def run(v):
+      done = fn(LinenHost(self.model, v))
+      box.append(done.model)
+      return done.variables
+
+    out = jax.eval_shape(run, self.variables)
+    return LinenHost(box[0], flax.core.unfreeze(out))
 
   def stored_ops(self) -> dict:
     if self.variables is not None:

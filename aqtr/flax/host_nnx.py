@@ -21,7 +21,7 @@ import jax
 from flax import nnx
 
 from aqtr.flax import host, intercept
-from aqtr.flax.frozen import STORE, FrozenKernel, FrozenOps
+from aqtr.flax.frozen import STORE, FrozenKernel, FrozenOps, store_key
 
 __all__ = ['NnxHost']
 
@@ -96,6 +96,19 @@ class NnxHost(host.Host):
       _node(model, path).set_value(value)
     return NnxHost(model)
 
+  def param_tree(self) -> dict:
+    return nnx.to_pure_dict(nnx.state(self.model, nnx.Param))
+
+  def with_param_tree(self, tree) -> NnxHost:
+    model = nnx.clone(self.model)
+    state = nnx.state(model, nnx.Param)
+    nnx.replace_by_pure_dict(state, tree)
+    nnx.update(model, state)
+    return NnxHost(model)
+
+  def tree_path(self, path) -> tuple:
+    return tuple(path)
+
   def read_param(self, path):
     return _node(self.model, path).get_value()
 
@@ -117,6 +130,26 @@ class NnxHost(host.Host):
     if ops:
       setattr(served, STORE, FrozenOps(ops))
     return NnxHost(served)
+
+  def put_frozen(self, op_path, holder, entry, parts):
+    mpath, param, key = holder
+    h = getattr(_node(self.model, mpath), param)
+    if not isinstance(h, FrozenKernel) or key not in h.entries():
+      # Kept float, or read through a derived weight: the op store has it.
+      store = getattr(self.model, STORE)
+      entries = jax.tree.map(lambda x: x, store.get_value())
+      entries[store_key(op_path)][key][entry]['rhs'] = parts
+      store.set_value(entries)
+      return
+    entries = jax.tree.map(lambda x: x, h.entries())
+    entries[key][entry]['rhs'] = parts
+    h.set_raw_value(entries)
+
+  def set_holder(self, path, entries) -> None:
+    getattr(_node(self.model, path[:-1]), path[-1]).set_raw_value(entries)
+
+  def abstract(self, fn) -> NnxHost:
+    return NnxHost(nnx.eval_shape(lambda m: fn(NnxHost(m)).model, self.model))
 
   def stored_ops(self) -> dict:
     v = getattr(self.model, STORE, None)

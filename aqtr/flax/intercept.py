@@ -80,10 +80,11 @@ class Context:
     handler: the active handler of intercepted calls (None: none).
     quiet: the wrappers call JAX directly (the handler's own ops).
     observers: lists that each new `aqtr.flax.session.Session` is
-      appended to (`report` / `convert` tracing, PTQ calibration).
+      appended to (`report` / `convert` tracing, PTQ calibration); an
+      observer with a `record_op` method also hears every weight op of
+      injected `aqtr.pax` ops (`recorder`).
     lora_key: the PRNG key of LoRA adapters' dropout (`aqtr.lora`).
     lora_sites: Pax LoRA recording: the sites met, or None.
-    ptq_recorder: the Pax PTQ calibration probe's recorder, or None.
   """
 
   handler: Callable | None = None
@@ -91,7 +92,6 @@ class Context:
   observers: list = dataclasses.field(default_factory=list)
   lora_key: Any = None
   lora_sites: list | None = None
-  ptq_recorder: Any = None
 
 
 _local = threading.local()  # the one thread-local: holds the Context
@@ -103,6 +103,15 @@ def context() -> Context:
   if c is None:
     c = _local.context = Context()
   return c
+
+
+def recorder() -> Any:
+  """The innermost observer that records weight ops (`record_op`), or
+  None: what an injected op reports its weight contraction to."""
+  for obs in reversed(context().observers):
+    if hasattr(obs, 'record_op'):
+      return obs
+  return None
 
 
 _lock = threading.Lock()

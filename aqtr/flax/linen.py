@@ -56,7 +56,7 @@ STATE = common.STATE
 LEARNED = common.LEARNED
 
 
-class LinenHost(common.Host):
+class LinenOpHost(common.OpHost):
   """The shared op body's view of a linen module (aqtr.flax and aqtr.pax).
 
   Frozen entries live in the collection 'aqtr', CALIBRATE statistics in
@@ -185,8 +185,8 @@ class _Op(nn.Module):
   mode: Mode = Mode.TRAIN
   rng_name: str = common.RNG
 
-  def _host(self) -> LinenHost:
-    return LinenHost(self, self.config, self.mode, self.rng_name)
+  def _host(self) -> LinenOpHost:
+    return LinenOpHost(self, self.config, self.mode, self.rng_name)
 
 
 class DotGeneral(_Op):
@@ -346,7 +346,7 @@ __all__ = [
   'DotGeneral',
   'Einsum',
   'EinsumDense',
-  'LinenHost',
+  'LinenOpHost',
   'Mode',
   'Removed',
   'convert',

@@ -117,7 +117,7 @@ class _Op(nnx.Module):
       delattr(self, k)
 
 
-class _Host(common.Host):
+class _OpHost(common.OpHost):
   """The shared op body's view of an nnx op (its variables are attributes)."""
 
   frozen_collection = 'Frozen variables'
@@ -210,7 +210,7 @@ class DotGeneral(_Op):
     out_sharding=None,
   ):
     return common.dot_general_op(
-      _Host(self),
+      _OpHost(self),
       lhs,
       rhs,
       dimension_numbers,
@@ -245,7 +245,7 @@ class Einsum(_Op):
   ):
     del optimize  # One dot: nothing to optimize.
     return common.einsum_op(
-      _Host(self),
+      _OpHost(self),
       subscripts,
       lhs,
       rhs,
@@ -272,7 +272,7 @@ class ConvGeneralDilated(_Op):
 
   def __call__(self, lhs, rhs, *args, **kwargs):
     """As `lax.conv_general_dilated` (see `aqtr.core.conv.ConvArgs`)."""
-    return common.conv_op(_Host(self), lhs, rhs, *args, **kwargs)
+    return common.conv_op(_OpHost(self), lhs, rhs, *args, **kwargs)
 
 
 def ops(model: nnx.Module) -> list[tuple[tuple, _Op]]:

@@ -200,15 +200,26 @@ def convert(
 
   Returns:
     nnx: the serving model (a new one; Mode.SERVE). linen: (serving
-    module, serving variables).
+    module, serving variables). A Pax template (`aqtr.pax.inject`ed, with
+    `variables=`): (serving template in Mode.SERVE, serving variables).
   """
+  host = hosts.of(model, variables, who='aqtr.flax.convert')
+  if host.by_injection:  # a Pax template: its injected ops freeze
+    if keep is not None:
+      raise ValueError(
+        'aqtr.flax.convert: keep= selects parameters of a model quantized '
+        "by rules; for a Pax template, leave the op out of inject's rules."
+      )
+    done = host.freeze_ops(args, kwargs)
+    if check:
+      check_served(host, done, args, kwargs)
+    return done.result()
   spec = spec_of(model)
   if spec.mode is not Mode.TRAIN or spec.converted:
     raise ValueError(
       'aqtr.flax.convert: the model is already converted (Mode.SERVE); '
       'convert the trained model (Mode.TRAIN).'
     )
-  host = hosts.of(model, variables, who='aqtr.flax.convert')
   rx = _keep_regex(keep)
   sessions = trace(model, abstract_call(model, variables, args, kwargs))
   merge_report(spec, sessions, strict=False)

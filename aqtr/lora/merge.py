@@ -32,7 +32,6 @@ from __future__ import annotations
 import dataclasses
 import math
 
-import fiddle as fdl
 import flax
 import flax.linen as nn
 import jax
@@ -40,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, traverse_util
 
+from aqtr.flax import hosts
 from aqtr.flax.frozen import FrozenBox, FrozenKernel, kernel_bytes
 from aqtr.freezers import configure, lifecycle
 from aqtr.lora import adapters as adapters_lib
@@ -180,11 +180,10 @@ def merge(
     `report=True`: (that, PtqReport).
   """
   solver = {'method': method, 'batches': batches, 'grid': grid}
-  if isinstance(model, fdl.Buildable):  # A Pax template.
+  host = hosts.of(model, variables, who='aqtr.lora.merge')
+  if host.by_injection:  # A Pax template.
     from aqtr.lora import pax_merge  # noqa: PLC0415 (it builds on this)
 
-    if variables is None:
-      raise TypeError('aqtr.lora.merge: a Pax template needs variables=.')
     m = pax_merge.float_merged(
       model, *args, variables=variables, adapters=adapters, **kwargs
     )
@@ -321,7 +320,8 @@ class Bytes:
 
 def sizes(model, *args, variables=None, **kwargs) -> Bytes:
   """Training bytes of a LoRA model vs full fine-tuning (AdamW)."""
-  if isinstance(model, fdl.Buildable):  # A Pax template.
+  host = hosts.of(model, variables, who='aqtr.lora.sizes')
+  if host.by_injection:  # A Pax template.
     from aqtr.lora import pax_merge  # noqa: PLC0415 (it builds on this)
 
     return pax_merge.sizes(model, *args, variables=variables, **kwargs)

@@ -88,7 +88,7 @@ def _plan(eqn: str, lhs_ndim: int, rhs_shape, rank: int, where: str) -> _Plan:
   return _Plan(lc, a_shape, b_shape, ((lc, rc), ((), ())), perm)
 
 
-class _Decoding(aqtr_linen.LinenHost):
+class _Decoding(aqtr_linen.LinenOpHost):
   """The op's host, reading its compactly stored base (decoded)."""
 
   table: tuple[float, ...] | None

@@ -28,10 +28,8 @@ from __future__ import annotations
 import dataclasses
 import warnings
 
-import fiddle as fdl
-
 import aqtr.ptq as ptq
-from aqtr.flax import serving
+from aqtr.flax import hosts, serving
 from aqtr.flax.quantized import quantize
 from aqtr.ptq import gptq, methods
 from aqtr.ptq.grid import Grid
@@ -82,7 +80,7 @@ def requantized(
     ValueError: one line for a bad method / grid / missing batches.
   """
   check_solver(method, batches, grid, False)
-  pax = isinstance(merged, fdl.Buildable)
+  pax = hosts.of(merged, variables, who='aqtr.lora.merge').by_injection
   if batches is None and _is_rtn(method) and grid == 'fresh' and not pax:
     with warnings.catch_warnings():
       warnings.simplefilter('ignore', UserWarning)

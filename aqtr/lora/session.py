@@ -278,11 +278,7 @@ def _adapters(module, names, label):
   """The module's (A, B) arrays; a clear error when they are missing."""
   got = []
   for name in names:
-    if isinstance(module, nn.Module):
-      v = module.get_variable('params', name)
-    else:
-      v = getattr(module, name, None)
-      v = v.get_value() if isinstance(v, nnx.Variable) else v
+    v = own_params(module).get(name)
     if v is None:
       raise ValueError(
         f'{label}: no adapter {name!r} in the module; build the model with '

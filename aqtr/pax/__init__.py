@@ -46,6 +46,7 @@ from aqtr.pax.classifier import Cnn, Conv, Mlp
 from aqtr.pax.decode import Decoder, Sampling
 from aqtr.pax.embedding import Embedding, SharedEmbeddingSoftmax, Softmax
 from aqtr.pax.feedforward import FeedForward
+from aqtr.pax.host import TemplateHost  # Registers Pax templates' host.
 from aqtr.pax.inject import Rule, inject
 from aqtr.pax.kv_cache import KVCacheConfig
 from aqtr.pax.linear import Linear
@@ -84,6 +85,7 @@ __all__ = [
   'Sampling',
   'SharedEmbeddingSoftmax',
   'Softmax',
+  'TemplateHost',
   'TransformerLm',
   'decode',
   'describe',

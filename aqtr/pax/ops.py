@@ -42,8 +42,8 @@ from jax import lax
 import aqtr
 from aqtr.core import slot_state
 from aqtr.core.config import DotGeneralConfig, TensorConfig
-from aqtr.flax import common
-from aqtr.flax.linen import LinenHost
+from aqtr.flax import common, intercept
+from aqtr.flax.linen import LinenOpHost
 from aqtr.freezers import Mode
 
 __all__ = [
@@ -110,9 +110,9 @@ class Op(nn.Module):
   rng_stream: str = 'quant'
   mode: Mode = Mode.TRAIN
 
-  def _host(self) -> LinenHost:
+  def _host(self) -> LinenOpHost:
     s = self.rng_stream
-    return LinenHost(
+    return LinenOpHost(
       self,
       self.config,
       self.mode,
@@ -136,6 +136,11 @@ class Op(nn.Module):
         f'{host.missing_key()}'
       )
     return key
+
+  def _weight_op(self) -> bool:
+    """Whether the op quantizes its weight (rhs) in the forward pass."""
+    cfg = self.config
+    return isinstance(cfg, DotGeneralConfig) and cfg.fwd.rhs.quantized
 
   def _frozen_modes(self) -> bool:
     """Whether this call goes through the adapters' shared op body: in any
@@ -161,7 +166,19 @@ class EinsumOp(Op):
     return self.contract(eqn, lhs, rhs)
 
   def contract(self, eqn: str, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
-    """The op's einsum in its mode (subclasses add to it in `__call__`)."""
+    """The op's einsum in its mode (subclasses add to it in `__call__`).
+
+    While an observer records weight ops (`aqtr.flax.intercept.recorder`:
+    the PTQ calibration pass), a weight op reports its contraction and
+    runs in float.
+    """
+    rec = intercept.recorder()
+    if rec is not None and self._weight_op() and not self.is_initializing():
+      dn, _ = common.einsum_plan(eqn, jnp.ndim(lhs), jnp.ndim(rhs))
+      where = '/'.join(map(str, self.path))
+      rec.record_op(where, dn, self.config, lhs, rhs, ())
+      with intercept.quiet():
+        return jnp.einsum(eqn, lhs, rhs)
     if self._frozen_modes():
       return common.einsum_op(self._host(), eqn, lhs, rhs)
     return aqtr.einsum(eqn, lhs, rhs, config=self.config, key=self._key())

@@ -15,7 +15,7 @@ view (`as_matrix` / `from_matrix`) the solvers work on.
 from aqtr.ptq import awq, fold, outliers, smoothquant  # Registers the methods.
 from aqtr.ptq.api import LayerReport, PtqReport, quantize
 from aqtr.ptq.awq import Awq
-from aqtr.ptq.collect import Collected, FlaxTarget, PaxTarget, Site, collect
+from aqtr.ptq.collect import Collected, Site, collect
 from aqtr.ptq.grid import Grid
 from aqtr.ptq.methods import Gptq, Method, Rtn, register
 from aqtr.ptq.smoothquant import SmoothQuant
@@ -31,13 +31,11 @@ from aqtr.ptq.stats import (
 __all__ = [
   'Awq',
   'Collected',
-  'FlaxTarget',
   'Gptq',
   'Grid',
   'LayerReport',
   'LayerStats',
   'Method',
-  'PaxTarget',
   'PtqReport',
   'Rtn',
   'Site',

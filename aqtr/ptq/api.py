@@ -22,25 +22,18 @@ Example:
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import time
 import warnings
 
-import fiddle as fdl
-import flax
-import flax.linen as nn
 import jax
-from flax import nnx
 
-import aqtr.flax.linen as aqtr_linen
 from aqtr import rules as rules_lib
-from aqtr.flax import common, quantized, serving
-from aqtr.flax.frozen import STORE, store_key
-from aqtr.freezers import Mode, lifecycle
+from aqtr.flax import hosts, quantized, serving
+from aqtr.freezers import lifecycle
 from aqtr.pax.inject import inject
 from aqtr.ptq import methods
-from aqtr.ptq.collect import FlaxTarget, PaxTarget, collect, weight_ops
+from aqtr.ptq.collect import collect
 from aqtr.ptq.grid import Grid, weight_config
 from aqtr.ptq.stats import relative_error
 
@@ -98,96 +91,33 @@ class PtqReport:
     return '\n'.join([head, *rows])
 
 
-def _target(model, rules, variables):
-  if isinstance(model, fdl.Buildable):
-    if variables is None:
-      raise TypeError('aqtr.ptq.quantize: a Pax template needs variables=.')
+def _target(model, rules, variables) -> hosts.Host:
+  """The host of the model to calibrate, quantized / injected by `rules`."""
+  who = 'aqtr.ptq.quantize'
+  host = hosts.of(model, variables, who=who, need_variables=False)
+  if host.by_injection:  # a Pax template: rules inject its ops
     if rules is not None:
       model, _ = inject(model, rules)
-    return PaxTarget(model, variables)
-  if not isinstance(model, nn.Module | nnx.Module):
-    raise TypeError(
-      'aqtr.ptq.quantize: model must be a flax linen / nnx Module or a '
-      f'Fiddle template of an aqtr.pax model, got {type(model).__name__}.'
-    )
+    return hosts.of(model, variables, who=who)
   if not hasattr(type(model), 'aqtr_spec'):
     if rules is None:
-      raise TypeError('aqtr.ptq.quantize: give rules= for a float model.')
+      raise TypeError(f'{who}: give rules= for a float model.')
     model = quantized.quantize(model, rules_lib.as_rules(rules, 'rules'))
   elif rules is not None:
     raise ValueError(
-      'aqtr.ptq.quantize: the model is already quantized by rules; pass '
-      'rules=None or the float model.'
+      f'{who}: the model is already quantized by rules; pass rules=None or '
+      'the float model.'
     )
-  return FlaxTarget(model, variables)
+  return hosts.of(model, variables, who=who)
 
 
-def _pax_serving(template: fdl.Config, mode: Mode) -> fdl.Config:
-  """The template with its weight ops as frozen `aqtr.flax.linen.Einsum`."""
-  cfg = copy.deepcopy(template)
-  for node, config in weight_ops(cfg):
-    stream = node.__arguments__.get('rng_stream', 'quant')
-    fdl.update_callable(node, aqtr_linen.Einsum, drop_invalid_args=True)
-    node.config, node.mode, node.rng_name = weight_config(config), mode, stream
-  return cfg
-
-
-def _convert(target, args):
-  """RTN CONVERT: (what to return, a function placing solved parts)."""
-  if isinstance(target, PaxTarget):
-    conv = fdl.build(_pax_serving(target.template, Mode.CONVERT))
-    out = aqtr_linen.convert(conv, target.variables, *args)
-    out = flax.core.unfreeze(out)
-    frozen = out[common.FROZEN]
-
-    def place(site, parts):
-      node = frozen
-      for k in site.path.split('/'):
-        node = node[k]
-      node[_entry(site)]['rhs'] = parts
-
-    return (_pax_serving(target.template, Mode.SERVE), out), place
-  model, variables = target.model, target.variables
-  # No serve == train check here: the solved values replace RTN's below.
-  served = serving.convert(model, *args, variables=variables, check=False)
-  if isinstance(model, nnx.Module):
-    mods = dict(nnx.iter_modules(served))
-    store = getattr(served, STORE, None)
-
-    def place(site, parts):
-      mpath, param, key = site.holder
-      holder = getattr(mods[mpath], param)
-      if isinstance(holder, nnx.Param) or key not in holder.entries():
-        # Kept, or read through a derived weight: the op store has it.
-        entries = jax.tree.map(lambda x: x, store.get_value())
-        entries[store_key(site.path)][key][_entry(site)]['rhs'] = parts
-        store.set_value(entries)
-        return
-      entries = jax.tree.map(lambda x: x, holder.entries())
-      entries[key][_entry(site)]['rhs'] = parts
-      holder.set_raw_value(entries)
-
-    return served, place
-  module, svars = served
-  svars = flax.core.unfreeze(svars)
-
-  def place(site, parts):
-    mpath, param, key = site.holder
-    node = svars['params']
-    for k in mpath:
-      node = node[k]
-    box = node[param]
-    if not hasattr(box, 'entries') or key not in box.entries():
-      # Kept, or read through a derived weight: the op store has it.
-      svars[STORE]['ops'][store_key(site.path)][key][_entry(site)]['rhs'] = (
-        parts
-      )
-      return
-    entries = jax.tree.map(lambda x: x, box.entries())
-    entries[key][_entry(site)]['rhs'] = parts
-    node[param] = box.replace(frozen=entries)
-
-  return (module, svars), place
+def _convert(target: hosts.Host, args) -> hosts.Host:
+  """RTN CONVERT: the served model's host (solved parts go in with
+  `put_frozen`). No serve == train check: solved values replace RTN's."""
+  served = serving.convert(
+    target.model, *args, variables=target.variables, check=False
+  )
+  return hosts.served(served, who='aqtr.ptq.quantize')
 
 
 def _entry(site) -> str:
@@ -251,7 +181,7 @@ def quantize(
     grids[path] = _grid(site, got.weights[path], path)
   first = batches[0]
   args = tuple(first) if isinstance(first, tuple | list) else (first,)
-  served, place = _convert(target, args)
+  served = _convert(target, args)
   layers = []
   for path, site in got.sites.items():
     stats = got.stats[path]
@@ -269,7 +199,7 @@ def quantize(
     secs = time.perf_counter() - t0 + (share if rewrites else 0.0)
     parts = grid.parts(sol.q, sol.scale, sol.zero)
     if not isinstance(meth, methods.Rtn):
-      place(site, parts)
+      served.put_frozen(site.path, site.holder, _entry(site), parts)
     w2 = grid.w2
     rtn = rtn0.get(path)
     if rtn is None:
@@ -279,7 +209,7 @@ def quantize(
     layers.append(
       LayerReport(path, d_in, d_out, int(stats.count), rtn, err, secs)
     )
-  return served, PtqReport(meth, tuple(layers))
+  return served.result(), PtqReport(meth, tuple(layers))
 
 
 def _grid(site, w, path: str) -> Grid:

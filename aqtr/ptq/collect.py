@@ -13,8 +13,12 @@ activation, weight, dimension numbers and config in hand:
     interception `Session` calls a tap with each `WeightUse` (the weights
     `aqtr.flax.convert` freezes) instead of the quantized dot;
   * Pax-style templates (`aqtr.pax` ops injected with `aqtr.pax.inject`):
-    every `EinsumOp` whose config quantizes its weight (rhs) is replaced
-    by `Probe`, the float einsum that records (the ops `serving` freezes).
+    every `EinsumOp` whose config quantizes its weight (rhs) reports to
+    the recording observer (`aqtr.flax.intercept.recorder`) and runs the
+    float einsum (the ops `aqtr.flax.convert` freezes).
+
+The target is the model's host (`aqtr.flax.hosts.of`): the pass is the
+same for every model kind.
 
 Both return the float op's output, so every op sees the float model's
 activations. Ops under `jax.lax.scan` (scanned layers) are not supported:
@@ -25,31 +29,24 @@ Example:
   >>> from flax import nnx
   >>> lin = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
   >>> q = aqtr.flax.quantize(lin, [aqtr.rules.Rule('int8')])
-  >>> got = collect(FlaxTarget(q), [jnp.ones((2, 4))])
+  >>> from aqtr.flax import hosts
+  >>> got = collect(hosts.of(q), [jnp.ones((2, 4))])
   >>> list(got.stats), float(got.stats['dot_general0'].count)
   (['dot_general0'], 2.0)
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import functools
 from collections.abc import Iterable
 from typing import Any
 
-import fiddle as fdl
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from fiddle import selectors
-from flax import nnx
 
-import aqtr.pax
-from aqtr import fiddle as aqtr_fiddle
 from aqtr.core.config import DotGeneralConfig
-from aqtr.flax import common, intercept
-from aqtr.flax.quantized import spec_of
+from aqtr.flax import hosts, intercept
 from aqtr.flax.session import WeightUse, swapped
 from aqtr.ptq.stats import LayerStats, merge
 
@@ -130,6 +127,21 @@ class _Recorder:
     self.sites: dict[str, Site] = {}
     self.host = host
 
+  def record_op(self, path, dn, config, lhs, rhs, holder) -> None:
+    """One weight op (`aqtr.flax.intercept.recorder`): record its input."""
+    self.record(
+      Site(
+        path,
+        dn,
+        config,
+        jax.ShapeDtypeStruct(jnp.shape(lhs), jnp.result_type(lhs)),
+        jax.ShapeDtypeStruct(jnp.shape(rhs), jnp.result_type(rhs)),
+        holder,
+      ),
+      lhs,
+      rhs,
+    )
+
   def record(self, site: Site, lhs, rhs) -> None:
     s = LayerStats.from_activations(input_matrix(lhs, site.dimension_numbers))
     self.sites.setdefault(site.path, site)
@@ -151,15 +163,8 @@ class _Recorder:
     path = use.where
 
     def dot(lhs, rhs, dn, precision, preferred):
-      site = Site(
-        path,
-        dn,
-        use.config,
-        jax.ShapeDtypeStruct(jnp.shape(lhs), jnp.result_type(lhs)),
-        jax.ShapeDtypeStruct(jnp.shape(rhs), jnp.result_type(rhs)),
-        (tuple(use.module_path), use.param, use.key),
-      )
-      self.record(site, lhs, rhs)
+      holder = (tuple(use.module_path), use.param, use.key)
+      self.record_op(path, dn, use.config, lhs, rhs, holder)
       return jax.lax.dot_general(
         lhs, rhs, dn, precision=precision, preferred_element_type=preferred
       )
@@ -168,122 +173,6 @@ class _Recorder:
     run = swapped(dot) if use.side == 'lhs' else dot
     with intercept.quiet():
       return op.run(run, op.lhs, op.rhs)
-
-
-class Probe(nn.Module):
-  """A Pax weight op in the calibration pass: float einsum + recording.
-
-  Attributes:
-    config: the op's config (the rule's), recorded with the op.
-  """
-
-  config: DotGeneralConfig | None = None
-
-  @nn.compact
-  def __call__(self, eqn: str, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
-    rec = intercept.context().ptq_recorder
-    if rec is not None and not self.is_initializing():
-      dn, _ = common.einsum_plan(eqn, jnp.ndim(lhs), jnp.ndim(rhs))
-      site = Site(
-        '/'.join(map(str, self.path)),
-        dn,
-        self.config,
-        jax.ShapeDtypeStruct(jnp.shape(lhs), jnp.result_type(lhs)),
-        jax.ShapeDtypeStruct(jnp.shape(rhs), jnp.result_type(rhs)),
-      )
-      rec.record(site, lhs, rhs)
-    return jnp.einsum(eqn, lhs, rhs)
-
-
-def weight_ops(template: fdl.Config) -> list:
-  """The `aqtr.pax.EinsumOp` nodes of `template` that quantize a weight."""
-  out = []
-  for node in selectors.select(template, aqtr.pax.EinsumOp):
-    cfg = node.__arguments__.get('config')
-    if isinstance(cfg, fdl.Buildable):
-      cfg = aqtr_fiddle.build(cfg)
-    if isinstance(cfg, DotGeneralConfig) and cfg.fwd.rhs.quantized:
-      out.append((node, cfg))
-  return out
-
-
-class FlaxTarget:
-  """A model quantized by rules (`aqtr.flax.quantize`), linen or nnx.
-
-  Attributes:
-    model: the quantized model (Mode.TRAIN).
-    variables: linen: its variables (nnx: None; the model holds them).
-  """
-
-  def __init__(self, model, variables=None):
-    spec_of(model)
-    if isinstance(model, nn.Module) and variables is None:
-      raise TypeError('aqtr.ptq: a linen model needs variables=.')
-    self.model, self.variables = model, variables
-
-  def program(self):
-    """(fn(state, *args), state): one float call of the model."""
-    if isinstance(self.model, nnx.Module):
-      graphdef, state = nnx.split(self.model)
-
-      def fn(state, *args):
-        return nnx.merge(graphdef, state)(*args)
-
-      return fn, state
-    return lambda v, *args: self.model.apply(v, *args), self.variables
-
-  def observe(self, recorder: _Recorder):
-    """Context: interception sessions tap into `recorder`."""
-    return _Observing(recorder)
-
-
-class _Observing:
-  def __init__(self, recorder):
-    self.recorder = recorder
-
-  def __enter__(self):
-    intercept.context().observers.append(self.recorder)
-
-  def __exit__(self, *exc):
-    intercept.context().observers.remove(self.recorder)
-
-
-class PaxTarget:
-  """A Pax-style template whose weight ops carry configs (`aqtr.pax.inject`).
-
-  Attributes:
-    template: the injected template.
-    variables: the float model's variables ({'params': ...}).
-  """
-
-  def __init__(self, template: fdl.Config, variables):
-    if not isinstance(template, fdl.Buildable):
-      raise TypeError(
-        f'aqtr.ptq: template must be a fiddle Config, got {template!r}.'
-      )
-    self.template, self.variables = template, variables
-    probe = copy.deepcopy(template)
-    for node, cfg in weight_ops(probe):
-      fdl.update_callable(node, Probe, drop_invalid_args=True)
-      node.config = cfg
-    self.module = fdl.build(probe)
-
-  def program(self):
-    return lambda v, *args: self.module.apply(v, *args), self.variables
-
-  def observe(self, recorder: _Recorder):
-    return _Local(recorder)
-
-
-class _Local:
-  def __init__(self, recorder):
-    self.recorder = recorder
-
-  def __enter__(self):
-    intercept.context().ptq_recorder = self.recorder
-
-  def __exit__(self, *exc):
-    intercept.context().ptq_recorder = None
 
 
 def _host_record(host: dict, path: str, stats, weight) -> None:
@@ -330,11 +219,12 @@ def _check_weights(weights: dict) -> None:
       )
 
 
-def collect(target, batches: Iterable) -> Collected:
+def collect(target: hosts.Host, batches: Iterable) -> Collected:
   """Streams the calibration batches through the float model.
 
   Args:
-    target: a `FlaxTarget` or `PaxTarget`.
+    target: the model's host (`aqtr.flax.hosts.of`): a model quantized by
+      rules, or an `aqtr.pax.inject`ed template with its variables.
     batches: the calibration inputs; each an array (the model's one
       positional input) or a tuple of positional inputs. All batches have
       the first one's shapes and dtypes.
@@ -354,8 +244,12 @@ def collect(target, batches: Iterable) -> Collected:
 
   def program(state, args):
     rec = _Recorder(host)
-    with target.observe(rec):
+    stack = intercept.context().observers
+    stack.append(rec)
+    try:
       fn(state, *args)
+    finally:
+      stack.remove(rec)
     meta['sites'] = rec.sites
 
   jitted = jax.jit(program)
@@ -414,4 +308,4 @@ def collect(target, batches: Iterable) -> Collected:
   return Collected(meta['sites'], total, weights)
 
 
-__all__ = ['Collected', 'FlaxTarget', 'PaxTarget', 'Probe', 'Site', 'collect']
+__all__ = ['Collected', 'Site', 'collect']

@@ -14,7 +14,7 @@ so a rewriting method can end with RTN's or GPTQ's `solve` (compose by
 holding a `then` method). Register a new one with `@register('name')`.
 
 A rewrite keeps the model and its statistics consistent: it returns a
-target (`collect.FlaxTarget` / `PaxTarget`) whose float parameters hold
+target (the model's host, `aqtr.flax.hosts.of`) whose float parameters hold
 the rewritten weights (convert freezes those) and a `Collected` whose
 `weights` are the same weights as matrices' sources and whose `stats`
 describe the rewritten inputs (e.g. inputs scaled by 1/s per channel:

@@ -19,9 +19,10 @@ linen models and Pax templates: their variables ('params/...').
 Example:
   >>> import jax.numpy as jnp, aqtr
   >>> from flax import nnx
-  >>> from aqtr.ptq.collect import FlaxTarget, collect
+  >>> from aqtr.flax import hosts
+  >>> from aqtr.ptq.collect import collect
   >>> lin = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
-  >>> t = FlaxTarget(aqtr.flax.quantize(lin, [aqtr.rules.Rule('int8')]))
+  >>> t = hosts.of(aqtr.flax.quantize(lin, [aqtr.rules.Rule('int8')]))
   >>> weight_paths(t, collect(t, [jnp.ones((2, 4))]))
   {'dot_general0': 'kernel'}
 """
@@ -33,36 +34,25 @@ from collections.abc import Callable, Mapping
 
 import jax
 import numpy as np
-from flax import nnx
 
 from aqtr.ptq import fold
-from aqtr.ptq.collect import Collected, FlaxTarget, PaxTarget
+from aqtr.ptq.collect import Collected
 from aqtr.ptq.stats import LayerStats
 
 __all__ = ['apply', 'fold_map_of', 'params_of', 'weight_paths', 'with_params']
 
 
 def params_of(target) -> dict:
-  """The target's float parameters as a nested dict."""
-  if isinstance(target, FlaxTarget) and isinstance(target.model, nnx.Module):
-    return nnx.to_pure_dict(nnx.state(target.model, nnx.Param))
-  return dict(target.variables)
+  """The target's float parameters as a nested dict (`param_tree`)."""
+  return target.param_tree()
 
 
 def with_params(target, params: Mapping):
   """A new target holding `params` (the given target is unchanged)."""
-  if isinstance(target, PaxTarget):
-    return PaxTarget(target.template, dict(params))
-  if isinstance(target.model, nnx.Module):
-    model = nnx.clone(target.model)
-    state = nnx.state(model, nnx.Param)
-    nnx.replace_by_pure_dict(state, params)
-    nnx.update(model, state)
-    return FlaxTarget(model)
-  return FlaxTarget(target.model, dict(params))
+  return target.with_param_tree(params)
 
 
-def _pax_path(params: Mapping, op_path: str, w) -> str:
+def _by_value(params: Mapping, op_path: str, w) -> str:
   """The parameter of the op's module that holds weight `w` (by value)."""
   parent = 'params/' + op_path.rpartition('/')[0]
   node = fold.get(params, parent)
@@ -76,16 +66,19 @@ def _pax_path(params: Mapping, op_path: str, w) -> str:
 
 
 def weight_paths(target, got: Collected) -> dict[str, str]:
-  """{op path: the parameter path of its weight} for every collected op."""
-  out = {}
-  params = params_of(target) if isinstance(target, PaxTarget) else None
+  """{op path: the parameter path of its weight} for every collected op.
+
+  A rules model's op names its parameter (`Site.holder`); an injected Pax
+  op (no holder) reads a parameter of its own module, found by value.
+  """
+  out, params = {}, None
   for path, site in got.sites.items():
-    if isinstance(target, PaxTarget):
-      out[path] = _pax_path(params, path, got.weights[path])
+    if not site.holder:
+      params = params_of(target) if params is None else params
+      out[path] = _by_value(params, path, got.weights[path])
       continue
     mpath, param, _ = site.holder
-    prefix = () if isinstance(target.model, nnx.Module) else ('params',)
-    out[path] = '/'.join(map(str, (*prefix, *mpath, param)))
+    out[path] = '/'.join(map(str, target.tree_path((*mpath, param))))
   return out
 
 
@@ -108,7 +101,7 @@ def apply(target, got: Collected, fn: Solver):
   """Runs a float rewrite on the target's parameters and stats.
 
   Args:
-    target: the `FlaxTarget` / `PaxTarget`.
+    target: the model's host (`aqtr.flax.hosts.of`).
     got: the calibration pass's result.
     fn: fn(params, stats, configs, contracting) -> (new params, new
       stats), the last three keyed by weight parameter path: the ops'

@@ -11,6 +11,7 @@ from flax import nnx
 
 import aqtr
 import aqtr.ptq as ptq
+from aqtr.flax import hosts
 from aqtr.ptq import gptq
 from aqtr.ptq.collect import Site
 from aqtr.ptq.grid import Grid, weight_config
@@ -71,9 +72,9 @@ def correlated(key, tokens, d_in) -> jax.Array:
 def solution(model, rules, xs, variables=None):
   """{op path: (site, grid, gptq dequantized)} solved directly."""
   if isinstance(model, nnx.Module | nn.Module):
-    target = ptq.FlaxTarget(aqtr.flax.quantize(model, rules), variables)
+    target = hosts.of(aqtr.flax.quantize(model, rules), variables)
   else:
-    target = ptq.PaxTarget(models.inject(model, rules)[0], variables)
+    target = hosts.of(models.inject(model, rules)[0], variables)
   got = ptq.collect(target, xs)
   out = {}
   for path, site in got.sites.items():
