@@ -43,6 +43,8 @@ from flax import nnx, struct
 from flax.core import meta
 from flax.nnx import variablelib
 
+from aqtr.flax import intercept
+
 
 def _zeros(frozen, shape, dtype, ref_ndim) -> jax.Array:
   """Zeros of `shape`, with the leading axes the frozen values carry."""
@@ -62,6 +64,14 @@ class FrozenKernel(nnx.Variable):
   """
 
   def get_value(self, *, index=variablelib.MISSING):
+    if not intercept.is_active():
+      # Read outside a served model's call (e.g. `served.up(x)` on a
+      # submodule): the zeros would be served as if they were the kernel.
+      raise ValueError(
+        'this parameter holds frozen serving values (int / fp8 codes and '
+        'scales), not a float kernel: call the served model itself (its '
+        'intercepted call serves them), not one of its submodules.'
+      )
     v = _zeros(
       self.get_raw_value(),
       self.get_metadata('kernel_shape'),
@@ -132,6 +142,29 @@ def kernel_shape(value) -> tuple:
   return tuple(value.shape)
 
 
+def holder_ref_ndim(value) -> int:
+  """The rank of one op's first frozen array in a holder."""
+  if isinstance(value, FrozenKernel):
+    return value.get_metadata('ref_ndim')
+  return value.ref_ndim
+
+
+def holder_full_shape(value) -> tuple:
+  """The shape a holder reads as (stacked axes included)."""
+  if isinstance(value, FrozenKernel):
+    return tuple(
+      jax.eval_shape(
+        lambda: _zeros(
+          value.get_raw_value(),
+          value.get_metadata('kernel_shape'),
+          value.get_metadata('kernel_dtype'),
+          value.get_metadata('ref_ndim'),
+        )
+      ).shape
+    )
+  return tuple(jax.eval_shape(value.unbox).shape)
+
+
 def kernel_bytes(value) -> int:
   """Bytes of the float kernel a holder stands for (stacked axes counted)."""
   if isinstance(value, FrozenKernel):
@@ -154,6 +187,8 @@ __all__ = [
   'FrozenKernel',
   'FrozenOps',
   'holder_entries',
+  'holder_full_shape',
+  'holder_ref_ndim',
   'kernel_bytes',
   'kernel_shape',
   'store_key',

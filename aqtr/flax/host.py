@@ -21,6 +21,8 @@ conventions:
   with_frozen    a host whose parameters are replaced by frozen holders
   freeze_ops     the served model of a model whose own ops freeze (Pax)
   set_holder     put entries in one frozen holder (checkpoint import)
+  leaf, leaves, set_leaf, add_param, remove_param
+                 read / replace / add what sits at a parameter path (LoRA)
   abstract       run a host -> host function abstractly (shapes only)
   put_frozen     replace one frozen op's stored values (PTQ solvers)
   stored_ops     the op store's content
@@ -175,6 +177,31 @@ class Host(abc.ABC):
         the parameter becomes a frozen holder (`aqtr.flax.frozen`).
       ops: the op store's content ({store key: {op key: entries}}).
     """
+
+  @abc.abstractmethod
+  def clone(self) -> Any:
+    """A copy of the model (nnx: `nnx.clone`; linen: the module copied)."""
+
+  @abc.abstractmethod
+  def leaf(self, path: tuple) -> Any:
+    """What sits at parameter `path`: the float array, or a frozen holder."""
+
+  @abc.abstractmethod
+  def set_leaf(self, path: tuple, value: Any) -> None:
+    """Puts `value` (an array or a holder) at `path`, in place."""
+
+  @abc.abstractmethod
+  def leaves(self) -> list[tuple[tuple, Any]]:
+    """[(path, float array or frozen holder)] of every parameter."""
+
+  @abc.abstractmethod
+  def remove_param(self, path: tuple) -> None:
+    """Removes the parameter at `path`, in place."""
+
+  @abc.abstractmethod
+  def add_param(self, path: tuple, value: Any, variable_type: type) -> None:
+    """Adds a new parameter at `path`, in place (nnx: a `variable_type`
+    Variable, e.g. LoRA's `Adapter`; linen: in 'params')."""
 
   @abc.abstractmethod
   def set_holder(self, path: tuple, entries: Mapping) -> None:

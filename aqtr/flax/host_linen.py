@@ -184,6 +184,36 @@ class LinenHost(host.Host):
     entries[key][entry]['rhs'] = parts
     node[param] = box.replace(frozen=entries)
 
+  def clone(self) -> nn.Module:
+    return self.model.copy()
+
+  def _parent(self, path) -> dict:
+    self.variables = flax.core.unfreeze(self._variables())
+    node = self.variables['params']
+    for k in path[:-1]:
+      node = node[k]
+    return node
+
+  def leaf(self, path):
+    v = self._parent(path)[path[-1]]
+    return v if _is_box(v) else nn.meta.unbox(v)
+
+  def set_leaf(self, path, value) -> None:
+    self._parent(path)[path[-1]] = value
+
+  def leaves(self):
+    return [
+      (p, v if _is_box(v) else nn.meta.unbox(v))
+      for p, v in _flat_params(self._variables()).items()
+    ]
+
+  def remove_param(self, path) -> None:
+    self._parent(path).pop(path[-1])
+
+  def add_param(self, path, value, variable_type) -> None:
+    del variable_type  # linen parameters are plain arrays in 'params'
+    self._parent(path)[path[-1]] = value
+
   def set_holder(self, path, entries) -> None:
     self.variables = flax.core.unfreeze(self.variables)
     node = self.variables['params']

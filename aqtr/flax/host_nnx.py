@@ -145,6 +145,36 @@ class NnxHost(host.Host):
     entries[key][entry]['rhs'] = parts
     h.set_raw_value(entries)
 
+  def clone(self) -> nnx.Module:
+    return nnx.clone(self.model)
+
+  def leaf(self, path):
+    v = _node(self.model, path)
+    return v if isinstance(v, FrozenKernel) else v.get_value()
+
+  def set_leaf(self, path, value) -> None:
+    parent = _node(self.model, path[:-1])
+    old = getattr(parent, path[-1], None)
+    if isinstance(value, nnx.Variable):
+      setattr(parent, path[-1], value)
+    elif isinstance(old, nnx.Param):
+      old.set_value(value)
+    else:  # a holder goes back to a float parameter
+      setattr(parent, path[-1], nnx.Param(value))
+
+  def leaves(self):
+    state = nnx.state(self.model, nnx.Any(nnx.Param, FrozenKernel))
+    return [
+      (tuple(p), v if isinstance(v, FrozenKernel) else v.get_value())
+      for p, v in nnx.to_flat_state(state)
+    ]
+
+  def remove_param(self, path) -> None:
+    delattr(_node(self.model, path[:-1]), path[-1])
+
+  def add_param(self, path, value, variable_type) -> None:
+    setattr(_node(self.model, path[:-1]), path[-1], variable_type(value))
+
   def set_holder(self, path, entries) -> None:
     getattr(_node(self.model, path[:-1]), path[-1]).set_raw_value(entries)
 

@@ -44,13 +44,15 @@ __all__ = [
   'served',
 ]
 
-# (predicate, host class) of the kinds registered beside nnx and linen.
-_KINDS: list[tuple[Callable[[Any], bool], type]] = []
+# (predicate, host class, what to call such a model in errors) of the
+# kinds registered beside nnx and linen.
+_KINDS: list[tuple[Callable[[Any], bool], type, str]] = []
 
 
-def register(predicate: Callable[[Any], bool], cls: type) -> None:
-  """Makes `of` build `cls(model, variables)` for models `predicate` takes."""
-  _KINDS.append((predicate, cls))
+def register(predicate: Callable[[Any], bool], cls: type, name: str) -> None:
+  """Makes `of` build `cls(model, variables)` for models `predicate` takes
+  (`name`: the kind in errors, e.g. 'a Pax template')."""
+  _KINDS.append((predicate, cls, name))
 
 
 def of(model, variables=None, *, who: str = 'aqtr', need_variables=True):
@@ -81,12 +83,10 @@ def of(model, variables=None, *, who: str = 'aqtr', need_variables=True):
         f'{who}: a linen model needs variables= (the variables to apply).'
       )
     return LinenHost(model, variables)
-  for predicate, cls in _KINDS:
+  for predicate, cls, name in _KINDS:
     if predicate(model):
       if variables is None:
-        raise TypeError(
-          f'{who}: a {type(model).__name__} model needs variables=.'
-        )
+        raise TypeError(f'{who}: {name} needs variables=.')
       return cls(model, variables)
   raise TypeError(
     f'{who}: model must be a flax.linen or flax.nnx Module or a Pax '

@@ -162,12 +162,17 @@ def _dn_of_dot(a, b):
 
 
 def _dn_of_matmul(a, b):
-  """`jnp.matmul`'s contraction as dimension numbers (None: broadcasts)."""
+  """`jnp.matmul`'s contraction as dimension numbers (None: broadcasts
+  across ranks). Batch axes of size 1 against any size broadcast (the
+  engine's dot broadcasts them, as for a multi-query einsum)."""
   if a.ndim < 2 or b.ndim < 1:
     return None
   if b.ndim <= 2:
     return (((a.ndim - 1,), (0,)), ((), ()))
-  if a.ndim != b.ndim or a.shape[:-2] != b.shape[:-2]:
+  if a.ndim != b.ndim or any(
+    x != y and 1 not in (x, y)
+    for x, y in zip(a.shape[:-2], b.shape[:-2], strict=True)
+  ):
     return None
   batch = tuple(range(a.ndim - 2))
   return (((a.ndim - 1,), (b.ndim - 2,)), (batch, batch))

@@ -37,15 +37,16 @@ import math
 import warnings
 from typing import Any
 
-import fiddle as fdl
-import flax
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from aqtr.flax import hosts, serving
-from aqtr.flax.frozen import FrozenBox, FrozenKernel
+from aqtr.flax.frozen import (
+  FrozenBox,
+  holder_entries,
+  holder_full_shape,
+  holder_ref_ndim,
+)
 from aqtr.flax.quantized import intercepting, quantize, spec_of
 from aqtr.lora import storage
 from aqtr.lora.config import LoraConfig, base_config
@@ -165,8 +166,7 @@ def with_spec(model, lspec: LoraSpec, spec_=None):
   ns = {'aqtr_spec': spec_, 'aqtr_base': base, 'aqtr_lora': lspec}
   for name in spec_.methods:
     ns[name] = _intercepting(getattr(base, name))
-  if isinstance(model, nn.Module):
-    model = model.copy()
+  model = hosts.of(model, need_variables=False).mode_copy()
   model.__class__ = type(base.__name__, (base,), ns)
   return model
 
@@ -186,14 +186,9 @@ def sites(
   model, *args, variables=None, caller='aqtr.lora', **kwargs
 ) -> list[Site]:
   """The adapter sites of one call of `model` (traced abstractly)."""
-  if isinstance(model, nn.Module) and variables is None:
-    raise TypeError(
-      f'{caller}: a linen model needs variables= (the LoRA variables '
-      'aqtr.lora.attach returned).'
-    )
+  host = hosts.of(model, variables, who=caller)
   lspec = dataclasses.replace(spec(model), recording=True)
-  rec = nnx.clone(model) if isinstance(model, nnx.Module) else model
-  rec = with_spec(rec, lspec)
+  rec = with_spec(host.clone(), lspec)
   sessions = serving.trace(
     rec, serving.abstract_call(rec, variables, args, kwargs)
   )
@@ -249,14 +244,14 @@ def codebook_table(cfg: LoraConfig) -> tuple[float, ...] | None:
   return tuple(n.table) if isinstance(n, Codebook) else None
 
 
-def _compact(holder, cfg: LoraConfig, ref_ndim: int, linen: bool):
+def _compact(holder, cfg: LoraConfig, ref_ndim: int):
   """A converted holder stored compactly (4-bit codes, 8-bit scales)."""
   table = codebook_table(cfg)
   stored, shapes = storage.encode(
     raw_entries(holder), table, cfg.double_quant, ref_ndim
   )
   shapes = tuple(sorted(shapes.items()))
-  if linen:
+  if isinstance(holder, FrozenBox):
     return storage.LoraBox(
       stored,
       shape=holder.shape,
@@ -305,7 +300,8 @@ def attach(model, rules, *args, variables=None, seed: int = 0, **kwargs):
     ValueError: a rule matches no weight op or only activation ops, a
       rank exceeds min(d_in, d_out), an op reads a derived weight.
   """
-  if isinstance(model, fdl.Buildable):  # A Pax template: Fiddle injection.
+  host = hosts.of(model, variables, who='aqtr.lora.attach')
+  if host.by_injection:  # A Pax template: Fiddle injection.
     from aqtr.lora import pax  # noqa: PLC0415 (pax builds on this module)
 
     return pax.attach(
@@ -318,60 +314,37 @@ def attach(model, rules, *args, variables=None, seed: int = 0, **kwargs):
       'float model, or fold these in first with aqtr.lora.merge(model, '
       '..., requantize=None) and attach to the merged model.'
     )
-  if isinstance(model, nn.Module) and variables is None:
-    raise TypeError('aqtr.lora.attach: a linen model needs variables=.')
-  linen = isinstance(model, nn.Module)
   q = quantize(model, _base_rules(pairs))
   lspec = LoraSpec(
     tuple(s for s, _ in pairs), tuple(c for _, c in pairs), False
   )
+  got = hosts.of(q, variables)
   if any(base_config(c.base) is not None for _, c in pairs):
     with warnings.catch_warnings():
       warnings.simplefilter('ignore', UserWarning)
-      got = serving.convert(
-        q, *args, variables=variables, check=False, **kwargs
+      got = hosts.served(
+        serving.convert(q, *args, variables=variables, check=False, **kwargs)
       )
-    q, variables = got if linen else (got, None)
-  lora = with_spec(q, lspec)
-  found = sites(lora, *args, variables=variables, **kwargs)
-  if linen:
-    params = flax.core.unfreeze(variables['params'])
-  else:
-    modules = dict(nnx.iter_modules(lora))
+  lora = hosts.of(with_spec(got.model, lspec), got.variables)
+  found = sites(lora.model, *args, variables=lora.variables, **kwargs)
   key = jax.random.key(seed)
   done = set()
   for i, site in enumerate(found):
     cfg = lspec.configs[site.rule]
-    if linen:
-      parent = params
-      for k in site.module_path:
-        parent = parent[k]
-      value = parent[site.param]
-    else:
-      parent = modules[site.module_path]
-      value = getattr(parent, site.param)
-    if isinstance(value, FrozenKernel | FrozenBox):
-      ref_ndim = value.ref_ndim if linen else value.get_metadata('ref_ndim')
-      full = jax.eval_shape(value.unbox if linen else value.get_value).shape
-      if (*site.module_path, site.param) not in done and not isinstance(
+    path = (*site.module_path, site.param)
+    value = lora.leaf(path)
+    if holder_entries(value) is not None:  # a frozen base
+      ref_ndim, full = holder_ref_ndim(value), holder_full_shape(value)
+      if path not in done and not isinstance(
         value, storage.LoraKernel | storage.LoraBox
       ):
-        value = _compact(value, cfg, ref_ndim, linen)
-        if linen:
-          parent[site.param] = value
-        else:
-          setattr(parent, site.param, value)
-      done.add((*site.module_path, site.param))
+        lora.set_leaf(path, _compact(value, cfg, ref_ndim))
+      done.add(path)
     else:
-      full = jnp.shape(nn.meta.unbox(value) if linen else value.get_value())
+      full = jnp.shape(value)
     lead = tuple(full[: len(full) - len(site.weight.shape)])
     a, b = initial(jax.random.fold_in(key, i), site, lead)
     an, bn = site.names
-    if linen:
-      parent[an], parent[bn] = a, b
-    else:
-      setattr(parent, an, Adapter(a))
-      setattr(parent, bn, Adapter(b))
-  if linen:
-    return lora, dict(variables, params=params)
-  return lora
+    lora.add_param((*site.module_path, an), a, Adapter)
+    lora.add_param((*site.module_path, bn), b, Adapter)
+  return lora.result()

@@ -32,15 +32,13 @@ from __future__ import annotations
 import dataclasses
 import math
 
-import flax
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx, traverse_util
 
 from aqtr.flax import hosts
-from aqtr.flax.frozen import FrozenBox, FrozenKernel, kernel_bytes
+from aqtr.flax.frozen import FrozenBox, holder_entries, kernel_bytes
 from aqtr.freezers import configure, lifecycle
 from aqtr.lora import adapters as adapters_lib
 from aqtr.lora.config import base_config
@@ -199,60 +197,31 @@ def merge(
   found = adapters_lib.sites(
     model, *args, variables=variables, caller='aqtr.lora.merge', **kwargs
   )
-  linen = isinstance(model, nn.Module)
   if adapters is not None and not isinstance(adapters, dict):
     adapters = nnx.to_pure_dict(adapters)
-  if linen:
-    params = flax.core.unfreeze(variables['params'])
-  else:
-    out = nnx.clone(model)
-    modules = dict(nnx.iter_modules(out))
+  out = hosts.of(host.clone(), host.variables)
   bases = {}
   for site in found:
     cfg = lspec.configs[site.rule]
-    if linen:
-      parent = params
-      for k in site.module_path:
-        parent = parent[k]
-      get = parent.get
-    else:
-      parent = modules[site.module_path]
-
-      def get(name, parent=parent):
-        v = getattr(parent, name)
-        return v if isinstance(v, FrozenKernel) else v.get_value()
-
-    names = site.names
+    mpath, names = tuple(site.module_path), site.names
     a, b = (
-      (get(names[0]), get(names[1]))
+      (out.leaf((*mpath, names[0])), out.leaf((*mpath, names[1])))
       if adapters is None
       else _given(adapters, site, names)
     )
-    holder = get(site.param)
-    if isinstance(holder, FrozenKernel | FrozenBox):
+    holder = out.leaf((*mpath, site.param))
+    if holder_entries(holder) is not None:
       w = dequantized(holder, site, base_config(cfg.base))
-      bases['/'.join(map(str, (*site.module_path, site.op_id)))] = w
+      bases['/'.join(map(str, (*mpath, site.op_id)))] = w
     else:
-      w = _weight(nn.meta.unbox(holder))
+      w = _weight(holder)
     w = (w + delta(site, a, b, cfg.scale)).astype(site.weight.dtype)
     for name in names:
-      if linen:
-        parent.pop(name)
-      else:
-        delattr(parent, name)
-    if linen:
-      parent[site.param] = w
-    else:
-      setattr(parent, site.param, nnx.Param(w))
+      out.remove_param((*mpath, name))
+    out.set_leaf((*mpath, site.param), w)
   rules = _formats(adapters_lib.base_rules_of(lspec), requantize)
-  base = type(model).aqtr_base
-  if linen:
-    merged = model.copy()
-    merged.__class__ = base
-    served = (merged, dict(variables, params=params))
-  else:
-    out.__class__ = base
-    served = out
+  out.model.__class__ = type(model).aqtr_base
+  served = out.result()
   return _solved(served, rules, bases, report, solver, args, kwargs)
 
 
@@ -330,33 +299,17 @@ def sizes(model, *args, variables=None, **kwargs) -> Bytes:
   )
   bases = {(*s.module_path, s.param) for s in found}
   ad = base = base_float = other = 0
-  if isinstance(model, nn.Module):
-    flat = traverse_util.flatten_dict(flax.core.unfreeze(variables['params']))
-    items = [(k, v, v) for k, v in flat.items()]
-  else:
-    items = [
-      (tuple(p), v, v)
-      for p, v in nnx.to_flat_state(
-        nnx.state(model, nnx.Any(nnx.Param, FrozenKernel))
-      )
-    ]
-  for path, v, _ in items:
+  for path, v in host.leaves():
     if str(path[-1]).startswith((adapters_lib.A_PREFIX, adapters_lib.B_PREFIX)):
-      ad += lifecycle.nbytes(
-        nn.meta.unbox(v) if not isinstance(v, nnx.Variable) else v.get_value()
-      )
+      ad += lifecycle.nbytes(v)
       continue
-    if isinstance(v, FrozenKernel | FrozenBox):
-      stored = (
-        v.stored()
-        if hasattr(v, 'stored')
-        else (v.get_raw_value() if isinstance(v, FrozenKernel) else v.frozen)
-      )
+    entries = holder_entries(v)
+    if entries is not None:
+      stored = v.stored() if hasattr(v, 'stored') else entries
       base += lifecycle.nbytes(stored)
       base_float += kernel_bytes(v)
       continue
-    arr = v.get_value() if isinstance(v, nnx.Variable) else nn.meta.unbox(v)
-    n = lifecycle.nbytes(arr)
+    n = lifecycle.nbytes(v)
     if tuple(path) in bases:
       base += n
       base_float += n

@@ -10,7 +10,7 @@ parameter paths start with 'params' as in the variables; `result()` is
 Example:
   >>> import fiddle as fdl, jax, jax.numpy as jnp, aqtr.pax
   >>> from aqtr.flax import hosts
-  >>> t = fdl.Config(aqtr.pax.Linear, input_dims=4, output_dims=2)
+  >>> t = fdl.Config(aqtr.pax.Linear, features=2)
   >>> v = fdl.build(t).init(jax.random.key(0), jnp.ones((1, 4)))
   >>> h = hosts.of(t, v)
   >>> h.run_jit((jnp.ones((1, 4)),), {}).shape
@@ -105,6 +105,27 @@ class TemplateHost(host.Host):
   def holders(self):
     return self.built.holders()
 
+  def clone(self) -> fdl.Buildable:
+    return copy.deepcopy(self.model)
+
+  def leaf(self, path):
+    return self.built.leaf(path)
+
+  def set_leaf(self, path, value) -> None:
+    self.built.set_leaf(path, value)
+    self.variables = self.built.variables
+
+  def leaves(self):
+    return self.built.leaves()
+
+  def remove_param(self, path) -> None:
+    self.built.remove_param(path)
+    self.variables = self.built.variables
+
+  def add_param(self, path, value, variable_type) -> None:
+    self.built.add_param(path, value, variable_type)
+    self.variables = self.built.variables
+
   def set_holder(self, path, entries) -> None:
     self.built.set_holder(path, entries)
     self.variables = self.built.variables
@@ -159,4 +180,4 @@ class TemplateHost(host.Host):
     return self.model, self.variables
 
 
-hosts.register(is_template, TemplateHost)
+hosts.register(is_template, TemplateHost, 'a Pax template')

@@ -88,3 +88,27 @@ def test_a_weight_with_a_batch_axis_has_scales_per_batch_index():
   np.testing.assert_array_equal(y, want)
   sm, sv = af.convert(q, x, variables=v)
   np.testing.assert_array_equal(sm.apply(sv, x), y)
+
+
+class MqaMatmul(nn.Module):
+  """Multi-query attention written with `@`: size-1 head axis broadcast."""
+
+  @nn.compact
+  def __call__(self, x):
+    q = nn.DenseGeneral((H, D), name='q')(x).transpose(0, 2, 1, 3)
+    k = nn.DenseGeneral((1, D), name='k')(x).transpose(0, 2, 3, 1)
+    return (q @ k).reshape(x.shape[0], -1)
+
+
+def test_matmul_with_a_size_one_batch_axis_is_quantized():
+  x = jax.random.normal(jax.random.key(0), (B, T, H * D))
+  model = MqaMatmul()
+  v = model.init(jax.random.key(1), x)
+  q = af.quantize(model, [Rule('int8')])
+  rep = af.report(q, x, variables=v)
+  assert rep.float_paths() == [] and len(rep.ops) == 3, rep
+  assert _int8_dots(jax.make_jaxpr(lambda v: q.apply(v, x))(v).jaxpr) == 3
+  y, y0 = q.apply(v, x), model.apply(v, x)
+  assert 0 < float(jnp.abs(y - y0).max()) < 0.05 * float(jnp.abs(y0).max())
+  sm, sv = af.convert(q, x, variables=v)
+  np.testing.assert_array_equal(sm.apply(sv, x), y)

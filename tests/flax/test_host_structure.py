@@ -3,9 +3,10 @@
 - One thread-local in aqtr (the interception Context).
 - Weights are never found by walking tracers, and no call is told apart
   by the file it comes from.
-- The features of stock-model interception (session, analysis,
-  provenance, quantize, convert / report / sizes) never ask which model
-  kind they run: `aqtr.flax.hosts` does.
+- The features (interception: session, analysis, provenance, quantize,
+  convert / report / sizes; the PTQ pass and solvers; checkpoints; LoRA)
+  never ask which model kind they run: they ask the model's host
+  (`aqtr.flax.hosts.of`), implemented once per kind.
 - The engine calls the contractions `aqtr.core.prims` captured at import.
 """
 
@@ -21,7 +22,17 @@ FEATURES = (
   'flax/provenance.py',
   'flax/quantized.py',
   'flax/serving.py',
+  'ptq/api.py',
+  'ptq/collect.py',
+  'ptq/rewrite.py',
+  'checkpoints/api.py',
+  'checkpoints/tree.py',
+  'lora/adapters.py',
+  'lora/merge.py',
+  'lora/requant.py',
+  'lora/session.py',
 )
+HOSTS = ('flax/host_nnx.py', 'flax/host_linen.py', 'pax/host.py')
 KIND = re.compile(r'isinstance\([^)]*(nn\.Module|nnx\.Module|fdl\.Buildable)')
 
 
@@ -44,6 +55,25 @@ def test_no_tracer_walks_or_caller_file_tests():
 def test_features_do_not_ask_the_model_kind():
   for f in FEATURES:
     assert not KIND.search((AQTR / f).read_text()), f
+
+
+def test_one_host_per_model_kind():
+  """Each kind's host is one class, in its own module, on one protocol."""
+  found = {}
+  for f, s in _sources():
+    for m in re.finditer(r'^class (\w+)\((?:host\.)?Host\)', s, re.M):
+      found[m.group(1)] = f
+  assert found == {
+    'NnxHost': 'flax/host_nnx.py',
+    'LinenHost': 'flax/host_linen.py',
+    'TemplateHost': 'pax/host.py',
+  }
+
+
+def test_no_ptq_targets_of_their_own():
+  """PTQ calibrates and solves on hosts (no FlaxTarget / PaxTarget)."""
+  for f, s in _sources():
+    assert 'FlaxTarget' not in s and 'PaxTarget' not in s, f
 
 
 def test_engine_contractions_go_through_prims():

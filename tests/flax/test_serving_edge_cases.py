@@ -72,3 +72,21 @@ def test_serve_check_names_the_ulp_distance(ulps, outcome):
       serving.check_served(Fake(), Fake(), (), {})
   else:
     serving.check_served(Fake(), Fake(), (), {})
+
+
+class _Two(nnx.Module):
+  def __init__(self):
+    self.up = nnx.Linear(32, 16, rngs=nnx.Rngs(0))
+    self.out = nnx.Linear(16, 4, rngs=nnx.Rngs(1))
+
+  def __call__(self, x):
+    return self.out(self.up(x))
+
+
+def test_a_served_submodule_called_alone_is_one_line():
+  served = aqtr.flax.convert(
+    aqtr.flax.quantize(_Two(), [Rule(aqtr.presets.int8())]), X
+  )
+  served(X)  # the served model itself serves its frozen values
+  with pytest.raises(ValueError, match='call the served model itself'):
+    served.up(X)
