@@ -214,10 +214,10 @@ class Host(abc.ABC):
 
   def freeze_ops(self, args: tuple, kwargs: Mapping) -> Host:
     """The served model of a model whose own ops freeze (injected Pax ops
-    switched to CONVERT, then SERVE)."""
-    raise TypeError(
-      f'{type(self.model).__name__} is not quantized: quantize it first '
-      '(aqtr.flax.quantize(model, rules)).'
+    switched to CONVERT, then SERVE; `aqtr.flax.nnx` ops' own CONVERT)."""
+    raise ValueError(
+      f'{type(self.model).__name__} is not quantized: call '
+      'aqtr.flax.quantize(model, rules) first.'
     )
 
   @abc.abstractmethod

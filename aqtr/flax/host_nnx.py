@@ -21,6 +21,7 @@ import jax
 from flax import nnx
 
 from aqtr.flax import host, intercept
+from aqtr.flax import nnx as nnx_ops
 from aqtr.flax.frozen import STORE, FrozenKernel, FrozenOps, store_key
 
 __all__ = ['NnxHost']
@@ -46,6 +47,15 @@ class NnxHost(host.Host):
   def mode_copy(self) -> nnx.Module:
     """The model whose mode to switch (in place for nnx)."""
     return self.model
+
+  def freeze_ops(self, args, kwargs) -> NnxHost:
+    """A served copy of a model holding `aqtr.flax.nnx` ops (their own
+    CONVERT, `aqtr.flax.nnx.convert`, on a clone)."""
+    if not nnx_ops.ops(self.model):
+      return super().freeze_ops(args, kwargs)
+    model = nnx.clone(self.model)
+    nnx_ops.convert(model, *args, **kwargs)
+    return NnxHost(model)
 
   def call_fn(self, args, kwargs, method='__call__'):
     graphdef, state = nnx.split(self.model)

@@ -201,14 +201,17 @@ def convert(
   Returns:
     nnx: the serving model (a new one; Mode.SERVE). linen: (serving
     module, serving variables). A Pax template (`aqtr.pax.inject`ed, with
-    `variables=`): (serving template in Mode.SERVE, serving variables).
+    `variables=`): (serving template in Mode.SERVE, serving variables). An
+    nnx model holding `aqtr.flax.nnx` ops: a served copy (their CONVERT).
   """
   host = hosts.of(model, variables, who='aqtr.flax.convert')
-  if host.by_injection:  # a Pax template: its injected ops freeze
+  if host.by_injection or not hasattr(type(model), 'aqtr_spec'):
+    # A Pax template (its injected ops freeze) or a model holding aqtr's
+    # own nnx ops (they freeze themselves).
     if keep is not None:
       raise ValueError(
         'aqtr.flax.convert: keep= selects parameters of a model quantized '
-        "by rules; for a Pax template, leave the op out of inject's rules."
+        'by rules; leave the op out of the rules (Pax: inject) instead.'
       )
     done = host.freeze_ops(args, kwargs)
     if check:

@@ -110,3 +110,16 @@ def test_stock_convert_holds_frozen_holders():
   held = hosts.of(module, svars).holders()
   assert sorted(p for p, _ in held) == [('out', 'kernel'), ('up', 'kernel')]
   assert ('up', 'kernel') not in hosts.of(module, svars).params()
+
+
+def test_one_convert_for_a_model_with_explicit_nnx_ops():
+  import aqtr.flax.nnx as qn  # noqa: PLC0415
+
+  cfg = aqtr.freezers.configure(aqtr.presets.int8(), rhs='weights')
+  m = nnx.Linear(8, 4, dot_general=qn.DotGeneral(cfg), rngs=nnx.Rngs(0))
+  y = m(X)
+  served = aqtr.flax.convert(m, X)
+  assert served is not m and type(served.kernel).__name__ == 'Removed'
+  np.testing.assert_array_equal(served(X), y)
+  with pytest.raises(ValueError, match='is not quantized: call'):
+    aqtr.flax.convert(nnx.Linear(8, 4, rngs=nnx.Rngs(0)), X)
