@@ -50,7 +50,6 @@ from aqtr.core.forward import forward
 from aqtr.core.plan import Plan
 from aqtr.core.qtensor import QTensor
 from aqtr.core.quantizer import check_float
-from aqtr.core.ragged import ragged_bwd, ragged_fwd
 from aqtr.core.rounding import as_typed_key
 from aqtr.core.sharding import (
   check_dot_out_sharding,
@@ -77,19 +76,24 @@ _qdot.defvjp(_fwd, _bwd)
 quantized_dot = jax.jit(_qdot, static_argnums=(4,))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _qragged(lhs, rhs, group_sizes, key, plan):
-  return ragged_fwd(plan, lhs, rhs, group_sizes, key)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _qragged(lhs, rhs, groups, key, state, plan: Plan):
+  return forward(plan, lhs, rhs, key, state, False, groups)[0]
 
 
-def _ragged_fwd(lhs, rhs, group_sizes, key, plan):
-  return ragged_fwd(plan, lhs, rhs, group_sizes, key)
+def _ragged_fwd(lhs, rhs, groups, key, state, plan: Plan):
+  return forward(plan, lhs, rhs, key, state, groups=groups)
 
 
-_qragged.defvjp(_ragged_fwd, ragged_bwd)
-# The custom VJP of `aqtr.ragged_dot` (passes in `ragged.py`): (lhs, rhs,
-# group_sizes, key, plan).
-quantized_ragged_dot = jax.jit(_qragged, static_argnums=(4,))
+def _ragged_bwd(plan: Plan, res, gs):
+  dl, dr, _, cot = backward(plan, res, gs[0])
+  return dl, dr, None, None, cot
+
+
+_qragged.defvjp(_ragged_fwd, _ragged_bwd)
+# The same passes for a ragged plan (`aqtr.ragged_dot`): (lhs, rhs,
+# group_sizes, key, typed state, plan) -> (out, new typed state).
+quantized_ragged_dot = jax.jit(_qragged, static_argnums=(5,))
 
 
 def dot_general(
