@@ -24,6 +24,7 @@ from aqtr.core.config import TensorConfig
 from aqtr.core.qtensor import ROLE_AXES
 from aqtr.core.quantizer import fake_quant, quantize
 from aqtr.testing import checks as cc
+from aqtr.testing import ragged
 
 
 def _tensor(tiling, po2=False):
@@ -92,10 +93,18 @@ def check_bad_fields(cls, bad_fields):
   cc.check_bad_fields(cls, bad_fields, family='tilings', base=tilings.Tiling)
 
 
+def check_ragged(cls, bad_fields):
+  """aqtr.ragged_dot's three passes agree with their references (a tiling
+  of the token axis refused in drhs)."""
+  del bad_fields
+  ragged.check_in_ragged(_tensor(cls()))
+
+
 CHECKS = (
   check_builds,
   check_static_arg,
   check_engine,
+  check_ragged,
   check_scales,
   check_bad_fields,
 )
