@@ -75,9 +75,9 @@ def check_ragged(plan, backward: bool = True) -> None:
   """Raises, naming the config field, where a ragged plan cannot follow.
 
   The one place of every ragged refusal: a stored lhs (only the grouped
-  weights are frozen), transforms (a rotation of the gradient passes
-  would mix the tokens of different groups), and, with `backward`, a
-  tiling of drhs's contraction: the token axis M, whose tiles would
+  weights are frozen), a drhs transform (its rotation along the token
+  axis would mix the tokens of different groups), and, with `backward`,
+  a tiling of drhs's contraction: the token axis M, whose tiles would
   straddle groups (block formats tile it too).
   """
   if plan.lhs.stored:
@@ -86,13 +86,13 @@ def check_ragged(plan, backward: bool = True) -> None:
       'weights) can be stored: pass the float tokens as lhs.'
     )
   cfg = plan.config
-  for slot in (Slot.FWD_LHS, Slot.DLHS_LHS, Slot.DRHS_LHS):
-    t = slot.tensor(cfg).transform
-    if t.transforms:
-      raise ValueError(
-        f'config.{slot.path}.transform: ragged_dot does not rotate operands '
-        f"yet, got {t!r}; allowed: NoTransform() ('none')."
-      )
+  t = cfg.drhs.transform
+  if t.transforms:
+    raise ValueError(
+      f'config.{Slot.DRHS_LHS.path}.transform: drhs contracts the token '
+      'axis per group, which a rotation would mix across groups; got '
+      f"{t!r}; allowed there: NoTransform() ('none')."
+    )
   if not backward or not cfg.drhs.quantized:
     return
   m = plan.lhs.layout.f
