@@ -8,12 +8,14 @@ split over the experts unevenly (one expert gets none). The Qwix column
 Qwix is installed and runs.
 
 Run: python benchmarks/ragged_dot.py [--rounds 7] [--shapes 2048x512x1024x8]
-(M tokens x K x N x G experts).
+(M tokens x K x N x G experts); `--json` prints one JSON row per line
+(for `benchmarks/before_after.py`).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from collections.abc import Callable
 
@@ -118,7 +120,13 @@ def main(argv=None) -> None:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument('--rounds', type=int, default=7)
   p.add_argument('--shapes', nargs='*', default=['2048x512x1024x8'])
+  p.add_argument('--json', action='store_true', help='JSON rows, no table')
   a = p.parse_args(argv)
+  if a.json:
+    for s in a.shapes:
+      for r in bench(tuple(int(v) for v in s.split('x')), a.rounds):
+        print(json.dumps(r), flush=True)
+    return
   print(
     f'jax {jax.__version__}, {jax.devices()[0].device_kind}, '
     f'rounds={a.rounds}; ratio = min time / lax f32 min time'

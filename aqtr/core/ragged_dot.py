@@ -21,7 +21,7 @@ from jax import lax
 from aqtr.core import prims, slot_state
 from aqtr.core.config import DotGeneralConfig
 from aqtr.core.dimension_numbers import RAGGED
-from aqtr.core.dot_general import quantized_ragged_dot
+from aqtr.core.dot_general import quantized_dot
 from aqtr.core.operand import quantize_planned
 from aqtr.core.plan import Plan
 from aqtr.core.qtensor import QTensor
@@ -178,7 +178,7 @@ def ragged_dot(
   _check_shapes(lhs, rhs, group_sizes)
   check_out_sharding(out_sharding, 2, 'ragged_dot: [M, N]')
   _check_group_sizes(group_sizes, lhs.shape[0])
-  slot_state.check_tree(config, state, stored)
+  slot_state.check_tree(config, state, stored, 'aqtr.RAGGED')
   empty = lhs.size == 0 or (not stored[1] and rhs.size == 0)
   if not stored[1] and (config is None or config.is_float or empty):
     out = prims.ragged_dot(
@@ -224,14 +224,14 @@ def ragged_dot(
   if state is not None:
 
     def run_state(lhs, rhs, sizes, key, typed):
-      out, new = quantized_ragged_dot(lhs, rhs, sizes, key, typed, plan)
+      out, new = quantized_dot(lhs, rhs, key, typed, sizes, plan)
       return out, slot_state.to_tree(new)
 
     args = (lhs, rhs, sizes, key, typed)
     return run_typed(run_state, args, out_type, out_sharding, state)
 
   def run(lhs, rhs, sizes, key):
-    return quantized_ragged_dot(lhs, rhs, sizes, key, {}, plan)[0]
+    return quantized_dot(lhs, rhs, key, {}, sizes, plan)[0]
 
   return run_typed(run, (lhs, rhs, sizes, key), out_type, out_sharding)
 
