@@ -55,6 +55,46 @@ def test_plan_is_the_dot_plan_with_a_group_batch_axis():
   assert p.view(Slot.DRHS_LHS) == (1, 1, 8, 4)  # g over all tokens.
 
 
+def _reused_tiles_per_tensor_g():
+  """Sub-channel forward reused by both gradients, g scaled per tensor."""
+  t = tilings.SubChannel(tile_size=8)
+  cfg = aqtr.presets.int8()
+  fwd = dataclasses.replace(
+    cfg.fwd,
+    lhs=dataclasses.replace(cfg.fwd.lhs, tiling=t),
+    rhs=dataclasses.replace(cfg.fwd.rhs, tiling=t),
+  )
+  g = aqtr.TensorConfig(tiling=tilings.PerTensor())
+  return dataclasses.replace(
+    cfg,
+    fwd=fwd,
+    dlhs=dataclasses.replace(cfg.dlhs, use_fwd_quant=True, lhs=g),
+    drhs=dataclasses.replace(cfg.drhs, use_fwd_quant=True, lhs=g),
+  )
+
+
+@pytest.mark.parametrize(
+  'cfg',
+  [
+    aqtr.presets.int8(),
+    aqtr.presets.fp8(),
+    aqtr.presets.fully_quantized(8, 8),
+    _reused_tiles_per_tensor_g(),
+  ],
+  ids=['int8', 'fp8', 'fully_quantized', 'reused_tiles_per_tensor_g'],
+)
+def test_one_group_is_dot_general_bit_for_bit(cfg):
+  # The same plan: one expert holding every token is dot_general, values
+  # and both gradients (g's copies per reused tile share one per-tensor
+  # scale in both).
+  x, w, ct = _operands(m=10, k=16, n=8, g=1)
+  dn = (((1,), (0,)), ((), ()))
+  got = jax.vjp(lambda a, b: aqtr.ragged_dot(a, b, [10], cfg), x, w)
+  want = jax.vjp(lambda a, b: aqtr.dot_general(a, b[0], dn, cfg), x, w)
+  for a, b in zip((got[0], *got[1](ct)), (want[0], *want[1](ct)), strict=True):
+    np.testing.assert_array_equal(a, b)
+
+
 def test_delayed_scaling_keeps_one_history_per_expert_and_channel():
   x, w, ct = _operands()
   cfg = _delayed()
