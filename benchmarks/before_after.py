@@ -2,9 +2,10 @@
 
 Extracts `aqtr/` at `--rev` into a temporary folder and runs the
 benchmark script (which must take `--json` and print one JSON row per
-line with 'ms') alternately with PYTHONPATH at that copy (before) and at
-this working tree (after), `--alternations` times; per row (its keys
-other than the timings) the minimum ms of each side, and after/before.
+line) alternately with PYTHONPATH at that copy (before) and at this
+working tree (after), `--alternations` times. A row is identified by its
+text fields; each numeric field gets the minimum of each side (`ratio`
+fields, relative to another row, are dropped) and after/before.
 
 Run: python benchmarks/before_after.py --rev main -- \\
   benchmarks/ragged_dot.py --rounds 3 --shapes 512x256x512x8
@@ -23,7 +24,7 @@ import sys
 import tempfile
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-_TIMES = {'ms', 'ratio', 'compile_ratio'}
+_DROPPED = {'ratio', 'compile_ratio'}
 
 
 def _cpu() -> str:
@@ -69,9 +70,12 @@ def main(argv=None) -> None:
     for _ in range(a.alternations):
       for side, src in (('before', pathlib.Path(tmp)), ('after', ROOT)):
         for r in _rows(src, script):
-          key = tuple((k, v) for k, v in r.items() if k not in _TIMES)
+          key = tuple((k, v) for k, v in r.items() if isinstance(v, str))
           got = best.setdefault(key, {})
-          got[side] = min(got.get(side, float('inf')), r['ms'])
+          for k, v in r.items():
+            if k not in _DROPPED and not isinstance(v, str):
+              old = got.get((k, side), float('inf'))
+              got[(k, side)] = min(old, v)
   now = datetime.datetime.now(datetime.UTC)
   print(
     f'`python benchmarks/before_after.py --rev {a.rev} -- '
@@ -82,12 +86,17 @@ def main(argv=None) -> None:
   if not best:
     return
   names = [k for k, _ in next(iter(best))]
-  print('| ' + ' | '.join(names) + ' | before ms | after ms | after/before |')
-  print('|' + '---|' * (len(names) + 3))
+  fields = list(dict.fromkeys(k for t in best.values() for k, _ in t))
+  head = [f'{f} {s}' for f in fields for s in ('before', 'after', 'a/b')]
+  print('| ' + ' | '.join(names + head) + ' |')
+  print('|' + '---|' * len(names) + '---:|' * len(head))
+  nan = float('nan')
   for key, t in best.items():
-    b, f = t.get('before', float('nan')), t.get('after', float('nan'))
     cells = [str(v) for _, v in key]
-    print(f'| {" | ".join(cells)} | {b:.2f} | {f:.2f} | {f / b:.2f} |')
+    for f in fields:
+      b, a = t.get((f, 'before'), nan), t.get((f, 'after'), nan)
+      cells += [f'{b:.2f}', f'{a:.2f}', f'{a / b:.2f}' if b else '-']
+    print('| ' + ' | '.join(cells) + ' |')
 
 
 if __name__ == '__main__':

@@ -20,7 +20,7 @@ from jax import lax
 
 from aqtr.core import prims, slot_state
 from aqtr.core.config import DotGeneralConfig
-from aqtr.core.dimension_numbers import RAGGED
+from aqtr.core.dimension_numbers import RAGGED, ragged_layout
 from aqtr.core.dot_general import quantized_dot
 from aqtr.core.operand import quantize_planned
 from aqtr.core.plan import Plan
@@ -296,12 +296,7 @@ def served_ragged_dot(
   lhs = jnp.asarray(lhs)
   values = frozen['values']
   g, _, _, n = values.shape
-  layout = Plan.create(
-    jax.ShapeDtypeStruct(lhs.shape, lhs.dtype),
-    jax.ShapeDtypeStruct((g, lhs.shape[1], n), frozen['scale'].dtype),
-    RAGGED,
-    config,
-  ).rhs.layout
+  layout = ragged_layout(lhs.shape, (g, lhs.shape[1], n), RAGGED).rhs
   rhs = QTensor(values, frozen['scale'], layout, 'kf', frozen.get('zero_point'))
   return ragged_dot(
     lhs,
