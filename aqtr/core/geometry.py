@@ -286,8 +286,10 @@ def _rows(a: QuantizedOperand, b: QuantizedOperand, gs, raw, precision):
   vb = vb.reshape((g, n) + vb.shape[1:])
   s_a = None if a.scale is None else _free(a, a.scale, (n, tiles, m))
   s_b = None
-  if b.scale is not None:
-    s_b = _free(b, b.scale, (g * n, tiles, f)).reshape(g, n, tiles, f)
+  if b.scale is not None:  # Per row: [M, n, T, F], gathered once (one
+    # gather with `fold_scale`'s of the same scale, for XLA to share).
+    s_b = _free(b, b.scale, (g * n, tiles, f))
+    s_b = s_b[ids][:, None] if n == 1 else s_b.reshape(g, n, tiles, f)[ids]
   za = None if za is None else _free(a, za, (n, tiles, m))
   if zb is not None:
     zb = _free(b, zb, (g * n, tiles, f)).reshape(g, n, tiles, f)
@@ -309,7 +311,7 @@ def _rows(a: QuantizedOperand, b: QuantizedOperand, gs, raw, precision):
       if s_a is not None:
         o = o * s_a[c, j][:, None]
       if s_b is not None:
-        o = o * s_b[:, c, j][ids]
+        o = o * s_b[:, c, j]
       out = o if out is None else out + o
     outs.append(out)
   return outs[0][None] if n == 1 else jnp.stack(outs)

@@ -250,3 +250,14 @@ def test_what_the_geometry_cannot_do_is_refused_in_one_place():
   )
   with pytest.raises(ValueError, match='are not supported'):
     Plan.create(x, w, other, cfg)
+
+
+def test_second_derivatives_raise_as_for_dot_general():
+  x, w, _ = _operands()
+  cfg = aqtr.presets.int8()
+
+  def f(x):
+    return jax.grad(lambda a: aqtr.ragged_dot(a, w, SIZES, cfg).sum())(x).sum()
+
+  with pytest.raises(NotImplementedError, match='second-order'):
+    jax.grad(f)(x)
