@@ -12,6 +12,8 @@ operand (float numerics) is the straight-through one (that of the pruned
 operand), plus
 SR-STE's `decay * (1 - M) * x` for classes with a `decay` field; bad field
 values raise an error naming the field.
+`aqtr.ragged_dot` prunes its forward operands as dot_general does
+(`aqtr.testing.ragged`).
 """
 
 from __future__ import annotations
