@@ -11,8 +11,8 @@ where the bound is 0); bad field values raise an error naming the field.
 Stateful calibrations run `aqtr.testing.stateful`'s versions of the
 engine, non-finite and zero checks.
 `aqtr.ragged_dot` (the same plan, its group axis a batch axis) agrees with
-its references in all three passes, stateful calibrations with their per-
-expert state (`aqtr.testing.ragged`).
+its references in all three passes, stateful calibrations with their
+per-expert state (`aqtr.testing.ragged`).
 """
 
 from __future__ import annotations
