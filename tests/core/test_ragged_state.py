@@ -243,6 +243,9 @@ def test_what_the_geometry_cannot_do_is_refused_in_one_place():
   plan = Plan.create(x, w, aqtr.RAGGED, bad)
   with pytest.raises(ValueError, match='splits the token axis'):
     geometry.check_ragged(plan)
+  with pytest.raises(ValueError, match='splits the token axis'):
+    aqtr.validation.check_shapes(bad, x.shape, w.shape, aqtr.RAGGED)
+  aqtr.validation.check_shapes(cfg, x.shape, w.shape, aqtr.RAGGED)
   other = lax.RaggedDotDimensionNumbers(
     dot_dimension_numbers=(((1,), (2,)), ((), ())),
     lhs_ragged_dimensions=[0],
