@@ -24,6 +24,7 @@ from aqtr import (
 )
 from aqtr.core.config import DotGeneralConfig, DotGeneralRaw, TensorConfig
 from aqtr.core.conv import conv_general_dilated
+from aqtr.core.dimension_numbers import RAGGED
 from aqtr.core.dot_general import dot_general
 from aqtr.core.einsum import einsum
 from aqtr.core.operand import quantize_operand
@@ -42,6 +43,7 @@ __all__ = [
   'Mode',
   'NearestEven',
   'QTensor',
+  'RAGGED',
   'Registry',
   'Rounding',
   'Stochastic',

@@ -28,9 +28,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import fiddle as fdl
+import jax
 
 from aqtr.core.config import DotGeneralConfig
-from aqtr.core.dimension_numbers import DotLayout
+from aqtr.core.dimension_numbers import DotLayout, is_ragged, ragged_layout
+from aqtr.core.geometry import check_ragged
+from aqtr.core.plan import Plan
 
 __all__ = ['check_shapes']
 
@@ -51,19 +54,25 @@ def check_shapes(
     config: a DotGeneralConfig or its Fiddle config (built first).
     lhs_shape: shape of the lhs operand (activations).
     rhs_shape: shape of the rhs operand (weights).
-    dimension_numbers: as for `lax.dot_general`.
+    dimension_numbers: as for `lax.dot_general`, or `aqtr.RAGGED` for
+      `aqtr.ragged_dot` (lhs [M, K], rhs [G, K, N]).
 
   Raises:
     ValueError: naming the tiling's path (`dlhs.lhs.tiling`), the size it
       must divide and the fix; two operands of one pass asking for
       different tiles; or an N:M sparsity (`fwd.rhs.sparsity`) whose
-      groups do not divide the contraction.
+      groups do not divide the contraction; for `aqtr.RAGGED`, what the
+      ragged geometry refuses (`core.geometry.check_ragged`).
   """
   from aqtr import fiddle as aqtr_fiddle
 
   if isinstance(config, fdl.Buildable):
     config = aqtr_fiddle.build(config)
-  lay = DotLayout.create(lhs_shape, rhs_shape, dimension_numbers)
+  ragged = is_ragged(dimension_numbers)
+  if ragged:
+    lay = ragged_layout(lhs_shape, rhs_shape, dimension_numbers)
+  else:
+    lay = DotLayout.create(lhs_shape, rhs_shape, dimension_numbers)
   sizes = {'fwd': lay.lhs.k, 'dlhs': lay.rhs.f, 'drhs': lay.lhs.f}
   for name, k in sizes.items():
     raw = getattr(config, name)
@@ -95,3 +104,8 @@ def check_shapes(
       raise ValueError(
         f'fwd.{side}.sparsity: {e} (fwd contracts {lay.lhs.k} elements.)'
       ) from None
+  if ragged:
+    lhs, rhs = (
+      jax.ShapeDtypeStruct(tuple(s), 'float32') for s in (lhs_shape, rhs_shape)
+    )
+    check_ragged(Plan.create(lhs, rhs, dimension_numbers, config))

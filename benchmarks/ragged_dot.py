@@ -8,12 +8,17 @@ split over the experts unevenly (one expert gets none). The Qwix column
 Qwix is installed and runs.
 
 Run: python benchmarks/ragged_dot.py [--rounds 7] [--shapes 2048x512x1024x8]
-(M tokens x K x N x G experts).
+(M tokens x K x N x G experts); `--json` prints one JSON row per line
+(for `benchmarks/before_after.py`). `--graph` measures, instead of wall
+times, each program's size (jaxpr equations, optimized HLO instructions)
+and the minimum process CPU time of one call (steadier than wall time on
+a shared machine).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from collections.abc import Callable
 
@@ -114,11 +119,56 @@ def bench(shape, rounds: int) -> list[dict]:
   return rows
 
 
+def graph(shape, rounds: int) -> list[dict]:
+  """Rows: program sizes and the min CPU ms of one call, per impl/mode."""
+  from compile_time import count_eqns, count_hlo
+
+  m, k, n, e = shape
+  kx, kw, kg = jax.random.split(jax.random.key(0), 3)
+  x = jax.random.normal(kx, (m, k), jnp.float32)
+  w = jax.random.normal(kw, (e, k, n), jnp.float32)
+  ct = jax.random.normal(kg, (m, n), jnp.float32)
+  gs = group_sizes(m, e)
+  rows = []
+  for mode in ('fwd', 'fwd+vjp'):
+    args = (x, w) if mode == 'fwd' else (x, w, ct)
+    for name, f in implementations().items():
+      g, _ = _compile(f, mode, gs, args)
+      if mode == 'fwd':
+        jaxpr = jax.make_jaxpr(lambda x, w, f=f: f(x, w, gs))(*args).jaxpr
+      else:
+        jaxpr = jax.make_jaxpr(g)(*args).jaxpr
+      best = float('inf')
+      for _ in range(rounds):
+        t = time.process_time()
+        jax.block_until_ready(g(*args))
+        best = min(best, time.process_time() - t)
+      rows.append(
+        dict(
+          shape='x'.join(map(str, shape)),
+          mode=mode,
+          impl=name,
+          eqns=count_eqns(jaxpr),
+          hlo=count_hlo(g.lower(*args).compile()),
+          cpu_ms=best * 1e3,
+        )
+      )
+  return rows
+
+
 def main(argv=None) -> None:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument('--rounds', type=int, default=7)
   p.add_argument('--shapes', nargs='*', default=['2048x512x1024x8'])
+  p.add_argument('--json', action='store_true', help='JSON rows, no table')
+  p.add_argument('--graph', action='store_true', help='sizes and CPU ms')
   a = p.parse_args(argv)
+  run = graph if a.graph else bench
+  if a.json or a.graph:
+    for s in a.shapes:
+      for r in run(tuple(int(v) for v in s.split('x')), a.rounds):
+        print(json.dumps(r) if a.json else r, flush=True)
+    return
   print(
     f'jax {jax.__version__}, {jax.devices()[0].device_kind}, '
     f'rounds={a.rounds}; ratio = min time / lax f32 min time'

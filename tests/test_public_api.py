@@ -14,6 +14,7 @@ PUBLIC = {
   'Mode',
   'NearestEven',
   'QTensor',
+  'RAGGED',
   'Registry',
   'Rounding',
   'Stochastic',

@@ -28,9 +28,11 @@ The map of this package, in the order one dot flows through it:
   residuals     what the forward keeps for the backward: one record a side
   forward       the forward pass: prune, quantize once, contract, keep
   backward      the one backward routine, symmetric in the side
+  geometry      how the operands meet: dense (batched dot) or ragged
+                (groups of rows, `aqtr.ragged_dot`); its one refusal
   dot_general   the front end and THE custom VJP (the only one)
   operand       quantize_operand: freeze one operand as the forward would
-  einsum, conv, ragged_dot (+ ragged)
+  einsum, conv, ragged_dot
                 front ends onto the same plan, quantizer and contraction
   sharding      meshes: explicit axes, shard_map, quantized all-gathers
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from aqtr.core import prims
+from aqtr.core import geometry, prims
 from aqtr.core.first_order import first_order_only
 from aqtr.core.passes import (
   Operand,
@@ -42,10 +42,8 @@ from aqtr.core.passes import (
   dense_tiles,
   dequantized,
   flip,
-  fold_scale,
   k_axis,
   merge_tiles,
-  qdot,
   repeat_tiles,
   residual_key,
   rounding_noise,
@@ -56,21 +54,15 @@ from aqtr.core.residuals import Residuals
 from aqtr.core.sharding import match_vma, zeros_varying
 from aqtr.core.slot_state import learned_cotangent
 from aqtr.core.slots import GRADIENT_SLOTS, SIDES, Side, Slot
-from aqtr.core.zero_point import reuse_term
 
 
-def _float_grad(plan: Plan, side: Side, y, g) -> jax.Array:
-  """The gradient of lax.dot_general w.r.t. `side`, partner `y`, as JAX."""
+def _float_grad(plan: Plan, side: Side, y, g, groups) -> jax.Array:
+  """The gradient of lax's dot w.r.t. `side`, partner `y`, as JAX."""
   zero = zeros_varying(plan.operand(side).struct, plan.operand(side).vma)
 
   def f(x):
     args = (x, y) if side is Side.LHS else (y, x)
-    return prims.dot_general(
-      *args,
-      plan.dimension_numbers,
-      precision=plan.precision,
-      preferred_element_type=plan.preferred,
-    )
+    return geometry.float_dot(plan, *args, groups)
 
   return jax.linear_transpose(f, zero)(g)[0]
 
@@ -100,7 +92,7 @@ def operand_gradient(plan: Plan, side: Side, res: Residuals, g, gst):
     yv = y_res.x
     if y_res.q is not None:
       yv = _stored_values(plan, y, y_res.q)
-    return _float_grad(plan, side, yv, g), None
+    return _float_grad(plan, side, yv, g, res.groups), None
   lay = plan.layout
   g3 = g.reshape(lay.lhs.b, lay.lhs.f, lay.rhs.f)
   key = res.side(side).key  # The key of the pass differentiating `side`.
@@ -121,7 +113,7 @@ def operand_gradient(plan: Plan, side: Side, res: Residuals, g, gst):
     a = Operand(g3, g_form, raw.lhs, noise, state=gst)
     b = Operand(dequantized(y_res.q, jnp.float32), flip(y_res.q.form))
   elif reuse:  # (g * s_Y) . q_Y, per tile of Y.
-    g_s, _ = fold_scale(g3, y_res.q, fy_axis)
+    g_s, _ = geometry.fold_scale(plan, side, g3, y_res.q, fy_axis, res.groups)
     a = Operand(g_s, g_form, raw.lhs, repeat_tiles(noise, n), state=gst)
     b = y_res.q.as_partner()
   else:  # Requantize Y, contracting its free axis.
@@ -138,12 +130,14 @@ def operand_gradient(plan: Plan, side: Side, res: Residuals, g, gst):
   emit = plan.grad_form(side)
   tile = plan.tile(pass_)
   if emit == 'fk':
-    out, st, _ = qdot(a, b, raw, plan.precision, tile)
+    out, st, _ = geometry.qdot(plan, a, b, raw, tile, res.groups)
   else:
-    out, _, st = qdot(b, a, raw, plan.precision, tile)
+    out, _, st = geometry.qdot(plan, b, a, raw, tile, res.groups)
   z = y_res.q.partner_zero_point() if reuse and not dense else None
   if z is not None:
-    out = out - reuse_term(a.x, z, fy_axis, emit)
+    out = out - geometry.reuse_term(
+      plan, side, a.x, z, fy_axis, emit, res.groups
+    )
   out = merge_tiles(out, n, emit)
   if reuse and plan.config.fwd.transform.transforms:
     # q_Y holds R^T y: this is the gradient of x R; map it back by R^T.
@@ -159,6 +153,8 @@ def backward(plan: Plan, res: Residuals, g):
   parameters' gradients (`slot_state`).
   """
   plan.check_transforms()  # The gradient passes' sizes (trace time).
+  if plan.ragged:
+    geometry.check_ragged(plan)
   grads, raw_grads, new = {}, {}, {}
   for side in SIDES:
     op = plan.operand(side)

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 
 import jax
 import numpy as np
+from jax import lax
 
 DimensionNumbers = tuple[
   tuple[tuple[int, ...], tuple[int, ...]],
@@ -199,6 +200,59 @@ class DotLayout:
       (self.lhs.contract, self.rhs.contract),
       (self.lhs.batch, self.rhs.batch),
     )
+
+
+# The ragged (grouped, mixture-of-experts) dot of `aqtr.ragged_dot`, as
+# `lax.ragged_dot` runs it: L [M, K] . R [G, K, N] -> [M, N], the rows of L
+# split into G consecutive groups by `group_sizes`. In the plan the group
+# axis G is a batch axis of R whose segments of L's rows come from the
+# group sizes: L is [1, M, K] ('fk'), R [G, K, N] ('kf').
+RAGGED = lax.RaggedDotDimensionNumbers(
+  dot_dimension_numbers=(((1,), (1,)), ((), ())),
+  lhs_ragged_dimensions=[0],
+  rhs_group_dimensions=[0],
+)
+
+
+def is_ragged(dimension_numbers) -> bool:
+  """Whether `dimension_numbers` are a ragged dot's (`RAGGED`)."""
+  return isinstance(dimension_numbers, lax.RaggedDotDimensionNumbers)
+
+
+def ragged_layout(lhs_shape, rhs_shape, dimension_numbers) -> DotLayout:
+  """The layout of the ragged dot [M, K] . [G, K, N] (`RAGGED` only).
+
+  Example:
+    >>> ragged_layout((6, 4), (3, 4, 5), RAGGED).rhs.canonical_shape('kf')
+    (3, 4, 5)
+  """
+  dn = dimension_numbers
+  same = (
+    tuple(map(tuple, dn.dot_dimension_numbers[0])),
+    tuple(map(tuple, dn.dot_dimension_numbers[1])),
+    tuple(dn.lhs_ragged_dimensions),
+    tuple(dn.rhs_group_dimensions),
+  ) == ((((1,), (1,))), ((), ()), (0,), (0,))
+  if not same:
+    raise ValueError(
+      f'ragged dimension numbers {dn} are not supported; allowed: '
+      'aqtr.core.dimension_numbers.RAGGED (lhs [M, K] ragged along M, rhs '
+      '[G, K, N] grouped along G).'
+    )
+  if len(lhs_shape) != 2 or len(rhs_shape) != 3:
+    raise ValueError(
+      f'a ragged dot takes lhs [M, K] and rhs [G, K, N], got shapes '
+      f'{tuple(lhs_shape)} and {tuple(rhs_shape)}.'
+    )
+  if lhs_shape[1] != rhs_shape[1]:
+    raise ValueError(
+      f'ragged_dot: lhs.shape[1] = {lhs_shape[1]} must equal rhs.shape[1] '
+      f'= {rhs_shape[1]} (the contraction K).'
+    )
+  return DotLayout(
+    lhs=OperandLayout(tuple(lhs_shape), (), (1,)),
+    rhs=OperandLayout(tuple(rhs_shape), (0,), (1,)),
+  )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,6 +20,10 @@ numerics' clip_gradient; no gradient reaches the scales, except through a
 learned calibration (LSQ, PACT), whose own rule replaces the straight
 through one.
 
+Geometry (`core.geometry`): the same VJP runs `aqtr.ragged_dot`, whose
+plan groups the rows of lhs by `group_sizes` (an argument of the VJP,
+None for dot_general) against one rhs matrix per group.
+
 State (`aqtr.core.slot_state`): with `state=`, the call returns
 (out, new_state); the state is a differentiable input of this VJP, whose
 cotangent carries the backward operands' new state and the learned
@@ -50,7 +54,6 @@ from aqtr.core.forward import forward
 from aqtr.core.plan import Plan
 from aqtr.core.qtensor import QTensor
 from aqtr.core.quantizer import check_float
-from aqtr.core.ragged import ragged_bwd, ragged_fwd
 from aqtr.core.rounding import as_typed_key
 from aqtr.core.sharding import (
   check_dot_out_sharding,
@@ -59,37 +62,24 @@ from aqtr.core.sharding import (
 )
 
 
-def _fwd(lhs, rhs, key, state, plan: Plan):
-  return forward(plan, lhs, rhs, key, state)
+def _fwd(lhs, rhs, key, state, groups, plan: Plan):
+  return forward(plan, lhs, rhs, key, state, groups=groups)
 
 
 def _bwd(plan: Plan, res, gs):
-  return backward(plan, res, gs[0])  # The new state's cotangent is unused.
+  # The new state's cotangent is unused; group sizes get none.
+  return (*backward(plan, res, gs[0]), None)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _qdot(lhs, rhs, key, state, plan: Plan):
-  return forward(plan, lhs, rhs, key, state, residuals=False)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _qdot(lhs, rhs, key, state, groups, plan: Plan):
+  return forward(plan, lhs, rhs, key, state, False, groups)[0]
 
 
 _qdot.defvjp(_fwd, _bwd)
-# (lhs, rhs, key, typed state, plan) -> (out, new typed state).
-quantized_dot = jax.jit(_qdot, static_argnums=(4,))
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _qragged(lhs, rhs, group_sizes, key, plan):
-  return ragged_fwd(plan, lhs, rhs, group_sizes, key)[0]
-
-
-def _ragged_fwd(lhs, rhs, group_sizes, key, plan):
-  return ragged_fwd(plan, lhs, rhs, group_sizes, key)
-
-
-_qragged.defvjp(_ragged_fwd, ragged_bwd)
-# The custom VJP of `aqtr.ragged_dot` (passes in `ragged.py`): (lhs, rhs,
-# group_sizes, key, plan).
-quantized_ragged_dot = jax.jit(_qragged, static_argnums=(4,))
+# (lhs, rhs, key, typed state, group sizes, plan) -> (out, new typed
+# state); group sizes: a ragged plan's (`aqtr.ragged_dot`), else None.
+quantized_dot = jax.jit(_qdot, static_argnums=(5,))
 
 
 def dot_general(
@@ -208,14 +198,14 @@ def dot_general(
   if state is not None:
 
     def run_state(lhs, rhs, key, typed):
-      out, new = quantized_dot(lhs, rhs, key, typed, plan)
+      out, new = quantized_dot(lhs, rhs, key, typed, None, plan)
       return out, slot_state.to_tree(new)
 
     args = (lhs, rhs, key, typed)
     return run_on_mesh(run_state, args, structs, plan, out_sharding, state)
 
   def run(lhs, rhs, key):
-    return quantized_dot(lhs, rhs, key, {}, plan)[0]
+    return quantized_dot(lhs, rhs, key, {}, None, plan)[0]
 
   return run_on_mesh(run, (lhs, rhs, key), structs, plan, out_sharding)
 

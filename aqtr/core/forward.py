@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from aqtr.core import prims
+from aqtr.core import geometry
 from aqtr.core.passes import (
   Operand,
   QuantizedOperand,
   canonical_noise,
-  contract,
   k_axis,
   quantize_tiled,
   slot_keys,
@@ -122,11 +121,14 @@ def _residual(plan: Plan, side: Side, x, q, kept, key, decay):
   )
 
 
-def forward(plan: Plan, lhs, rhs, key, state: dict, residuals: bool = True):
+def forward(
+  plan: Plan, lhs, rhs, key, state: dict, residuals: bool = True, groups=None
+):
   """((out, new_state), Residuals) of the quantized forward dot.
 
   `residuals=False` (the primal call, no VJP): no residuals (None), and
-  no transposed copy of q_L written for them.
+  no transposed copy of q_L written for them. `groups`: a ragged plan's
+  group sizes (`core.geometry`).
   """
   keys = slot_keys(key)
   xs, decay, new = {}, {}, dict(state)
@@ -139,17 +141,11 @@ def forward(plan: Plan, lhs, rhs, key, state: dict, residuals: bool = True):
       new[slot] = new[slot]._replace(schedule=sched)
   grad_keys = {s: keys.get(Slot.of(s.grad_pass, Side.LHS)) for s in SIDES}
   if not plan.quantizes_forward:
-    out = prims.dot_general(
-      xs[Side.LHS],
-      xs[Side.RHS],
-      plan.dimension_numbers,
-      precision=plan.precision,
-      preferred_element_type=plan.preferred,
-    )
+    out = geometry.float_dot(plan, xs[Side.LHS], xs[Side.RHS], groups)
     res = {
       s: SideResidual(x=xs[s], key=grad_keys[s], decay=decay[s]) for s in SIDES
     }
-    return (out, new), Residuals(res[Side.LHS], res[Side.RHS], state)
+    return (out, new), Residuals(res[Side.LHS], res[Side.RHS], state, groups)
   q = {
     s: forward_operand(
       plan, s, xs[s], keys.get(Slot.forward(s)), state.get(Slot.forward(s))
@@ -160,7 +156,9 @@ def forward(plan: Plan, lhs, rhs, key, state: dict, residuals: bool = True):
   kept = dict(q)
   if plan.transposed_lhs and residuals:
     q[Side.LHS], kept[Side.LHS] = q[Side.LHS].with_transposed()
-  out = contract(q[Side.LHS], q[Side.RHS], plan.config.fwd, plan.precision)
+  out = geometry.contract(
+    plan, q[Side.LHS], q[Side.RHS], plan.config.fwd, groups
+  )
   for s in SIDES:
     slot = Slot.forward(s)
     if slot in state and q[s].state is not None:
@@ -174,4 +172,4 @@ def forward(plan: Plan, lhs, rhs, key, state: dict, residuals: bool = True):
     s: _residual(plan, s, xs[s], q[s], kept[s], grad_keys[s], decay[s])
     for s in SIDES
   }
-  return (out, new), Residuals(res[Side.LHS], res[Side.RHS], state)
+  return (out, new), Residuals(res[Side.LHS], res[Side.RHS], state, groups)

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from aqtr.core.config import DotGeneralConfig
+from aqtr.core.dimension_numbers import is_ragged
 from aqtr.core.forward import forward_operand
 from aqtr.core.passes import slot_keys
 from aqtr.core.plan import Plan
@@ -43,7 +44,8 @@ def quantize_operand(
 
   Args:
     x: the float operand.
-    dimension_numbers: of the dot it will be used in.
+    dimension_numbers: of the dot it will be used in (`aqtr.RAGGED` for
+      `aqtr.ragged_dot`'s expert weights [G, K, N]).
     config: the DotGeneralConfig of that dot (its fwd.<operand> applies).
     operand: 'lhs' or 'rhs'.
     other_shape: shape of the other operand; default: inferred as needed
@@ -67,11 +69,15 @@ def quantize_operand(
     raise TypeError(f'config must be an aqtr.DotGeneralConfig, got {config!r}.')
   x = jnp.asarray(x)
   check_float(x, 'x')
-  (lc, rc), (lb, rb) = dimension_numbers
-  mine, theirs = (
-    ((lc, lb), (rc, rb)) if operand == 'lhs' else ((rc, rb), (lc, lb))
-  )
+  if other_shape is None and is_ragged(dimension_numbers):
+    # Expert weights [G, K, N]: tokens [1, K] (lhs tokens: one expert).
+    k = jnp.shape(x)[1] if jnp.ndim(x) > 1 else 1
+    other_shape = (1, k) if operand == 'rhs' else (1, k, 1)
   if other_shape is None:  # A stand-in partner with matching sizes.
+    (lc, rc), (lb, rb) = dimension_numbers
+    mine, theirs = (
+      ((lc, lb), (rc, rb)) if operand == 'lhs' else ((rc, rb), (lc, lb))
+    )
     nd = len(theirs[0]) + len(theirs[1])
     other_shape = [1] * max(nd, 1 + max((*theirs[0], *theirs[1], -1)))
     for a, b in zip(

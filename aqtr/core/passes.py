@@ -5,12 +5,12 @@ see `dimension_numbers.py`. Tiles split K into T blocks of t elements; a
 quantized operand is kept in the tiled view [B, T, F, t] / [B, T, t, F]
 (`qtensor.to_view`) with a scale broadcastable to it. `contract` runs the
 low-precision dot (int8 x int8 -> int32, fp8 x fp8 -> f32; `low_precision`
-is the dtype dispatch, shared with `ragged.py`) and applies both scales:
+is the dtype dispatch, shared with `geometry.py`) and applies both scales:
 
   out[b, f_a, f_b] = sum_j (q_a[b, j, f_a, :] . q_b[b, j, f_b, :])
                      * s_a[b, j, f_a] * s_b[b, j, f_b]
 
-Internal API (for `forward.py`, `backward.py`, `ragged.py`): the names
+Internal API (for `forward.py`, `backward.py`, `geometry.py`): the names
 below without a leading underscore.
 """
 

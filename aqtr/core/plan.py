@@ -37,7 +37,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from aqtr.core.config import DotGeneralConfig, TensorConfig
-from aqtr.core.dimension_numbers import DotLayout, OperandLayout
+from aqtr.core.dimension_numbers import (
+  RAGGED,
+  DotLayout,
+  OperandLayout,
+  is_ragged,
+  ragged_layout,
+)
+from aqtr.core.geometry import check_ragged
 from aqtr.core.qtensor import QTensor, view_shape
 from aqtr.core.sharding import gather_specs, vma_of
 from aqtr.core.slots import SIDES, Pass, Side, Slot
@@ -118,6 +125,10 @@ class Plan:
       for a drhs that emits [K, N] weights from it.
     precision, preferred: as in `lax.dot_general` (preferred: a dtype or
       None).
+    ragged: the ragged geometry (`aqtr.ragged_dot`, dimension numbers
+      `RAGGED`): rhs [G, K, N] holds one matrix per group, the batch axis
+      G, whose segments of the lhs rows [M, K] come from the group sizes
+      (`core.geometry`).
   """
 
   config: DotGeneralConfig
@@ -127,6 +138,7 @@ class Plan:
   transposed_lhs: bool = False
   precision: Any = None
   preferred: np.dtype | None = None
+  ragged: bool = False
 
   @classmethod
   def create(
@@ -140,13 +152,18 @@ class Plan:
   ) -> Plan:
     """The plan of `dot_general(lhs, rhs, dimension_numbers, config)`.
 
-    `lhs`, `rhs` are arrays, ShapeDtypeStructs or stored QTensors.
+    `lhs`, `rhs` are arrays, ShapeDtypeStructs or stored QTensors;
+    `dimension_numbers` `RAGGED` plans a ragged dot (`aqtr.ragged_dot`).
     """
     (ls, ld), (rs, rd) = _struct(lhs), _struct(rhs)
-    lay = DotLayout.create(ls, rs, dimension_numbers)
+    ragged = is_ragged(dimension_numbers)
+    if ragged:
+      lay = ragged_layout(ls, rs, dimension_numbers)
+    else:
+      lay = DotLayout.create(ls, rs, dimension_numbers)
     fwd = config.fwd
     tile = common_tile([fwd.lhs, fwd.rhs], lay.lhs.k)
-    specs = gather_specs(lhs, rhs, fwd) or (None, None)
+    specs = (not ragged and gather_specs(lhs, rhs, fwd)) or (None, None)
     ops = {}
     for side, x, layout, dtype in (
       (Side.LHS, lhs, lay.lhs, ld),
@@ -169,12 +186,13 @@ class Plan:
         gather=specs[0 if side is Side.LHS else 1],
       )
     transposed = (
-      ops[Side.LHS].reused
+      not ragged
+      and ops[Side.LHS].reused
       and not ops[Side.RHS].stored
       and ops[Side.RHS].form == 'kf'
       and config.drhs.quantized
     )
-    return cls(
+    plan = cls(
       config=config,
       lhs=ops[Side.LHS],
       rhs=ops[Side.RHS],
@@ -182,7 +200,11 @@ class Plan:
       transposed_lhs=transposed,
       precision=precision,
       preferred=None if preferred is None else np.dtype(preferred),
+      ragged=ragged,
     )
+    if ragged:
+      check_ragged(plan, backward=False)
+    return plan
 
   # ------------------------------------------------------------- reading
 
@@ -195,7 +217,8 @@ class Plan:
 
   @property
   def dimension_numbers(self):
-    return self.layout.dimension_numbers
+    """lax's dimension numbers of the dot (ragged: `RAGGED`)."""
+    return RAGGED if self.ragged else self.layout.dimension_numbers
 
   @property
   def out_shape(self) -> tuple[int, ...]:

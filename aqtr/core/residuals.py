@@ -56,16 +56,18 @@ class Residuals:
   Attributes:
     lhs, rhs: the `SideResidual`s.
     state: the call's typed state ({Slot: SlotState}; {} stateless).
+    groups: a ragged dot's group sizes [G] (`core.geometry`), else None.
   """
 
   lhs: SideResidual
   rhs: SideResidual
   state: dict = dataclasses.field(default_factory=dict)
+  groups: jax.Array | None = None
 
   def side(self, side: Side) -> SideResidual:
     return self.lhs if side is Side.LHS else self.rhs
 
 
 jax.tree_util.register_dataclass(
-  Residuals, data_fields=['lhs', 'rhs', 'state'], meta_fields=[]
+  Residuals, data_fields=['lhs', 'rhs', 'state', 'groups'], meta_fields=[]
 )

@@ -194,14 +194,17 @@ def _needs_state_message(config, first: str) -> str:
   return f'{first}: calibration {cal} is stateful and needs state'
 
 
-def check_tree(config: DotGeneralConfig | None, tree, stored) -> None:
-  """Raises a clear error when `tree`'s keys do not match `config`."""
+def check_tree(
+  config: DotGeneralConfig | None, tree, stored, dims='dimension_numbers'
+) -> None:
+  """Raises a clear error when `tree`'s keys do not match `config`
+  (`dims`: how the error spells the dot's dimension numbers)."""
   want = paths(config, stored)
   if tree is None:
     if want:
       raise ValueError(
         f'{_needs_state_message(config, want[0])}: pass '
-        'state=aqtr.state.init(lhs, rhs, dimension_numbers, config) and use '
+        f'state=aqtr.state.init(lhs, rhs, {dims}, config) and use '
         'the returned (out, new_state).'
       )
     return

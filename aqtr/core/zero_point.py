@@ -14,7 +14,7 @@ point contracts that operand's free axis, along which z varies:
 `(g s) . (q - z) = (g s) . q - (g s) . z`, whose second term (a
 matrix-vector product in float) is `reuse_term`.
 
-Internal API (used by `passes.py`, `backward.py` and `ragged.py`):
+Internal API (used by `passes.py`, `backward.py` and `geometry.py`):
 `as_int8`, `per_row`, `int_corrections`, `subtract_rows`, `reuse_term`.
 """
 

@@ -10,6 +10,9 @@ the dot's output there); all-zero input quantizes without NaN (scale 1
 where the bound is 0); bad field values raise an error naming the field.
 Stateful calibrations run `aqtr.testing.stateful`'s versions of the
 engine, non-finite and zero checks.
+`aqtr.ragged_dot` (the same plan, its group axis a batch axis) agrees with
+its references in all three passes, stateful calibrations with their
+per-expert state (`aqtr.testing.ragged`).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from aqtr.core.config import DotGeneralConfig, DotGeneralRaw, TensorConfig
 from aqtr.core.dot_general import dot_general
 from aqtr.core.quantizer import fake_quant, quantize
 from aqtr.testing import checks as cc
-from aqtr.testing import stateful
+from aqtr.testing import ragged, stateful
 
 # 4-D inputs (the quantizer's [batch, tile, free, k] view) and reductions.
 _AXES = ((3,), (2, 3), (1, 3), (0, 1, 2, 3))
@@ -156,10 +159,21 @@ def check_bad_fields(cls, bad_fields):
   )
 
 
+def check_ragged(cls, bad_fields):
+  """aqtr.ragged_dot's three passes agree with their references; stateful
+  ones run with their state (serve == train from it)."""
+  del bad_fields
+  if _stateful(cls):
+    ragged.check_stateful_ragged(cls())
+    return
+  ragged.check_in_ragged(TensorConfig(calibration=cls()))
+
+
 CHECKS = (
   check_builds,
   check_static_arg,
   check_engine,
+  check_ragged,
   check_bound,
   check_nonfinite,
   check_zeros,

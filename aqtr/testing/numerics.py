@@ -8,6 +8,8 @@ numerics with power-of-two scales) and, with float backward passes reusing
 the forward quantization, its VJP agrees with autodiff of the fake-quant
 reference; stored values have the numerics' dtype and lie within its range;
 bad field values raise an error naming the field.
+`aqtr.ragged_dot` (the same plan, its group axis a batch axis) agrees with
+its references in all three passes (`aqtr.testing.ragged`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from aqtr import calibrations, numerics, tilings
 from aqtr.core.config import TensorConfig
 from aqtr.core.quantizer import fake_quant, quantize
 from aqtr.testing import checks as cc
+from aqtr.testing import ragged
 
 
 def _tensor(n, po2=False):
@@ -98,10 +101,17 @@ def check_bad_fields(cls, bad_fields):
   )
 
 
+def check_ragged(cls, bad_fields):
+  """aqtr.ragged_dot's three passes agree with their references."""
+  del bad_fields
+  ragged.check_in_ragged(_tensor(cls()))
+
+
 CHECKS = (
   check_builds,
   check_static_arg,
   check_engine,
+  check_ragged,
   check_values,
   check_bad_fields,
 )

@@ -12,6 +12,8 @@ operand (float numerics) is the straight-through one (that of the pruned
 operand), plus
 SR-STE's `decay * (1 - M) * x` for classes with a `decay` field; bad field
 values raise an error naming the field.
+`aqtr.ragged_dot` prunes its forward operands as dot_general does
+(`aqtr.testing.ragged`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from aqtr.core.config import DotGeneralConfig, DotGeneralRaw, TensorConfig
 from aqtr.core.dot_general import dot_general
 from aqtr.core.quantizer import fake_quant
 from aqtr.testing import checks as cc
+from aqtr.testing import ragged
 
 _FLOAT = TensorConfig(numerics=numerics.NoNumerics())
 
@@ -159,11 +162,18 @@ def check_bad_fields(cls, bad_fields):
   )
 
 
+def check_ragged(cls, bad_fields):
+  """aqtr.ragged_dot prunes its forward operands as dot_general does."""
+  del bad_fields
+  ragged.check_in_ragged(TensorConfig(sparsity=cls()), requant=False)
+
+
 CHECKS = (
   check_builds,
   check_static_arg,
   check_mask,
   check_engine,
+  check_ragged,
   check_gradient,
   check_bad_fields,
 )

@@ -9,6 +9,8 @@ axes it names (always including the contraction block, so they factor out
 of the integer dot; stored with size 1 along the shared `tile`/`k` axes and
 full size, equal values, along shared batch/free axes, where a row holding
 NaN/inf is marked); bad field values raise an error naming the field.
+`aqtr.ragged_dot` (the same plan, its group axis a batch axis) agrees with
+its references in all three passes (`aqtr.testing.ragged`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from aqtr.core.config import TensorConfig
 from aqtr.core.qtensor import ROLE_AXES
 from aqtr.core.quantizer import fake_quant, quantize
 from aqtr.testing import checks as cc
+from aqtr.testing import ragged
 
 
 def _tensor(tiling, po2=False):
@@ -92,10 +95,18 @@ def check_bad_fields(cls, bad_fields):
   cc.check_bad_fields(cls, bad_fields, family='tilings', base=tilings.Tiling)
 
 
+def check_ragged(cls, bad_fields):
+  """aqtr.ragged_dot's three passes agree with their references (a tiling
+  of the token axis refused in drhs)."""
+  del bad_fields
+  ragged.check_in_ragged(_tensor(cls()))
+
+
 CHECKS = (
   check_builds,
   check_static_arg,
   check_engine,
+  check_ragged,
   check_scales,
   check_bad_fields,
 )

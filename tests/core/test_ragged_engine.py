@@ -1,7 +1,9 @@
 """ragged_dot on the shared engine pieces: zero points, refusals.
 
-The ragged passes use the dot_general quantizer and contraction core, so
-affine numerics are exact against the per-expert dot_general reference.
+ragged_dot is a geometry of dot_general's plan (same quantizer, passes
+and contraction core), so affine numerics are exact against the
+per-expert dot_general reference. State, rounding and sparsity:
+tests/core/test_ragged_state.py.
 """
 
 import jax
@@ -74,9 +76,9 @@ def test_affine_reused_gradients_match_per_expert_dot_general():
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
 
 
-def test_stateful_config_is_refused_naming_the_slot():
+def test_stateful_config_without_state_is_refused_naming_the_slot():
   x, w = jnp.ones((8, 16)), jnp.ones((3, 16, 4))
-  with pytest.raises(ValueError, match=r'config\.fwd\.lhs.*DelayedScaling'):
+  with pytest.raises(ValueError, match=r'fwd\.lhs.*DelayedScaling.*state'):
     aqtr.ragged_dot(x, w, SIZES, aqtr.presets.fp8_delayed())
 
 

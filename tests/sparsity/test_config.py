@@ -62,11 +62,15 @@ def test_m_not_dividing_the_contraction_names_the_path():
     aqtr.quantize(x, aqtr.TensorConfig(sparsity=sparsity.NM()))
 
 
-def test_ragged_dot_rejects_sparsity():
+def test_ragged_dot_prunes_experts_and_names_a_bad_size():
   cfg = sparsity.configure(presets.int8(), rhs='n_m')
+  x, w = jnp.ones((3, 8)), jnp.arange(64.0).reshape(2, 8, 4)
+  out = aqtr.ragged_dot(x, w, jnp.array([1, 2]), cfg)
+  dense = aqtr.ragged_dot(x, w, jnp.array([1, 2]), presets.int8())
+  assert float(jnp.abs(out).sum()) < float(jnp.abs(dense).sum())
   with pytest.raises(ValueError, match=r'config\.fwd\.rhs\.sparsity'):
     aqtr.ragged_dot(
-      jnp.ones((3, 8)), jnp.ones((2, 8, 4)), jnp.array([1, 2]), cfg
+      jnp.ones((3, 6)), jnp.ones((2, 6, 4)), jnp.array([1, 2]), cfg
     )
 
 
