@@ -17,10 +17,9 @@ gradients); `convert(model, ...)` runs CONVERT once (`aqtr.freezers`'
 'weights' freezer: int8 / int4 / fp8 values + scales, exactly TRAIN's
 quantization) and puts the frozen values in place of each matched float
 kernel, or in the model's op store (`aqtr.flax.frozen`); the returned
-model serves (SERVE) bit for bit equal to TRAIN. `lax.ragged_dot` weights
-are quantized on the fly in SERVE too (not frozen). Unsupported here:
-stochastic rounding (no PRNG keys are passed), stateful calibrations and
-CALIBRATE (use the `aqtr.flax.linen` / `nnx` ops for those).
+model serves (SERVE) bit for bit equal to TRAIN. Stochastic rounding
+draws its keys, and stateful calibrations keep their state, in the
+model's Flax variables (`aqtr.flax.rule_state`).
 
 Example:
   >>> import jax.numpy as jnp
@@ -37,8 +36,10 @@ import dataclasses
 import functools
 import inspect
 
+from flax import nnx
+
 from aqtr import rules as rules_lib
-from aqtr.flax import analysis, common, hosts, intercept
+from aqtr.flax import analysis, common, hosts, intercept, rule_state
 from aqtr.flax.session import Session, Spec
 from aqtr.freezers import Mode, lifecycle
 
@@ -65,11 +66,16 @@ def intercepting(method, session, who: str, hint: str):
     )
 
   @functools.wraps(raw)
-  def call(self, *args, **kwargs):
+  def call(self, *args, aqtr_key=None, **kwargs):
     if intercept.is_active():
       return raw(self, *args, **kwargs)
     weights = analysis.analyze(self, raw, args, kwargs)
-    with intercept.active(session(self, weights)):
+    s = session(self, weights)
+    s.root = self
+    spec = getattr(type(self), 'aqtr_spec', None)
+    if spec is not None:
+      s.base_key = rule_state.base_key(self, spec, aqtr_key)
+    with intercept.active(s):
       return raw(self, *args, **kwargs)
 
   return call
@@ -99,7 +105,7 @@ def _subclass(base: type, spec: Spec) -> type:
   return type(base.__name__, (base,), ns)
 
 
-def _spec(rules, methods) -> Spec:
+def _spec(rules, methods, rng_stream=rule_state.STREAM) -> Spec:
   rules = rules_lib.as_rules(rules, 'aqtr.flax.quantize')
   configs = []
   for i, r in enumerate(rules):
@@ -107,10 +113,24 @@ def _spec(rules, methods) -> Spec:
     if c is not None:
       lifecycle.validate(c)
     configs.append(c)
-  return Spec(rules, tuple(configs), Mode.TRAIN, tuple(methods))
+  if not isinstance(rng_stream, str) or not rng_stream:
+    raise TypeError(
+      f'aqtr.flax.quantize: rng_stream must be a stream name, got '
+      f"{rng_stream!r}; e.g. rng_stream='aqtr'."
+    )
+  return Spec(
+    rules, tuple(configs), Mode.TRAIN, tuple(methods), rng_stream=rng_stream
+  )
 
 
-def quantize(model, rules, *, methods=('__call__',)):
+def quantize(
+  model,
+  rules,
+  *,
+  methods=('__call__',),
+  rngs=None,
+  rng_stream: str = rule_state.STREAM,
+):
   """A copy of `model` (linen or nnx) whose matched ops run quantized.
 
   Args:
@@ -120,6 +140,11 @@ def quantize(model, rules, *, methods=('__call__',)):
       config}); the first that matches an op sets its config.
     methods: the methods that start a model call (interception is active
       for their duration, covering every submodule they run).
+    rngs: nnx only: an `nnx.Rngs` with the stream `rng_stream`, kept by
+      the model (attribute `aqtr_rngs`) for stochastic rounding: one draw
+      per call (linen: pass `rngs={rng_stream: key}` to apply).
+    rng_stream: the stream of stochastic rounding's keys ('aqtr'). A call
+      may pass `aqtr_key=key` instead.
 
   Returns:
     The quantized model in Mode.TRAIN: the same class name and parameter
@@ -137,8 +162,20 @@ def quantize(model, rules, *, methods=('__call__',)):
       f'aqtr.flax.quantize: {type(model).__name__} is already quantized; '
       'quantize the float model again, or use aqtr.flax.set_mode.'
     )
-  spec = _spec(rules, methods)
+  spec = _spec(rules, methods, rng_stream)
   model = hosts.fresh_copy(model, 'aqtr.flax.quantize')
+  if rngs is not None:
+    if hosts.is_linen(model) or not isinstance(rngs, nnx.Rngs):
+      raise TypeError(
+        'aqtr.flax.quantize: rngs= takes an nnx.Rngs for an nnx model; '
+        f"linen models get keys from apply(..., rngs={{'{rng_stream}': key}})."
+      )
+    if rng_stream not in rngs:
+      raise ValueError(
+        f'aqtr.flax.quantize: rngs has no stream {rng_stream!r}; pass '
+        f'nnx.Rngs({rng_stream}=seed).'
+      )
+    model.aqtr_rngs = rngs
   model.__class__ = _subclass(type(model), spec)
   return model
 
