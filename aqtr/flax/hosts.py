@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from aqtr.flax import intercept
+from aqtr.flax.common import STATE
 from aqtr.flax.frozen import STORE, FrozenBox, FrozenKernel, FrozenOps
 
 __all__ = [
@@ -317,6 +318,12 @@ def call_fn(model, variables, args, kwargs, method='__call__'):
       return getattr(nnx.merge(graphdef, state), method)(*args, **kwargs)
 
     return call_nnx, state
+  if STATE in (variables or {}):  # Calibration state: TRAIN updates it.
+
+    def call_linen(v):
+      return model.apply(v, *args, method=method, mutable=[STATE], **kwargs)[0]
+
+    return call_linen, variables
   return (
     lambda v: model.apply(v, *args, method=method, **kwargs),
     variables,

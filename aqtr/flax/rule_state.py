@@ -55,6 +55,8 @@ __all__ = [
   'base_key',
   'key_need',
   'op_key',
+  'read',
+  'traced',
 ]
 
 
@@ -135,6 +137,15 @@ def missing_key(model, stream: str) -> str:
   )
 
 
+def traced(model) -> bool:
+  """Whether an nnx model's parameters are tracers (a call under jit or
+  grad): parameters created then never reach an optimizer built before."""
+  if isinstance(model, nn.Module):
+    return False
+  leaves = jax.tree.leaves(nnx.state(model, nnx.Param))
+  return bool(leaves) and isinstance(leaves[0], jax.core.Tracer)
+
+
 def _shapes(tree):
   return jax.tree.map(lambda a: (tuple(jnp.shape(a)), str(a.dtype)), tree)
 
@@ -147,6 +158,8 @@ class RuleHost(common.Host):
     op_id: the op's id in the module ('dot_general0').
     where: the op's path and shapes, for messages.
     config, mode: the op's.
+    mpath: the module's path in the model called.
+    traced: the model's call runs under a transform (`traced`).
   """
 
   frozen_collection = 'the op store'
@@ -155,8 +168,19 @@ class RuleHost(common.Host):
     'Run aqtr.flax.calibrate(model, batches) on the quantized model first.'
   )
 
-  def __init__(self, module, op_id: str, where: str, config, mode: Mode):
+  def __init__(
+    self,
+    module,
+    op_id: str,
+    where: str,
+    config,
+    mode: Mode,
+    mpath=(),
+    traced=False,
+  ):
     self.module, self.op_id, self.where = module, op_id, where
+    self.mpath = tuple(mpath)
+    self.traced = traced
     self.config, self.mode = config, mode
     self.linen = isinstance(module, nn.Module)
 
@@ -192,7 +216,7 @@ class RuleHost(common.Host):
     have = {} if var is None else var.get_value()
     lvar = getattr(m, LEARNED, None)
     if op not in have:
-      if make.learns and isinstance(jnp.asarray(make.lhs), jax.core.Tracer):
+      if make.learns and self.traced:
         raise ValueError(
           f'{self.where}: the learned calibration parameters (LSQ, PACT) '
           'would be created inside a transform, where the optimizer '
@@ -287,3 +311,42 @@ class RuleHost(common.Host):
 def needs_state(config) -> bool:
   """Whether an op's config keeps state (calibrations or schedules)."""
   return not common.is_float(config) and bool(slot_state.paths(config))
+
+
+def read(model, variables, at: tuple, what: str) -> dict:
+  """The engine state tree of one op of a quantized model, concretely.
+
+  Args:
+    model: the quantized model (nnx: it holds the state).
+    variables: linen: the model's variables (nnx: unused).
+    at: (module path, op id) (`WeightUse.state_at`).
+    what: the op's path, for the message.
+
+  Returns:
+    {operand path: {'stats': ..., 'learned': ...}}.
+  """
+  mpath, op = at
+  if isinstance(model, nn.Module):
+    stats = (variables or {}).get(STATE, {})
+    learned = (variables or {}).get('params', {})
+    for k in mpath:
+      stats = stats.get(k, {}) if hasattr(stats, 'get') else {}
+      learned = learned.get(k, {}) if hasattr(learned, 'get') else {}
+    stats = stats.get(op) if hasattr(stats, 'get') else None
+    learned = learned.get(LEARNED, {}).get(op, {})
+    if stats is None and learned:
+      stats = {p: {} for p in learned}  # Learned only: no stats kept.
+  else:
+    node = model
+    for k in mpath:
+      node = node[k] if isinstance(k, int) else getattr(node, k)
+    var, lvar = getattr(node, STATE, None), getattr(node, LEARNED, None)
+    stats = None if var is None else var.get_value().get(op)
+    learned = {} if lvar is None else lvar.get_value().get(op, {})
+  if stats is None:
+    raise ValueError(
+      f'{what}: the op keeps calibration state, but the model holds none for '
+      'it: train the quantized model (or call it once: init / a first '
+      'call) before aqtr.flax.convert.'
+    )
+  return common.assemble(stats, learned)

@@ -102,6 +102,9 @@ class WeightUse:
   other: jax.ShapeDtypeStruct
   where: str = ''
   info: Any = None
+  # Stateful configs: (module path, op id) of the op's state
+  # (`aqtr.flax.rule_state.read`); None when the config keeps none.
+  state_at: tuple | None = None
 
 
 def swapped(dot):
@@ -184,6 +187,7 @@ class Session:
     # base PRNG key (`aqtr.flax.rule_state.base_key`).
     self.root = None
     self.base_key = None
+    self.traced = False
     for observer in intercept.context().observers if observed else ():
       observer.append(self)
 
@@ -248,7 +252,9 @@ class Session:
     label = f'{where} ({op.name} of shapes {op.shapes()})'
     try:
       origin = (op_id, where, weight)
-      host = rule_state.RuleHost(module, op_id, label, config, self.spec.mode)
+      host = rule_state.RuleHost(
+        module, op_id, label, config, self.spec.mode, mpath, self.traced
+      )
       return self._run(op, config, side, frozen, origin, label, host)
     except (ValueError, TypeError) as e:
       if str(e).startswith(where):
@@ -354,6 +360,7 @@ class Session:
         jax.ShapeDtypeStruct(jnp.shape(other), jnp.result_type(other)),
         where,
         weight,
+        (host.mpath, op_id) if rule_state.needs_state(config) else None,
       )
       self.uses.append(use)
       if self.tap is not None and not ragged:

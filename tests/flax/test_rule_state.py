@@ -142,3 +142,23 @@ def test_linen_state_collection_and_learned_params():
   assert 'dot_general0' in lv['params']['up']['aqtr_learned']
   with pytest.raises(ValueError, match='optimizer cannot see it'):
     lsq.apply({'params': q.init(jax.random.key(0), X)['params']}, X)
+
+
+@pytest.mark.parametrize('preset', ['fp8_delayed', 'int4_lsq'])
+def test_convert_freezes_with_the_state_and_serves_as_trained(preset):
+  cfg = getattr(aqtr.presets, preset)()
+  q = aqtr.flax.quantize(Mlp(), Rule(cfg))
+  q(X)
+  nnx.jit(lambda m: nnx_step(m, QuantState))(q)
+  served = aqtr.flax.convert(q, X)  # checks serve == train under jit
+  fwd = nnx.jit(lambda m: m(X))
+  np.testing.assert_array_equal(fwd(served), fwd(q))
+  assert type(served.up.kernel).__name__ == 'FrozenKernel'
+
+
+def test_linen_convert_with_state():
+  q = aqtr.flax.quantize(LinenMlp(), Rule(CFG))
+  v = jax.jit(q.init)(jax.random.key(0), X)
+  sm, sv = aqtr.flax.convert(q, X, variables=v)
+  want, _ = jax.jit(lambda v: q.apply(v, X, mutable=['aqtr_state']))(v)
+  np.testing.assert_array_equal(jax.jit(sm.apply)(sv, X), want)
