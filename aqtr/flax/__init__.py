@@ -27,8 +27,16 @@ except ImportError as e:
   raise extras.missing('flax', 'aqtr.flax', e) from e
 
 # Interception of stock models (rules): `aqtr.flax.quantize(model, rules)`.
-from aqtr.flax.quantized import quantize, set_mode  # noqa: E402
+from aqtr.flax.quantized import calibrate, quantize, set_mode  # noqa: E402
 from aqtr.flax.serving import convert, report, sizes  # noqa: E402
 from aqtr.rules import Rule  # noqa: E402
 
-__all__ = ['Rule', 'convert', 'quantize', 'report', 'set_mode', 'sizes']
+__all__ = [
+  'Rule',
+  'calibrate',
+  'convert',
+  'quantize',
+  'report',
+  'set_mode',
+  'sizes',
+]

@@ -36,6 +36,7 @@ import dataclasses
 import functools
 import inspect
 
+import jax
 from flax import nnx
 
 from aqtr import rules as rules_lib
@@ -193,9 +194,9 @@ def spec_of(model):
 def set_mode(model, mode: Mode, *, converted_=None):
   """`model` (quantized) in `mode` (nnx: in place; returns the model)."""
   common.check_mode(mode)
-  if mode not in (Mode.TRAIN, Mode.SERVE):
+  if mode not in (Mode.TRAIN, Mode.CALIBRATE, Mode.SERVE):
     raise ValueError(
-      f'mode: interception runs Mode.TRAIN and Mode.SERVE, got {mode}; '
+      f'mode: interception runs Mode.TRAIN, CALIBRATE and SERVE, got {mode}; '
       'CONVERT is aqtr.flax.convert(model, ...).'
     )
   spec = spec_of(model)
@@ -206,4 +207,67 @@ def set_mode(model, mode: Mode, *, converted_=None):
   return model
 
 
-__all__ = ['intercepting', 'quantize', 'set_mode', 'spec_of']
+def calibrate(model, batches, *, variables=None):
+  """Records static ranges: runs `model` in Mode.CALIBRATE on `batches`.
+
+  Ops whose config freezes a side with the 'calibration' freezer
+  (`aqtr.freezers.configure(cfg, lhs='calibration')`) keep the running
+  mean of its bound (nnx: `aqtr.flax.nnx.Stats` variables 'aqtr_stats';
+  linen: the collection 'aqtr_stats'); `convert` freezes it, so SERVE
+  quantizes those activations with a static scale. Stateful calibrations
+  update their state too. Each batch runs under `jit`.
+
+  Args:
+    model: a quantized model in Mode.TRAIN.
+    batches: an iterable of inputs: an array, or a tuple of the call's
+      positional arguments.
+    variables: linen: the model's variables (nnx: unused).
+
+  Returns:
+    nnx: the model (updated in place, back in Mode.TRAIN). linen: the new
+    variables.
+
+  Example:
+    >>> import jax.numpy as jnp, aqtr
+    >>> from flax import nnx
+    >>> cfg = aqtr.freezers.configure(aqtr.presets.int8(), lhs='calibration')
+    >>> q = quantize(nnx.Linear(4, 3, rngs=nnx.Rngs(0)), [rules_lib.Rule(cfg)])
+    >>> q = calibrate(q, [jnp.ones((2, 4))])
+    >>> int(q.aqtr_stats.get_value()['dot_general0']['lhs']['count'])
+    1
+  """
+  spec = spec_of(model)
+  if spec.mode is not Mode.TRAIN or spec.converted:
+    raise ValueError(
+      'aqtr.flax.calibrate: calibrate the quantized model in Mode.TRAIN '
+      '(before aqtr.flax.convert).'
+    )
+  linen = hosts.is_linen(model)
+  if linen and variables is None:
+    raise TypeError('aqtr.flax.calibrate: a linen model needs variables=.')
+  cal = set_mode(model, Mode.CALIBRATE)
+  n = 0
+  try:
+    if linen:
+      cols = [common.STATS, common.STATE]
+      step = jax.jit(lambda v, a: cal.apply(v, *a, mutable=cols)[1])
+    else:
+      step = nnx.jit(lambda m, a: m(*a))
+    for batch in batches:
+      args = batch if isinstance(batch, tuple) else (batch,)
+      if linen:
+        variables = {**variables, **step(variables, args)}
+      else:
+        step(cal, args)
+      n += 1
+  finally:
+    if not linen:
+      set_mode(cal, Mode.TRAIN)
+  if n == 0:
+    raise ValueError(
+      'aqtr.flax.calibrate: batches is empty; pass sample inputs.'
+    )
+  return variables if linen else model
+
+
+__all__ = ['calibrate', 'intercepting', 'quantize', 'set_mode', 'spec_of']

@@ -39,10 +39,11 @@ from flax import nnx
 
 from aqtr.core import slot_state
 from aqtr.flax import common
-from aqtr.flax.nnx import CalibState
-from aqtr.freezers import Mode, lifecycle
+from aqtr.flax.nnx import CalibState, Stats
+from aqtr.freezers import Mode, configure, lifecycle
 
 STATE = common.STATE  # nnx attribute / linen collection
+STATS = common.STATS  # CALIBRATE's statistics: nnx attribute / collection
 LEARNED = common.LEARNED  # param name
 STREAM = 'aqtr'  # the default rng stream
 
@@ -50,12 +51,18 @@ __all__ = [
   'LEARNED',
   'STATE',
   'STREAM',
+  'STATS',
   'QuantState',
   'RuleHost',
   'base_key',
+  'collects',
+  'keeps',
+  'kept',
   'key_need',
   'op_key',
   'read',
+  'read_stats',
+  'static_config',
   'traced',
 ]
 
@@ -285,8 +292,43 @@ class RuleHost(common.Host):
         )
     return stats, learned
 
+  def stats(self, mode: Mode):
+    """CALIBRATE / CONVERT: the op's {side: statistics} (or None)."""
+    del mode
+    if self.module is None:
+      return None
+    if self.linen:
+      scope = self.module.scope
+      if scope.has_variable(STATS, self.op_id):
+        return scope.get_variable(STATS, self.op_id)
+      return None
+    var = getattr(self.module, STATS, None)
+    return None if var is None else var.get_value().get(self.op_id)
+
+  def _store_stats(self, stats) -> None:
+    if self.module is None or self.initializing:
+      return
+    if self.linen:
+      scope = self.module.scope
+      if not scope.is_mutable_collection(STATS):
+        raise ValueError(
+          f'{self.where}: CALIBRATE records static ranges in the collection '
+          f'{STATS!r}: use aqtr.flax.calibrate (or apply with mutable='
+          f"['{STATS}'])."
+        )
+      scope.put_variable(STATS, self.op_id, stats)
+      return
+    var = getattr(self.module, STATS, None)
+    if var is None:
+      setattr(self.module, STATS, Stats({self.op_id: stats}))
+    else:
+      var.set_value({**var.get_value(), self.op_id: stats})
+
   def store(self, result) -> None:
-    """Writes the op's new forward stats (TRAIN, CALIBRATE)."""
+    """Writes the op's new forward stats (TRAIN, CALIBRATE) and its
+    CALIBRATE statistics."""
+    if result.stats:
+      self._store_stats(result.stats)
     if result.state is None or self.initializing:
       return
     if self.mode not in (Mode.TRAIN, Mode.CALIBRATE):
@@ -306,6 +348,31 @@ class RuleHost(common.Host):
       return
     var = getattr(self.module, STATE)
     var.set_value({**var.get_value(), self.op_id: stats})
+
+
+def collects(config) -> bool:
+  """Whether an op's config freezes a side from CALIBRATE statistics."""
+  if common.is_float(config):
+    return False
+  return any(f.collects for f in lifecycle.freezers(config).values())
+
+
+def static_config(config):
+  """`config` with only its collecting freezers: TRAIN after CALIBRATE
+  runs it in CONVERT (the static bounds from the statistics; the other
+  sides quantized on the fly, as the 'weights' freezer would freeze them).
+  """
+  off = {
+    side: 'none'
+    for side, f in lifecycle.freezers(config).items()
+    if not f.collects
+  }
+  return configure(config, **off) if off else config
+
+
+def keeps(config) -> bool:
+  """Whether convert needs the op's state or statistics."""
+  return needs_state(config) or collects(config)
 
 
 def needs_state(config) -> bool:
@@ -350,3 +417,44 @@ def read(model, variables, at: tuple, what: str) -> dict:
       'call) before aqtr.flax.convert.'
     )
   return common.assemble(stats, learned)
+
+
+def read_stats(model, variables, at: tuple, what: str) -> dict:
+  """The CALIBRATE statistics ({side: stats}) of one op, concretely.
+
+  Raises one line naming `what` (the op) when CALIBRATE never ran for it.
+  """
+  mpath, op = at
+  if isinstance(model, nn.Module):
+    node = (variables or {}).get(STATS, {})
+    for k in mpath:
+      node = node.get(k, {}) if hasattr(node, 'get') else {}
+    got = node.get(op) if hasattr(node, 'get') else None
+  else:
+    node = model
+    for k in mpath:
+      node = node[k] if isinstance(k, int) else getattr(node, k)
+    var = getattr(node, STATS, None)
+    got = None if var is None else var.get_value().get(op)
+  if got is None or not all(
+    bool(jnp.all(jnp.asarray(v['count']) > 0)) for v in got.values()
+  ):
+    raise ValueError(
+      f"{what}: the config freezes static ranges (the 'calibration' "
+      'freezer) from CALIBRATE statistics, but CALIBRATE never ran for this '
+      'op: run aqtr.flax.calibrate(model, batches) on the quantized model '
+      'before aqtr.flax.convert.'
+    )
+  return got
+
+
+def kept(model, variables, use) -> dict:
+  """What convert needs of a weight op besides the weight (concretely):
+  {'state': its calibration state, 'stats': its CALIBRATE statistics},
+  each None when the op's config has no use for it."""
+  state = stats = None
+  if needs_state(use.config):
+    state = read(model, variables, use.state_at, use.where)
+  if collects(use.config):
+    stats = read_stats(model, variables, use.state_at, use.where)
+  return {'state': state, 'stats': stats}

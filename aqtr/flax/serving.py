@@ -35,7 +35,7 @@ from aqtr.flax.quantized import set_mode, spec_of
 from aqtr.flax.session import (
   Session,
   WeightUse,
-  engine_dot,
+  engine_run,
   frozen_entry,
   swapped,
 )
@@ -106,19 +106,20 @@ def merge_report(spec, sessions, strict) -> Report:
 def _freeze_fn(use: WeightUse):
   """w (one op's weight) -> the holder entry of `use`'s op."""
 
-  def freeze(w, state=None):
+  def freeze(w, kept=None):
     if use.call.kind == 'ragged_dot':
       parts = freeze_ragged(w, use.config, use.other.shape[-1])
       return frozen_entry(use.config, {'ragged': parts})
     store = []
+    kept = kept or {}
 
     def dot(lhs, rhs, dn, precision, preferred):
       call = lifecycle.DotCall(
-        lhs, rhs, dn, use.config, None, precision, preferred, state
+        lhs, rhs, dn, use.config, None, precision, preferred, kept.get('state')
       )
-      out, fr = engine_dot(call, Mode.CONVERT, None, '')
-      store.append(fr)
-      return out
+      r = engine_run(call, Mode.CONVERT, None, '', stats=kept.get('stats'))
+      store.append(r.frozen)
+      return r.out
 
     other = jnp.zeros(use.other.shape, use.other.dtype)
     if use.side == 'lhs':
@@ -248,7 +249,7 @@ def convert(
       empty[path] = ({}, tuple(jnp.shape(w)), jnp.dtype(w.dtype), jnp.ndim(w))
   states = {
     where: {
-      u.key: rule_state.read(model, variables, u.state_at, u.where)
+      u.key: rule_state.kept(model, variables, u)
       for u in uses
       if u.state_at is not None
     }

@@ -46,14 +46,17 @@ def engine_dot(call: lifecycle.DotCall, mode, frozen, where: str):
   return r.out, r.frozen
 
 
-def engine_run(call, mode, frozen, where: str, initializing=False, stats=None):
-  """`engine_dot`'s `lifecycle.Result` (with new state and stats)."""
+def engine_run(
+  call, mode, frozen, where: str, initializing=False, stats=None, how=''
+):
+  """`engine_dot`'s `lifecycle.Result` (with new state and stats);
+  `how`: how to collect missing statistics, for the message."""
   try:
     return lifecycle.run(
       call, mode, frozen=frozen, stats=stats, initializing=initializing
     )
   except lifecycle.FreezerError as e:
-    raise lifecycle.in_op(e, where) from None
+    raise lifecycle.in_op(e, where, how) from None
 
 
 def _weight_config(config: DotGeneralConfig) -> DotGeneralConfig:
@@ -321,7 +324,7 @@ class Session:
         f'{mode.name} needs the float parameter. Train the quantized float '
         'model (aqtr.flax.quantize), serve the converted one.'
       )
-    else:
+    elif mode is not Mode.CALIBRATE:
       mode = Mode.TRAIN
 
     def dot(lhs, rhs, dn, precision, preferred):
@@ -333,7 +336,22 @@ class Session:
       call = lifecycle.DotCall(
         lhs, rhs, dn, config, key, precision, preferred, state
       )
-      r = engine_run(call, mode, frozen, label, host.initializing)
+      stats, run_mode = None, mode
+      if mode is not Mode.SERVE and not host.initializing:
+        stats = host.stats(mode) if lifecycle.freezers(config) else None
+      if mode is Mode.TRAIN and stats and rule_state.collects(config):
+        # After CALIBRATE, TRAIN uses the static ranges as SERVE will.
+        run_mode = Mode.CONVERT
+        call = call.replace(config=rule_state.static_config(config))
+      r = engine_run(
+        call,
+        run_mode,
+        frozen,
+        label,
+        host.initializing,
+        stats,
+        host.how_calibrate,
+      )
       host.store(r)
       out, fr = r.out, r.frozen
       if mode is Mode.CONVERT:
@@ -360,7 +378,7 @@ class Session:
         jax.ShapeDtypeStruct(jnp.shape(other), jnp.result_type(other)),
         where,
         weight,
-        (host.mpath, op_id) if rule_state.needs_state(config) else None,
+        (host.mpath, op_id) if rule_state.keeps(config) else None,
       )
       self.uses.append(use)
       if self.tap is not None and not ragged:
