@@ -318,16 +318,19 @@ def call_fn(model, variables, args, kwargs, method='__call__'):
       return getattr(nnx.merge(graphdef, state), method)(*args, **kwargs)
 
     return call_nnx, state
-  if STATE in (variables or {}):  # Calibration state: TRAIN updates it.
+  # Calibration state: TRAIN updates it. A key for configs rounding their
+  # gradients stochastically (these forward-only calls draw none).
+  mutable = [STATE] if STATE in (variables or {}) else False
+  spec = getattr(type(model), 'aqtr_spec', None)
+  rngs = None if spec is None else {spec.rng_stream: jax.random.key(0)}
 
-    def call_linen(v):
-      return model.apply(v, *args, method=method, mutable=[STATE], **kwargs)[0]
+  def call_linen(v):
+    out = model.apply(
+      v, *args, method=method, mutable=mutable, rngs=rngs, **kwargs
+    )
+    return out[0] if mutable else out
 
-    return call_linen, variables
-  return (
-    lambda v: model.apply(v, *args, method=method, **kwargs),
-    variables,
-  )
+  return call_linen, variables
 
 
 def with_frozen(model, variables, holders: dict, ops: dict):

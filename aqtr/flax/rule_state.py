@@ -452,6 +452,12 @@ def kept(model, variables, use) -> dict:
   """What convert needs of a weight op besides the weight (concretely):
   {'state': its calibration state, 'stats': its CALIBRATE statistics},
   each None when the op's config has no use for it."""
+  if key_need(use.config, Mode.CONVERT) == 'required':
+    raise ValueError(
+      f'{use.where}: the config rounds the forward pass stochastically, '
+      'which no frozen weight can reproduce: serve with a round-to-nearest '
+      'forward config (stochastic rounding on the gradients only).'
+    )
   state = stats = None
   if needs_state(use.config):
     state = read(model, variables, use.state_at, use.where)

@@ -112,10 +112,13 @@ def _freeze_fn(use: WeightUse):
       return frozen_entry(use.config, {'ragged': parts})
     store = []
     kept = kept or {}
+    # Stochastic gradients only: CONVERT runs no backward pass, any key.
+    need = rule_state.key_need(use.config, Mode.CONVERT)
+    key = None if need is None else jax.random.key(0)
 
     def dot(lhs, rhs, dn, precision, preferred):
       call = lifecycle.DotCall(
-        lhs, rhs, dn, use.config, None, precision, preferred, kept.get('state')
+        lhs, rhs, dn, use.config, key, precision, preferred, kept.get('state')
       )
       r = engine_run(call, Mode.CONVERT, None, '', stats=kept.get('stats'))
       store.append(r.frozen)
