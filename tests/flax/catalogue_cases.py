@@ -9,8 +9,17 @@ step, one convert and one serve check cover many entries.
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
 import aqtr
+import aqtr.flax
+import aqtr.flax.nnx as qnnx
 from aqtr import calibrations, fiddlers, numerics, sparsity, tilings
+from aqtr.flax.rule_state import QuantState
+from aqtr.rules import Rule
 
 FAMILIES = {
   'calibrations': calibrations,
@@ -69,3 +78,58 @@ def config(entry: str) -> aqtr.DotGeneralConfig:
 def chunks(n: int) -> list[tuple[str, ...]]:
   """`ENTRIES` in groups of at most `n` (one model run each)."""
   return [ENTRIES[i : i + n] for i in range(0, len(ENTRIES), n)]
+
+
+def learns(entries) -> bool:
+  return any(e.split(':')[1] in ('lsq', 'pact') for e in entries)
+
+
+def nnx_contract(model, entries, paths, x):
+  """Rules per path, state, a train step, convert, serve == train."""
+  pairs = zip(entries, paths[: len(entries)], strict=True)
+  rules = [Rule(config(e), path=p) for e, p in pairs]
+  q = aqtr.flax.quantize(model, rules, rngs=nnx.Rngs(aqtr=0))
+  fwd = nnx.jit(lambda m: m(x))
+  # Learned parameters are made by an eager first call (the optimizer
+  # must see them); the rest inside jit.
+  q(x) if learns(entries) else fwd(q)
+  diff = nnx.DiffState(0, nnx.Any(nnx.Param, QuantState))
+
+  @nnx.jit
+  def step(m):
+    grads = nnx.grad(lambda m: jnp.sum(m(x) ** 2), argnums=diff)(m)
+    qnnx.update_state(m, grads)
+    return grads
+
+  grads = step(q)
+  assert all(bool(jnp.isfinite(g).all()) for g in jax.tree.leaves(grads))
+  served = aqtr.flax.convert(q, x)
+  np.testing.assert_array_equal(fwd(served), fwd(q))
+  return q
+
+
+def linen_contract(model, entries, paths, x):
+  """`nnx_contract` for a linen model (state: collection 'aqtr_state')."""
+  pairs = zip(entries, paths[: len(entries)], strict=True)
+  q = aqtr.flax.quantize(model, [Rule(config(e), path=p) for e, p in pairs])
+  v = jax.jit(q.init)(jax.random.key(0), x)
+  rngs = {'aqtr': jax.random.key(1)}
+
+  def loss(p, s):
+    out, upd = q.apply(
+      {**v, 'params': p, 'aqtr_state': s},
+      x,
+      mutable=['aqtr_state'],
+      rngs=rngs,
+    )
+    return jnp.sum(out**2), upd['aqtr_state']
+
+  state = v.get('aqtr_state', {})
+  grad = jax.jit(jax.value_and_grad(loss, (0, 1), has_aux=True))
+  (_, upd), (gp, gs) = grad(v['params'], state)
+  assert all(bool(jnp.isfinite(g).all()) for g in jax.tree.leaves(gp))
+  v = {**v, 'aqtr_state': aqtr.state.merge_tree(upd, gs)} if state else v
+  sm_, sv = aqtr.flax.convert(q, x, variables=v)
+  train = jax.jit(lambda v: q.apply(v, x, mutable=['aqtr_state'], rngs=rngs))
+  want, _ = train(v)
+  np.testing.assert_array_equal(jax.jit(sm_.apply)(sv, x), want)

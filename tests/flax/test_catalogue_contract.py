@@ -17,15 +17,8 @@ import sys
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from flax import nnx
-
-import aqtr
-import aqtr.flax
-import aqtr.flax.nnx as qnnx
-from aqtr.flax.rule_state import QuantState
-from aqtr.rules import Rule
 
 sys.path.insert(0, os.path.dirname(__file__))
 import catalogue_cases as cc  # noqa: E402
@@ -58,63 +51,6 @@ class LinenStack(nn.Module):
     return x
 
 
-def learns(entries) -> bool:
-  return any(e.split(':')[1] in ('lsq', 'pact') for e in entries)
-
-
-def nnx_contract(model, entries, paths, x):
-  """Rules per path, state, a train step, convert, serve == train."""
-  pairs = zip(entries, paths[: len(entries)], strict=True)
-  rules = [Rule(cc.config(e), path=p) for e, p in pairs]
-  q = aqtr.flax.quantize(model, rules, rngs=nnx.Rngs(aqtr=0))
-  fwd = nnx.jit(lambda m: m(x))
-  # Learned parameters are made by an eager first call (the optimizer
-  # must see them); the rest inside jit.
-  q(x) if learns(entries) else fwd(q)
-  diff = nnx.DiffState(0, nnx.Any(nnx.Param, QuantState))
-
-  @nnx.jit
-  def step(m):
-    grads = nnx.grad(lambda m: jnp.sum(m(x) ** 2), argnums=diff)(m)
-    qnnx.update_state(m, grads)
-    return grads
-
-  grads = step(q)
-  assert all(bool(jnp.isfinite(g).all()) for g in jax.tree.leaves(grads))
-  served = aqtr.flax.convert(q, x)
-  np.testing.assert_array_equal(fwd(served), fwd(q))
-  return q
-
-
-def linen_contract(entries):
-  rules = [
-    Rule(cc.config(e), path=f'layers_{i}') for i, e in enumerate(entries)
-  ]
-  q = aqtr.flax.quantize(LinenStack(len(entries)), rules)
-  v = jax.jit(q.init)(jax.random.key(0), X)
-  rngs = {'aqtr': jax.random.key(1)}
-
-  def loss(p, s):
-    out, upd = q.apply(
-      {**v, 'params': p, 'aqtr_state': s},
-      X,
-      mutable=['aqtr_state'],
-      rngs=rngs,
-    )
-    return jnp.sum(out**2), upd['aqtr_state']
-
-  state = v.get('aqtr_state', {})
-  grad = jax.jit(jax.value_and_grad(loss, (0, 1), has_aux=True))
-  (_, upd), (gp, gs) = grad(v['params'], state)
-  assert all(bool(jnp.isfinite(g).all()) for g in jax.tree.leaves(gp))
-  v = {**v, 'aqtr_state': aqtr.state.merge_tree(upd, gs)} if state else v
-  sm_, sv = aqtr.flax.convert(q, X, variables=v)
-  want = jax.jit(lambda v: q.apply(v, X, mutable=['aqtr_state'], rngs=rngs)[0])(
-    v
-  )
-  np.testing.assert_array_equal(jax.jit(sm_.apply)(sv, X), want)
-
-
 def test_entries_cover_every_registry():
   for fam, reg in cc.FAMILIES.items():
     assert {e for e in cc.ENTRIES if e.startswith(fam + ':')} == {
@@ -123,19 +59,24 @@ def test_entries_cover_every_registry():
 
 
 def test_fast_entries_nnx_stack():
-  nnx_contract(
+  cc.nnx_contract(
     Stack(len(FAST)), FAST, [f'layers/{i}' for i in range(len(FAST))], X
   )
 
 
+def linen_stack(entries):
+  paths = [f'layers_{i}' for i in range(len(entries))]
+  cc.linen_contract(LinenStack(len(entries)), entries, paths, X)
+
+
 def test_fast_entries_linen_stack():
-  linen_contract(FAST)
+  linen_stack(FAST)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize('chunk', cc.chunks(9), ids=lambda c: c[0])
 def test_catalogue_nnx_stack(chunk):
-  nnx_contract(
+  cc.nnx_contract(
     Stack(len(chunk)), chunk, [f'layers/{i}' for i in range(len(chunk))], X
   )
 
@@ -143,7 +84,7 @@ def test_catalogue_nnx_stack(chunk):
 @pytest.mark.slow
 @pytest.mark.parametrize('chunk', cc.chunks(9), ids=lambda c: c[0])
 def test_catalogue_linen_stack(chunk):
-  linen_contract(chunk)
+  linen_stack(chunk)
 
 
 # The stock Llama's weight ops (each runs in every scanned layer).
@@ -162,4 +103,4 @@ LLAMA_OPS = (
 @pytest.mark.parametrize('chunk', cc.chunks(7), ids=lambda c: c[0])
 def test_catalogue_stock_llama(chunk):
   ids = jax.random.randint(jax.random.key(0), (2, sm.T), 0, sm.VOCAB)
-  nnx_contract(sm.Llama(nnx.Rngs(0)), chunk, LLAMA_OPS, ids)
+  cc.nnx_contract(sm.Llama(nnx.Rngs(0)), chunk, LLAMA_OPS, ids)
