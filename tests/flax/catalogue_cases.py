@@ -9,6 +9,8 @@ step, one convert and one serve check cover many entries.
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -80,6 +82,17 @@ def chunks(n: int) -> list[tuple[str, ...]]:
   return [ENTRIES[i : i + n] for i in range(0, len(ENTRIES), n)]
 
 
+def same(got, want, seen) -> None:
+  """serve == train: bit for bit, or within the few ULP of the largest
+  output that `convert` warned about (XLA fused the programs apart)."""
+  fused = any('fused' in str(w.message) for w in seen)
+  if not fused:
+    np.testing.assert_array_equal(got, want)
+    return
+  ulp = np.finfo(np.float32).eps * float(np.abs(want).max())
+  np.testing.assert_allclose(got, want, rtol=0, atol=64 * ulp)
+
+
 def learns(entries) -> bool:
   return any(e.split(':')[1] in ('lsq', 'pact') for e in entries)
 
@@ -89,22 +102,26 @@ def nnx_contract(model, entries, paths, x):
   pairs = zip(entries, paths[: len(entries)], strict=True)
   rules = [Rule(config(e), path=p) for e, p in pairs]
   q = aqtr.flax.quantize(model, rules, rngs=nnx.Rngs(aqtr=0))
-  fwd = nnx.jit(lambda m: m(x))
+  # Inputs are jit arguments: closed over, XLA folds the quantization of
+  # constants (differently from the compiled code for some formats).
+  fwd = nnx.jit(lambda m, x: m(x))
   # Learned parameters are made by an eager first call (the optimizer
   # must see them); the rest inside jit.
-  q(x) if learns(entries) else fwd(q)
+  q(x) if learns(entries) else fwd(q, x)
   diff = nnx.DiffState(0, nnx.Any(nnx.Param, QuantState))
 
   @nnx.jit
-  def step(m):
+  def step(m, x):
     grads = nnx.grad(lambda m: jnp.sum(m(x) ** 2), argnums=diff)(m)
     qnnx.update_state(m, grads)
     return grads
 
-  grads = step(q)
+  grads = step(q, x)
   assert all(bool(jnp.isfinite(g).all()) for g in jax.tree.leaves(grads))
-  served = aqtr.flax.convert(q, x)
-  np.testing.assert_array_equal(fwd(served), fwd(q))
+  with warnings.catch_warnings(record=True) as seen:
+    warnings.simplefilter('always')
+    served = aqtr.flax.convert(q, x)
+  same(fwd(served, x), fwd(q, x), seen)
   return q
 
 
@@ -115,7 +132,7 @@ def linen_contract(model, entries, paths, x):
   v = jax.jit(q.init)(jax.random.key(0), x)
   rngs = {'aqtr': jax.random.key(1)}
 
-  def loss(p, s):
+  def loss(p, s, x):
     out, upd = q.apply(
       {**v, 'params': p, 'aqtr_state': s},
       x,
@@ -126,10 +143,12 @@ def linen_contract(model, entries, paths, x):
 
   state = v.get('aqtr_state', {})
   grad = jax.jit(jax.value_and_grad(loss, (0, 1), has_aux=True))
-  (_, upd), (gp, gs) = grad(v['params'], state)
+  (_, upd), (gp, gs) = grad(v['params'], state, x)
   assert all(bool(jnp.isfinite(g).all()) for g in jax.tree.leaves(gp))
   v = {**v, 'aqtr_state': aqtr.state.merge_tree(upd, gs)} if state else v
-  sm_, sv = aqtr.flax.convert(q, x, variables=v)
-  train = jax.jit(lambda v: q.apply(v, x, mutable=['aqtr_state'], rngs=rngs))
-  want, _ = train(v)
-  np.testing.assert_array_equal(jax.jit(sm_.apply)(sv, x), want)
+  with warnings.catch_warnings(record=True) as seen:
+    warnings.simplefilter('always')
+    sm_, sv = aqtr.flax.convert(q, x, variables=v)
+  train = jax.jit(lambda v, x: q.apply(v, x, mutable=['aqtr_state'], rngs=rngs))
+  want, _ = train(v, x)
+  same(jax.jit(sm_.apply)(sv, x), want, seen)
