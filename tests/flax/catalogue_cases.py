@@ -29,9 +29,11 @@ FAMILIES = {
   'rounding': fiddlers.roundings,
   'sparsity': sparsity,
 }
+# 'schedule:n_m': N:M sparsity with a schedule (its mask is state: starts
+# at step 1, recomputed every 2 steps).
 ENTRIES = tuple(
   f'{fam}:{name}' for fam, reg in FAMILIES.items() for name in reg.names()
-)
+) + ('schedule:n_m',)
 
 
 def tensor(**kw) -> aqtr.TensorConfig:
@@ -54,8 +56,16 @@ _FLOAT = aqtr.TensorConfig(numerics=numerics.NoNumerics())
 def config(entry: str) -> aqtr.DotGeneralConfig:
   """An op config exercising the registry entry 'family:name'."""
   fam, name = entry.split(':')
-  obj = FAMILIES[fam].get(name)()
   raw = aqtr.DotGeneralRaw
+  if fam == 'schedule':
+    obj = sparsity.get(name)(start_step=1, update_step=2)
+    w = tensor(sparsity=obj)  # as aqtr.presets.int8_sparse_2_4
+    return aqtr.DotGeneralConfig(
+      fwd=raw(lhs=tensor(), rhs=w),
+      dlhs=raw(lhs=tensor(), rhs=w, use_fwd_quant=True),
+      drhs=raw(lhs=tensor(), rhs=tensor()),
+    )
+  obj = FAMILIES[fam].get(name)()
   if fam == 'sparsity':
     fwd = raw(lhs=tensor(), rhs=tensor(sparsity=obj))
     bwd = raw(lhs=_FLOAT, rhs=_FLOAT)

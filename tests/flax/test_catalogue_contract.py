@@ -26,7 +26,7 @@ import stock_models as sm  # noqa: E402
 
 W = 32  # divisible by the block formats' 32
 X = jax.random.normal(jax.random.key(0), (4, W))
-FAST = ('calibrations:delayed_scaling', 'rounding:stochastic', 'sparsity:n_m')
+FAST = ('calibrations:delayed_scaling', 'rounding:stochastic', 'schedule:n_m')
 
 
 class Stack(nnx.Module):
@@ -59,9 +59,11 @@ def test_entries_cover_every_registry():
 
 
 def test_fast_entries_nnx_stack():
-  cc.nnx_contract(
+  q = cc.nnx_contract(
     Stack(len(FAST)), FAST, [f'layers/{i}' for i in range(len(FAST))], X
   )
+  state = q.layers[2].aqtr_state.get_value()['dot_general0']
+  assert int(state['fwd.rhs.sparsity']['step']) == 3  # 3 TRAIN calls made
 
 
 def linen_stack(entries):
