@@ -76,7 +76,8 @@ def intercepting(method, session, who: str, hint: str):
     spec = getattr(type(self), 'aqtr_spec', None)
     if spec is not None:
       s.base_key = rule_state.base_key(self, spec, aqtr_key)
-      s.traced = rule_state.traced(self)
+      if any(rule_state.needs_state(c) for c in spec.configs):
+        s.traced = rule_state.traced(self)
     with intercept.active(s):
       return raw(self, *args, **kwargs)
 
