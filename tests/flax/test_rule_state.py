@@ -118,7 +118,9 @@ class LinenMlp(nn.Module):
     return nn.Dense(8, name='down')(jax.nn.relu(nn.Dense(16, name='up')(x)))
 
 
-def test_linen_state_collection_and_learned_params():
+def test_linen_state_collection_and_learned_params(tmp_path):
+  import aqtr.flax.checkpoint as ckpt
+
   q = aqtr.flax.quantize(LinenMlp(), Rule(CFG))
   v = jax.jit(q.init)(jax.random.key(0), X)
   assert set(v['aqtr_state']['up']) == {'dot_general0'}
@@ -133,6 +135,9 @@ def test_linen_state_collection_and_learned_params():
     v['params'], v['aqtr_state']
   )
   new = aqtr.state.merge_tree(upd, gs)
+  ckpt.save(str(tmp_path / 'linen'), {**v, 'aqtr_state': new})
+  back = ckpt.restore(str(tmp_path / 'linen'), {**v, 'aqtr_state': new})
+  jax.tree.map(np.testing.assert_array_equal, back['aqtr_state'], new)
   h = new['up']['dot_general0']
   assert float(h['fwd.lhs']['history'].max()) > 0
   assert float(h['dlhs.lhs']['history'].max()) > 0
