@@ -71,6 +71,7 @@ def linen_stack(entries):
   cc.linen_contract(LinenStack(len(entries)), entries, paths, X)
 
 
+@pytest.mark.slow
 def test_fast_entries_linen_stack():
   linen_stack(FAST)
 

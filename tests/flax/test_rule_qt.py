@@ -22,6 +22,7 @@ class Mlp(nn.Module):
     return nn.Dense(32, name='down')(jax.nn.relu(nn.Dense(64, name='up')(x)))
 
 
+@pytest.mark.slow
 def test_qt_params_train_and_serve_exactly_their_stored_values():
   q = aqtr.flax.quantize(Mlp(), RULE)
   v = jax.jit(q.init)(jax.random.key(0), X)

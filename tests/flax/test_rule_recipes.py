@@ -49,6 +49,7 @@ def step_and_serve(q, x):
   return served
 
 
+@pytest.mark.slow
 def test_maxtext_deepseek_static_scales_calibrated():
   q = aqtr.flax.quantize(Mlp(), Rule('maxtext_deepseek_fp8', weight=True))
   aqtr.flax.calibrate(q, [X, 0.5 * X])
