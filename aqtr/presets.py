@@ -22,6 +22,7 @@ from aqtr.calibrations.minmax import MinMax
 from aqtr.core.arguments import check_flags, check_int
 from aqtr.core.config import DotGeneralConfig, DotGeneralRaw, TensorConfig
 from aqtr.core.rounding import NearestEven, Rounding, Stochastic
+from aqtr.fp8_recipes import deepseek_v3_fp8, maxtext_deepseek_fp8
 from aqtr.freezers.base import NoFreezer
 from aqtr.numerics.base import Numerics
 from aqtr.numerics.fp8 import Fp8
@@ -44,6 +45,7 @@ from aqtr.transforms.none import NoTransform
 
 __all__ = [
   'aqt_v4',
+  'deepseek_v3_fp8',
   'float',
   'fp8',
   'fp8_delayed',
@@ -57,6 +59,7 @@ __all__ = [
   'int8_fwd',
   'int8_sparse_2_4',
   'int8_weight_only',
+  'maxtext_deepseek_fp8',
   'mxfp4_training',
   'mxfp4_weight_only',
   'mxfp8',

@@ -44,6 +44,8 @@ PUBLIC = {
 
 PRESETS = {
   'aqt_v4',
+  'deepseek_v3_fp8',
+  'maxtext_deepseek_fp8',
   'float',
   'fp8',
   'fp8_nanoo',

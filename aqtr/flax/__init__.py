@@ -7,9 +7,11 @@
   import aqtr.flax.checkpoint  # orbax save / restore of serving trees
 
 Stock models (no aqtr ops in them) are quantized by rules:
-`aqtr.flax.quantize(model, rules)`, `report`, `convert`, `set_mode`,
-`sizes` (`aqtr.flax.quantized`, `aqtr.flax.serving`; the calls are caught by
-`aqtr.flax.intercept`, frozen weights held as in `aqtr.flax.frozen`).
+`aqtr.flax.quantize(model, rules)`, `report`, `convert`, `calibrate`,
+`set_mode`, `sizes` (`aqtr.flax.quantized`, `aqtr.flax.serving`; the calls
+are caught by `aqtr.flax.intercept`, frozen weights held as in
+`aqtr.flax.frozen`; keys and calibration state in `aqtr.flax.rule_state`,
+QT params checked by `aqtr.flax.qt_rules`).
 
 `aqtr.flax.linen_convert` (re-exported by linen) holds the conversion;
 `aqtr.flax.common` the one op body the linen, nnx and `aqtr.pax` ops
@@ -27,8 +29,16 @@ except ImportError as e:
   raise extras.missing('flax', 'aqtr.flax', e) from e
 
 # Interception of stock models (rules): `aqtr.flax.quantize(model, rules)`.
-from aqtr.flax.quantized import quantize, set_mode  # noqa: E402
+from aqtr.flax.quantized import calibrate, quantize, set_mode  # noqa: E402
 from aqtr.flax.serving import convert, report, sizes  # noqa: E402
 from aqtr.rules import Rule  # noqa: E402
 
-__all__ = ['Rule', 'convert', 'quantize', 'report', 'set_mode', 'sizes']
+__all__ = [
+  'Rule',
+  'calibrate',
+  'convert',
+  'quantize',
+  'report',
+  'set_mode',
+  'sizes',
+]

@@ -25,6 +25,7 @@ import flax.linen as nn
 import jax
 
 from aqtr.flax import host
+from aqtr.flax.common import STATE
 from aqtr.flax.frozen import STORE, FrozenBox, store_key
 
 __all__ = ['LinenHost', 'unbound']
@@ -60,11 +61,20 @@ class LinenHost(host.Host):
     return self.model.copy()
 
   def call_fn(self, args, kwargs, method='__call__'):
-    model = self.model
-    return (
-      lambda v: model.apply(v, *args, method=method, **kwargs),
-      self.variables,
-    )
+    model, variables = self.model, self.variables
+    # Calibration state: TRAIN updates it. A key for configs rounding their
+    # gradients stochastically (these forward-only calls draw none).
+    mutable = [STATE] if STATE in (variables or {}) else False
+    spec = getattr(type(model), 'aqtr_spec', None)
+    rngs = None if spec is None else {spec.rng_stream: jax.random.key(0)}
+
+    def call_linen(v):
+      out = model.apply(
+        v, *args, method=method, mutable=mutable, rngs=rngs, **kwargs
+      )
+      return out[0] if mutable else out
+
+    return call_linen, variables
 
   def _variables(self) -> dict:
     if self.variables is not None:

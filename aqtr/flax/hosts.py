@@ -35,6 +35,7 @@ from aqtr.flax.host_nnx import NnxHost
 __all__ = [
   'Host',
   'call_prefix',
+  'is_linen',
   'of',
   'own_params',
   'path_in_stack',
@@ -53,6 +54,11 @@ def register(predicate: Callable[[Any], bool], cls: type, name: str) -> None:
   """Makes `of` build `cls(model, variables)` for models `predicate` takes
   (`name`: the kind in errors, e.g. 'a Pax template')."""
   _KINDS.append((predicate, cls, name))
+
+
+def is_linen(model) -> bool:
+  """Whether `model` is a linen Module (interception's per-kind state)."""
+  return isinstance(model, nn.Module)
 
 
 def of(model, variables=None, *, who: str = 'aqtr', need_variables=True):

@@ -17,10 +17,9 @@ gradients); `convert(model, ...)` runs CONVERT once (`aqtr.freezers`'
 'weights' freezer: int8 / int4 / fp8 values + scales, exactly TRAIN's
 quantization) and puts the frozen values in place of each matched float
 kernel, or in the model's op store (`aqtr.flax.frozen`); the returned
-model serves (SERVE) bit for bit equal to TRAIN. `lax.ragged_dot` weights
-are quantized on the fly in SERVE too (not frozen). Unsupported here:
-stochastic rounding (no PRNG keys are passed), stateful calibrations and
-CALIBRATE (use the `aqtr.flax.linen` / `nnx` ops for those).
+model serves (SERVE) bit for bit equal to TRAIN. Stochastic rounding
+draws its keys, and stateful calibrations keep their state, in the
+model's Flax variables (`aqtr.flax.rule_state`).
 
 Example:
   >>> import jax.numpy as jnp
@@ -37,8 +36,11 @@ import dataclasses
 import functools
 import inspect
 
+import jax
+from flax import nnx
+
 from aqtr import rules as rules_lib
-from aqtr.flax import analysis, common, hosts, intercept
+from aqtr.flax import analysis, common, hosts, intercept, rule_state
 from aqtr.flax.session import Session, Spec
 from aqtr.freezers import Mode, lifecycle
 
@@ -65,11 +67,18 @@ def intercepting(method, session, who: str, hint: str):
     )
 
   @functools.wraps(raw)
-  def call(self, *args, **kwargs):
+  def call(self, *args, aqtr_key=None, **kwargs):
     if intercept.is_active():
       return raw(self, *args, **kwargs)
     weights = analysis.analyze(self, raw, args, kwargs)
-    with intercept.active(session(self, weights)):
+    s = session(self, weights)
+    s.root = self
+    spec = getattr(type(self), 'aqtr_spec', None)
+    if spec is not None:
+      s.base_key = rule_state.base_key(self, spec, aqtr_key)
+      if any(rule_state.needs_state(c) for c in spec.configs):
+        s.traced = rule_state.traced(self)
+    with intercept.active(s):
       return raw(self, *args, **kwargs)
 
   return call
@@ -101,7 +110,7 @@ def _subclass(base: type, spec: Spec) -> type:
   return type(base.__name__, (base,), ns)
 
 
-def _spec(rules, methods) -> Spec:
+def _spec(rules, methods, rng_stream=rule_state.STREAM) -> Spec:
   rules = rules_lib.as_rules(rules, 'aqtr.flax.quantize')
   configs = []
   for i, r in enumerate(rules):
@@ -109,10 +118,24 @@ def _spec(rules, methods) -> Spec:
     if c is not None:
       lifecycle.validate(c)
     configs.append(c)
-  return Spec(rules, tuple(configs), Mode.TRAIN, tuple(methods))
+  if not isinstance(rng_stream, str) or not rng_stream:
+    raise TypeError(
+      f'aqtr.flax.quantize: rng_stream must be a stream name, got '
+      f"{rng_stream!r}; e.g. rng_stream='aqtr'."
+    )
+  return Spec(
+    rules, tuple(configs), Mode.TRAIN, tuple(methods), rng_stream=rng_stream
+  )
 
 
-def quantize(model, rules, *, methods=('__call__',)):
+def quantize(
+  model,
+  rules,
+  *,
+  methods=('__call__',),
+  rngs=None,
+  rng_stream: str = rule_state.STREAM,
+):
   """A copy of `model` (linen or nnx) whose matched ops run quantized.
 
   Args:
@@ -122,6 +145,11 @@ def quantize(model, rules, *, methods=('__call__',)):
       config}); the first that matches an op sets its config.
     methods: the methods that start a model call (interception is active
       for their duration, covering every submodule they run).
+    rngs: nnx only: an `nnx.Rngs` with the stream `rng_stream`, kept by
+      the model (attribute `aqtr_rngs`) for stochastic rounding: one draw
+      per call (linen: pass `rngs={rng_stream: key}` to apply).
+    rng_stream: the stream of stochastic rounding's keys ('aqtr'). A call
+      may pass `aqtr_key=key` instead.
 
   Returns:
     The quantized model in Mode.TRAIN: the same class name and parameter
@@ -139,9 +167,21 @@ def quantize(model, rules, *, methods=('__call__',)):
       f'aqtr.flax.quantize: {type(model).__name__} is already quantized; '
       'quantize the float model again, or use aqtr.flax.set_mode.'
     )
-  spec = _spec(rules, methods)
+  spec = _spec(rules, methods, rng_stream)
   who = 'aqtr.flax.quantize'
   model = hosts.of(model, who=who, need_variables=False).fresh_copy(who)
+  if rngs is not None:
+    if hosts.is_linen(model) or not isinstance(rngs, nnx.Rngs):
+      raise TypeError(
+        'aqtr.flax.quantize: rngs= takes an nnx.Rngs for an nnx model; '
+        f"linen models get keys from apply(..., rngs={{'{rng_stream}': key}})."
+      )
+    if rng_stream not in rngs:
+      raise ValueError(
+        f'aqtr.flax.quantize: rngs has no stream {rng_stream!r}; pass '
+        f'nnx.Rngs({rng_stream}=seed).'
+      )
+    model.aqtr_rngs = rngs
   model.__class__ = _subclass(type(model), spec)
   return model
 
@@ -158,9 +198,9 @@ def spec_of(model):
 def set_mode(model, mode: Mode, *, converted_=None):
   """`model` (quantized) in `mode` (nnx: in place; returns the model)."""
   common.check_mode(mode)
-  if mode not in (Mode.TRAIN, Mode.SERVE):
+  if mode not in (Mode.TRAIN, Mode.CALIBRATE, Mode.SERVE):
     raise ValueError(
-      f'mode: interception runs Mode.TRAIN and Mode.SERVE, got {mode}; '
+      f'mode: interception runs Mode.TRAIN, CALIBRATE and SERVE, got {mode}; '
       'CONVERT is aqtr.flax.convert(model, ...).'
     )
   spec = spec_of(model)
@@ -171,4 +211,67 @@ def set_mode(model, mode: Mode, *, converted_=None):
   return model
 
 
-__all__ = ['intercepting', 'quantize', 'set_mode', 'spec_of']
+def calibrate(model, batches, *, variables=None):
+  """Records static ranges: runs `model` in Mode.CALIBRATE on `batches`.
+
+  Ops whose config freezes a side with the 'calibration' freezer
+  (`aqtr.freezers.configure(cfg, lhs='calibration')`) keep the running
+  mean of its bound (nnx: `aqtr.flax.nnx.Stats` variables 'aqtr_stats';
+  linen: the collection 'aqtr_stats'); `convert` freezes it, so SERVE
+  quantizes those activations with a static scale. Stateful calibrations
+  update their state too. Each batch runs under `jit`.
+
+  Args:
+    model: a quantized model in Mode.TRAIN.
+    batches: an iterable of inputs: an array, or a tuple of the call's
+      positional arguments.
+    variables: linen: the model's variables (nnx: unused).
+
+  Returns:
+    nnx: the model (updated in place, back in Mode.TRAIN). linen: the new
+    variables.
+
+  Example:
+    >>> import jax.numpy as jnp, aqtr
+    >>> from flax import nnx
+    >>> cfg = aqtr.freezers.configure(aqtr.presets.int8(), lhs='calibration')
+    >>> q = quantize(nnx.Linear(4, 3, rngs=nnx.Rngs(0)), [rules_lib.Rule(cfg)])
+    >>> q = calibrate(q, [jnp.ones((2, 4))])
+    >>> int(q.aqtr_stats.get_value()['dot_general0']['lhs']['count'])
+    1
+  """
+  spec = spec_of(model)
+  if spec.mode is not Mode.TRAIN or spec.converted:
+    raise ValueError(
+      'aqtr.flax.calibrate: calibrate the quantized model in Mode.TRAIN '
+      '(before aqtr.flax.convert).'
+    )
+  linen = hosts.is_linen(model)
+  if linen and variables is None:
+    raise TypeError('aqtr.flax.calibrate: a linen model needs variables=.')
+  cal = set_mode(model, Mode.CALIBRATE)
+  n = 0
+  try:
+    if linen:
+      cols = [common.STATS, common.STATE]
+      step = jax.jit(lambda v, a: cal.apply(v, *a, mutable=cols)[1])
+    else:
+      step = nnx.jit(lambda m, a: m(*a))
+    for batch in batches:
+      args = batch if isinstance(batch, tuple) else (batch,)
+      if linen:
+        variables = {**variables, **step(variables, args)}
+      else:
+        step(cal, args)
+      n += 1
+  finally:
+    if not linen:
+      set_mode(cal, Mode.TRAIN)
+  if n == 0:
+    raise ValueError(
+      'aqtr.flax.calibrate: batches is empty; pass sample inputs.'
+    )
+  return variables if linen else model
+
+
+__all__ = ['calibrate', 'intercepting', 'quantize', 'set_mode', 'spec_of']

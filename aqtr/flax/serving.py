@@ -29,13 +29,13 @@ import numpy as np
 
 from aqtr import rules as rules_lib
 from aqtr.core.ragged_dot import freeze_ragged
-from aqtr.flax import common, hosts, intercept
+from aqtr.flax import common, hosts, intercept, rule_state
 from aqtr.flax.frozen import kernel_bytes, store_key
 from aqtr.flax.quantized import set_mode, spec_of
 from aqtr.flax.session import (
   Session,
   WeightUse,
-  engine_dot,
+  engine_run,
   frozen_entry,
   swapped,
 )
@@ -110,19 +110,23 @@ def merge_report(spec, sessions, strict) -> Report:
 def _freeze_fn(use: WeightUse):
   """w (one op's weight) -> the holder entry of `use`'s op."""
 
-  def freeze(w):
+  def freeze(w, kept=None):
     if use.call.kind == 'ragged_dot':
       parts = freeze_ragged(w, use.config, use.other.shape[-1])
       return frozen_entry(use.config, {'ragged': parts})
     store = []
+    kept = kept or {}
+    # Stochastic gradients only: CONVERT runs no backward pass, any key.
+    need = rule_state.key_need(use.config, Mode.CONVERT)
+    key = None if need is None else jax.random.key(0)
 
     def dot(lhs, rhs, dn, precision, preferred):
       call = lifecycle.DotCall(
-        lhs, rhs, dn, use.config, None, precision, preferred
+        lhs, rhs, dn, use.config, key, precision, preferred, kept.get('state')
       )
-      out, fr = engine_dot(call, Mode.CONVERT, None, '')
-      store.append(fr)
-      return out
+      r = engine_run(call, Mode.CONVERT, None, '', stats=kept.get('stats'))
+      store.append(r.frozen)
+      return r.out
 
     other = jnp.zeros(use.other.shape, use.other.dtype)
     if use.side == 'lhs':
@@ -134,21 +138,25 @@ def _freeze_fn(use: WeightUse):
   return freeze
 
 
-def _freeze_all(todo: dict) -> dict:
-  """{where: {op key: entry}} of every weight in `todo`, in one jit."""
+def _freeze_all(todo: dict, states: dict) -> dict:
+  """{where: {op key: entry}} of every weight in `todo`, in one jit;
+  `states`: {where: {op key: calibration state}} of stateful ops."""
   fns = {
     where: {u.key: _freeze(u, w, where) for u in uses}
     for where, (uses, w, _) in todo.items()
   }
   weights = {where: w for where, (_, w, _) in todo.items()}
 
-  def run(weights):
+  def run(weights, states):
     return {
-      where: {k: fn(weights[where]) for k, fn in ops.items()}
+      where: {
+        k: fn(weights[where], states.get(where, {}).get(k))
+        for k, fn in ops.items()
+      }
       for where, ops in fns.items()
     }
 
-  return jax.jit(run)(weights)
+  return jax.jit(run)(weights, states)
 
 
 def _freeze(use: WeightUse, w: jax.Array, where: str):
@@ -163,7 +171,7 @@ def _freeze(use: WeightUse, w: jax.Array, where: str):
   fn = _freeze_fn(use)
   for _ in range(lead):
     fn = jax.vmap(fn)
-  return lambda w: fn(w.astype(use.weight.dtype))
+  return lambda w, state=None: fn(w.astype(use.weight.dtype), state)
 
 
 def convert(
@@ -259,10 +267,19 @@ def convert(
       # the float parameter leaves the tree (an empty holder).
       w = host.read_param(path)
       empty[path] = ({}, tuple(jnp.shape(w)), jnp.dtype(w.dtype), jnp.ndim(w))
-  frozen = _freeze_all(todo)  # one compiled program for every weight
+  states = {
+    where: {
+      u.key: rule_state.kept(model, variables, u)
+      for u in uses
+      if u.state_at is not None
+    }
+    for where, (uses, _, _) in todo.items()
+  }
+  frozen = _freeze_all(todo, states)  # one program for every weight
   holders = {}
   for where, (uses, w, path) in todo.items():
-    ref = jax.tree.leaves(_entry_shapes(uses[0]))[0]
+    st = states[where].get(uses[0].key)
+    ref = jax.tree.leaves(_entry_shapes(uses[0], st, jnp.ndim(w)))[0]
     shape, dtype = tuple(uses[0].weight.shape), jnp.dtype(w.dtype)
     holders[path] = (frozen[where], shape, dtype, ref.ndim)
   holders.update(empty)
@@ -388,8 +405,14 @@ def _ulps(a, b) -> int:
   )
 
 
-def _entry_shapes(use: WeightUse):
-  return jax.eval_shape(_freeze_fn(use), use.weight)
+def _entry_shapes(use: WeightUse, state=None, ndim=None):
+  """The shapes of one layer's entry (`state`: maybe stacked, `ndim`:
+  the stacked weight's rank)."""
+  lead = 0 if ndim is None else ndim - len(use.weight.shape)
+  state = jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(jnp.shape(x)[lead:], x.dtype), state
+  )
+  return jax.eval_shape(_freeze_fn(use), use.weight, state)
 
 
 def sizes(served, variables=None) -> common.Report:

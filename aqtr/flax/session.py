@@ -28,7 +28,7 @@ from aqtr.core.ragged_dot import (
   ragged_dot,
   served_ragged_dot,
 )
-from aqtr.flax import common, hosts, intercept
+from aqtr.flax import common, hosts, intercept, rule_state
 from aqtr.flax.frozen import holder_entries, store_key
 from aqtr.freezers import Mode, configure, lifecycle
 from aqtr.rules import OpEntry, Rule
@@ -42,11 +42,21 @@ def engine_dot(call: lifecycle.DotCall, mode, frozen, where: str):
   Errors about an operand get the op's name (`where`) here, at the
   boundary.
   """
-  try:
-    r = lifecycle.run(call, mode, frozen=frozen)
-  except lifecycle.FreezerError as e:
-    raise lifecycle.in_op(e, where) from None
+  r = engine_run(call, mode, frozen, where)
   return r.out, r.frozen
+
+
+def engine_run(
+  call, mode, frozen, where: str, initializing=False, stats=None, how=''
+):
+  """`engine_dot`'s `lifecycle.Result` (with new state and stats);
+  `how`: how to collect missing statistics, for the message."""
+  try:
+    return lifecycle.run(
+      call, mode, frozen=frozen, stats=stats, initializing=initializing
+    )
+  except lifecycle.FreezerError as e:
+    raise lifecycle.in_op(e, where, how) from None
 
 
 def _weight_config(config: DotGeneralConfig) -> DotGeneralConfig:
@@ -95,6 +105,9 @@ class WeightUse:
   other: jax.ShapeDtypeStruct
   where: str = ''
   info: Any = None
+  # Stateful configs: (module path, op id) of the op's state
+  # (`aqtr.flax.rule_state.read`); None when the config keeps none.
+  state_at: tuple | None = None
 
 
 def swapped(dot):
@@ -173,6 +186,11 @@ class Session:
     # Set by an observer (`aqtr.ptq`'s calibration pass): called with each
     # WeightUse in TRAIN instead of the quantized dot; returns its output.
     self.tap = None
+    # Set by `quantize`'s call wrapper: the model called and the call's
+    # base PRNG key (`aqtr.flax.rule_state.base_key`).
+    self.root = None
+    self.base_key = None
+    self.traced = False
     for observer in intercept.context().observers if observed else ():
       observer.append(self)
 
@@ -235,14 +253,12 @@ class Session:
     if not quantize:
       return op.float()
     label = f'{where} ({op.name} of shapes {op.shapes()})'
-    if getattr(config, 'needs_key', False):
-      raise ValueError(
-        f'{label}: the config rounds stochastically and interception passes '
-        'no PRNG key; use a round-to-nearest config for this rule.'
-      )
     try:
       origin = (op_id, where, weight)
-      return self._run(op, config, side, frozen, origin, label)
+      host = rule_state.RuleHost(
+        module, op_id, label, config, self.spec.mode, mpath, self.traced
+      )
+      return self._run(op, config, side, frozen, origin, label, host)
     except (ValueError, TypeError) as e:
       if str(e).startswith(where):
         raise
@@ -264,7 +280,22 @@ class Session:
       return None, None, None
     return w.side, w, None
 
-  def _run(self, op, config, side, frozen, origin, label):
+  def key_of(self, config, mode, where: str, label: str, initializing=False):
+    """The PRNG key of the op at `where` (None when it needs none)."""
+    use = rule_state.key_need(config, mode)
+    if use is None:
+      return None
+    if self.base_key is not None:
+      return rule_state.op_key(self.base_key, where)
+    if use == 'dummy' or initializing:
+      return jax.random.key(0)
+    raise ValueError(
+      f'{label}: the config rounds stochastically (or draws a random '
+      'transform) and needs a PRNG key, but the call has none: '
+      f'{rule_state.missing_key(self.root, self.spec.rng_stream)}'
+    )
+
+  def _run(self, op, config, side, frozen, origin, label, host):
     """The op in the session's mode; `origin`: (op id, op path, Weight)."""
     op_id, where, weight = origin
     param = None if weight is None else '/'.join(map(str, weight.path))
@@ -293,12 +324,36 @@ class Session:
         f'{mode.name} needs the float parameter. Train the quantized float '
         'model (aqtr.flax.quantize), serve the converted one.'
       )
-    else:
+    elif mode is not Mode.CALIBRATE:
       mode = Mode.TRAIN
 
     def dot(lhs, rhs, dn, precision, preferred):
-      call = lifecycle.DotCall(lhs, rhs, dn, config, None, precision, preferred)
-      out, fr = engine_dot(call, mode, frozen, label)
+      key = self.key_of(config, mode, where, label, host.initializing)
+      state = None
+      if rule_state.needs_state(config):
+        init = common.CalibStateInit(lhs, rhs, dn, config)
+        state = host.calib_state(init)
+      call = lifecycle.DotCall(
+        lhs, rhs, dn, config, key, precision, preferred, state
+      )
+      stats, run_mode = None, mode
+      if mode is not Mode.SERVE and not host.initializing:
+        stats = host.stats(mode) if lifecycle.freezers(config) else None
+      if mode is Mode.TRAIN and stats and rule_state.collects(config):
+        # After CALIBRATE, TRAIN uses the static ranges as SERVE will.
+        run_mode = Mode.CONVERT
+        call = call.replace(config=rule_state.static_config(config))
+      r = engine_run(
+        call,
+        run_mode,
+        frozen,
+        label,
+        host.initializing,
+        stats,
+        host.how_calibrate,
+      )
+      host.store(r)
+      out, fr = r.out, r.frozen
       if mode is Mode.CONVERT:
         self.collected[where] = {f'{op_id}_{side}': frozen_entry(config, fr)}
       return out
@@ -323,12 +378,20 @@ class Session:
         jax.ShapeDtypeStruct(jnp.shape(other), jnp.result_type(other)),
         where,
         weight,
+        (host.mpath, op_id) if rule_state.keeps(config) else None,
       )
       self.uses.append(use)
       if self.tap is not None and not ragged:
         return self.tap(use)
     if ragged:
-      return _ragged(op, config)
+      if rule_state.needs_state(config):
+        raise ValueError(
+          f'{label}: lax.ragged_dot through rules keeps no calibration state '
+          'or sparsity schedule yet; give this op (Rule(..., op='
+          "'ragged_dot')) a stateless config."
+        )
+      key = self.key_of(config, mode, where, label, host.initializing)
+      return _ragged(op, config, key)
     return op.run(run, op.lhs, op.rhs)
 
 
@@ -345,13 +408,14 @@ def _ragged_served(op, frozen, config):
   return common.constrain(out, a['out_sharding'])
 
 
-def _ragged(op, config):
+def _ragged(op, config, key=None):
   a = op.extra
   return ragged_dot(
     a['lhs'],
     a['rhs'],
     a['group_sizes'],
     config,
+    key=key,
     precision=a['precision'],
     preferred_element_type=a['preferred_element_type'],
     out_sharding=a['out_sharding'],
@@ -367,6 +431,7 @@ class Spec:
   mode: Mode
   methods: tuple[str, ...] = ('__call__',)
   converted: bool = False
+  rng_stream: str = rule_state.STREAM
 
 
 __all__ = [
@@ -376,6 +441,7 @@ __all__ = [
   'Weight',
   'WeightUse',
   'engine_dot',
+  'engine_run',
   'frozen_entry',
   'swapped',
 ]

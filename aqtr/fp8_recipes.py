@@ -1,0 +1,116 @@
+"""DeepSeek's FP8 training recipes as op configs (in `aqtr.presets`).
+
+Two recipes, for rules on any model (`aqtr.flax.quantize`, `aqtr.pax`):
+
+- `maxtext_deepseek_fp8`: MaxText's DeepSeek-V3 fine-tuning recipe
+  (w8a8g8): e4m3 weights and activations, e5m2 gradients; static scales
+  for weights and activations, dynamic ones for gradients.
+- `deepseek_v3_fp8`: the DeepSeek-V3 paper's framework (arXiv 2412.19437,
+  section 3.3): e4m3 for every GEMM input, gradients included, online
+  (current) scales, activations in 1x128 tiles along the contraction,
+  weights in 128x128 blocks.
+
+Example:
+  >>> cfg = deepseek_v3_fp8(tile=32)
+  >>> cfg.fwd.rhs.tiling
+  Block2d(tile_size=32, free_size=32)
+"""
+
+from __future__ import annotations
+
+import builtins
+
+from aqtr.calibrations.absmax import AbsMax
+from aqtr.calibrations.constant import Constant
+from aqtr.core.config import DotGeneralConfig, DotGeneralRaw, TensorConfig
+from aqtr.freezers.base import configure
+from aqtr.numerics.fp8 import Fp8
+from aqtr.tilings.block2d import Block2d
+from aqtr.tilings.per_channel import PerChannel
+from aqtr.tilings.per_tensor import PerTensor
+from aqtr.tilings.subchannel import SubChannel
+
+__all__ = ['deepseek_v3_fp8', 'maxtext_deepseek_fp8']
+
+E4M3, E5M2 = 'float8_e4m3fn', 'float8_e5m2'
+
+
+def _fp8(dtype_name: str, tiling, calibration=None) -> TensorConfig:
+  return TensorConfig(
+    numerics=Fp8(dtype_name=dtype_name, clip_gradient=False),
+    calibration=calibration or AbsMax(clip_scale=1.0, po2_scale=False),
+    tiling=tiling,
+  )
+
+
+def _raw(lhs, rhs, fwd_quant: bool) -> DotGeneralRaw:
+  return DotGeneralRaw(
+    lhs=lhs, rhs=rhs, use_fwd_quant=fwd_quant, accumulator='auto'
+  )
+
+
+def maxtext_deepseek_fp8(bound: float | None = None) -> DotGeneralConfig:
+  """MaxText's DeepSeek-V3 FP8 fine-tuning recipe (w8a8g8), per dot.
+
+    fwd   activations e4m3 per tensor, static: the fixed range +-`bound`
+          (MaxText's 'fixed,-b,b'), or with `bound=None` the mean absmax
+          recorded by CALIBRATE (the 'calibration' freezer:
+          `aqtr.flax.calibrate`; TRAIN and SERVE then use it); weights
+          e4m3 per output channel (frozen by `convert`: static in SERVE).
+    dlhs  gradients e5m2, dynamic per row; the weights' forward fp8
+          codes reused.
+    drhs  gradients e5m2, dynamic per column; the activations' forward
+          fp8 codes reused.
+
+  Args:
+    bound: the activations' fixed range (> 0), or None to calibrate it.
+
+  Returns:
+    The DotGeneralConfig.
+  """
+  if bound is not None and (
+    type(bound) not in (int, builtins.float) or not bound > 0
+  ):
+    raise ValueError(
+      'presets.maxtext_deepseek_fp8: bound must be None (calibrate) or a '
+      f'range > 0 such as 224.0, got {bound!r}.'
+    )
+  cal = None if bound is None else Constant(bound=builtins.float(bound))
+  acts = _fp8(E4M3, PerTensor(), cal)
+  grads = _fp8(E5M2, PerChannel())
+  cfg = DotGeneralConfig(
+    fwd=_raw(acts, _fp8(E4M3, PerChannel()), False),
+    dlhs=_raw(grads, _fp8(E4M3, PerChannel()), True),
+    drhs=_raw(grads, _fp8(E4M3, PerChannel()), True),
+  )
+  return cfg if bound is not None else configure(cfg, lhs='calibration')
+
+
+def deepseek_v3_fp8(tile: int = 128) -> DotGeneralConfig:
+  """The DeepSeek-V3 paper's FP8 framework (arXiv 2412.19437), per dot.
+
+  e4m3 for every GEMM input, online scales (the current tensor's absmax
+  per tile, no history):
+    fwd   x: 1 x `tile` tiles along K; w: `tile` x `tile` blocks.
+    dlhs  dY: 1 x `tile` along N; w requantized in the same blocks (2-D
+          blocks are transpose invariant: the forward's values).
+    drhs  X and dY: `tile` x 1 along the M tokens (requantized).
+  Every contraction (K, N, M) must be a multiple of `tile`.
+
+  Args:
+    tile: the tile and block size (128 in the paper).
+
+  Returns:
+    The DotGeneralConfig.
+  """
+  if type(tile) is not int or tile < 1:
+    raise ValueError(
+      f'presets.deepseek_v3_fp8: tile must be an int >= 1, got {tile!r}.'
+    )
+  row = _fp8(E4M3, SubChannel(tile_size=tile))
+  block = _fp8(E4M3, Block2d(tile_size=tile, free_size=tile))
+  return DotGeneralConfig(
+    fwd=_raw(row, block, False),
+    dlhs=_raw(row, block, False),
+    drhs=_raw(row, row, False),
+  )
