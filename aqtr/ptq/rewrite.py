@@ -90,15 +90,11 @@ def weight_paths(target, got: Collected) -> dict[str, str]:
 
 
 def fold_map_of(fold_map, target, params: Mapping) -> fold.FoldMap:
-  """`fold_map`, or the known LM's map of the target (`fold.detect`)."""
+  """`fold_map`, or the map registered for the target's model (`fold.find`)."""
   if fold_map is not None:
     return fold_map
-  heads = None
-  model = getattr(target, 'model', None)
-  blocks = getattr(model, 'blocks', None)
-  if blocks is not None and len(blocks):
-    heads = getattr(blocks[0], 'heads', None)
-  return fold.detect(params, num_heads=heads)
+  model = target.template if isinstance(target, PaxTarget) else target.model
+  return fold.find(model, params)
 
 
 Solver = Callable[[dict, dict, dict, dict], tuple[dict, dict]]

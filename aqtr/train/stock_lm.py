@@ -32,6 +32,7 @@ Example:
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import fiddle as fdl
@@ -43,6 +44,7 @@ from flax import nnx
 
 import aqtr
 import aqtr.flax
+from aqtr.ptq import fold
 from aqtr.rules import Rule
 from aqtr.train import loop
 from aqtr.train.tasks import Task, cross_entropy, evaluate_logits
@@ -52,6 +54,7 @@ __all__ = [
   'RULES',
   'StockLm',
   'float_bytes',
+  'fold_map',
   'rope',
   'rules_of',
   'serve',
@@ -351,3 +354,84 @@ def stock_rule(cfg: fdl.Config, config: Any = 'int8', **criteria: Any) -> None:
     ['int4_weight_only', 'int8']
   """
   cfg.stock_rules = (*cfg.stock_rules, fdl.Config(Rule, config, **criteria))
+
+
+def fold_map(params: Mapping, *, num_heads: int | None = None) -> fold.FoldMap:
+  """The fold map of `StockLm` parameters (AWQ, SmoothQuant: `aqtr.ptq.fold`).
+
+  Per block: attn_norm -> q, k, v; v -> o (grouped-query attention needs
+  `num_heads`: o reads each v channel `num_heads / kv_heads` times;
+  without it o is left unfolded); mlp_norm -> gate, up; up -> down
+  (SwiGLU: silu(gate) * up is linear in up). The final norm feeds the
+  tied embedding table (also the lookup): kept as is (`keep`).
+
+  Args:
+    params: the model's `nnx.to_pure_dict(nnx.state(model, nnx.Param))`.
+    num_heads: the query heads (needed when kv_heads < num_heads).
+  """
+  blocks = params.get('blocks')
+  if not isinstance(blocks, Mapping) or not blocks:
+    raise ValueError(
+      'stock_lm.fold_map: params have no "blocks" (expected the pure dict of a '
+      'StockLm: blocks/<i>/{attn_norm,q,k,v,o,mlp_norm,gate,up,down}).'
+    )
+  groups, unfolded = [], []
+  for i in sorted(blocks, key=int):
+    b = f'blocks/{i}'
+    k = lambda n, b=b: fold.Axis(path=f'{b}/{n}/kernel')  # noqa: E731
+    groups.append(
+      fold.FoldGroup(
+        name=f'{b}/attn_norm',
+        sources=(fold.Axis(path=f'{b}/attn_norm/scale'),),
+        consumers=(k('q'), k('k'), k('v')),
+      )
+    )
+    d_q = fold.get(params, f'{b}/q/kernel').shape[1]
+    d_kv = fold.get(params, f'{b}/v/kernel').shape[1]
+    if d_q == d_kv:
+      o = fold.Axis(path=f'{b}/o/kernel')
+    elif num_heads and d_q % num_heads == 0 and d_q % d_kv == 0:
+      o = fold.Axis(
+        path=f'{b}/o/kernel', repeat=d_q // d_kv, inner=d_q // num_heads
+      )
+    else:
+      o = None
+      unfolded.append(f'{b}/o/kernel')
+    if o is not None:
+      groups.append(
+        fold.FoldGroup(
+          name=f'{b}/v',
+          sources=(fold.Axis(path=f'{b}/v/kernel', axis=1),),
+          consumers=(o,),
+          kind='linear',
+        )
+      )
+    groups.append(
+      fold.FoldGroup(
+        name=f'{b}/mlp_norm',
+        sources=(fold.Axis(path=f'{b}/mlp_norm/scale'),),
+        consumers=(k('gate'), k('up')),
+      )
+    )
+    groups.append(
+      fold.FoldGroup(
+        name=f'{b}/up',
+        sources=(fold.Axis(path=f'{b}/up/kernel', axis=1),),
+        consumers=(k('down'),),
+        kind='linear',
+      )
+    )
+  return fold.FoldMap(
+    groups=tuple(groups), unfolded=tuple(unfolded), keep=('embed/embedding',)
+  )
+
+
+fold.register(
+  'stock_lm',
+  lambda params, root, model: fold_map(
+    fold.get(params, root) if root else params,
+    num_heads=model.blocks[0].heads if model is not None else None,
+  ),
+  model=StockLm,
+  predicate=lambda params: 'blocks' in params and 'embed' in params,
+)
