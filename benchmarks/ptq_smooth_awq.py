@@ -48,7 +48,7 @@ import aqtr.ptq as ptq
 from aqtr.ptq import outliers, smoothquant
 from aqtr.rules import Rule
 from aqtr.tilings.subchannel import SubChannel
-from aqtr.train import experiment, loop, models, stock_lm, tasks
+from aqtr.train import experiment, models, pax_run, stock_lm, tasks
 
 
 def _train(kind: str, steps: int, cache: str | None):
@@ -78,7 +78,7 @@ def _train(kind: str, steps: int, cache: str | None):
       r = stock_lm.train('stock_float', exp, task, template)
       params = nnx.to_pure_dict(nnx.state(r.injected, nnx.Param))
     else:
-      r = loop.train(
+      r = pax_run.train(
         'float', aqtr.presets.float(), exp, task, template, show_progress=False
       )
       params = r.params

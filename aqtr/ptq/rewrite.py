@@ -97,6 +97,16 @@ def fold_map_of(fold_map, target, params: Mapping) -> fold.FoldMap:
   return fold.find(model, params)
 
 
+def _is_transposed(param, shape: tuple) -> bool:
+  """Whether a matrix parameter is read as its transpose (op rhs `shape`)."""
+  shape = tuple(shape)
+  return (
+    np.ndim(param) == 2
+    and np.shape(param) != shape
+    and np.shape(param)[::-1] == shape
+  )
+
+
 Solver = Callable[[dict, dict, dict, dict], tuple[dict, dict]]
 
 
@@ -115,8 +125,9 @@ def apply(target, got: Collected, fn: Solver):
     their ops' new input stats).
   """
   paths = weight_paths(target, got)
+  params = params_of(target)
   by_param: dict[str, LayerStats] = {}
-  configs, contracting, seen = {}, {}, set()
+  configs, contracting, seen, flipped = {}, {}, set(), set()
   for op, p in paths.items():
     if p in seen:  # One weight read by two ops: no single input.
       by_param.pop(p, None)
@@ -126,11 +137,14 @@ def apply(target, got: Collected, fn: Solver):
     by_param[p] = got.stats[op]
     configs[p] = got.sites[op].config.fwd.rhs
     contracting[p] = got.sites[op].contracting
-  params = params_of(target)
+    if _is_transposed(fold.get(params, p), got.sites[op].rhs.shape):
+      flipped.add(op)  # The op reads kernel.T (GPT-2's Conv1D).
+      contracting[p] = tuple(1 - d % 2 for d in contracting[p])
   new_params, new_stats = fn(params, by_param, configs, contracting)
   new_target = with_params(target, new_params)
   stats = {op: new_stats.get(p, got.stats[op]) for op, p in paths.items()}
-  weights = {
-    op: jax.numpy.asarray(fold.get(new_params, p)) for op, p in paths.items()
-  }
+  weights = {}
+  for op, p in paths.items():
+    w = jax.numpy.asarray(fold.get(new_params, p))
+    weights[op] = w.T if op in flipped else w
   return new_target, dataclasses.replace(got, stats=stats, weights=weights)
