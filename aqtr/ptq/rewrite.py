@@ -97,14 +97,14 @@ def fold_map_of(fold_map, target, params: Mapping) -> fold.FoldMap:
   return fold.find(model, params)
 
 
-def _is_transposed(param, shape: tuple) -> bool:
-  """Whether a matrix parameter is read as its transpose (op rhs `shape`)."""
-  shape = tuple(shape)
-  return (
-    np.ndim(param) == 2
-    and np.shape(param) != shape
-    and np.shape(param)[::-1] == shape
-  )
+def _is_transposed(param, w) -> bool:
+  """Whether an op reads the matrix parameter `param` as its transpose
+  (`w`: the weight the op read; GPT-2's Conv1D reads kernel.T)."""
+  if np.ndim(param) != 2 or np.shape(param)[::-1] != np.shape(w):
+    return False
+  if np.shape(param) == np.shape(w) and np.array_equal(param, w):
+    return False
+  return bool(np.array_equal(np.asarray(param).T, np.asarray(w)))
 
 
 Solver = Callable[[dict, dict, dict, dict], tuple[dict, dict]]
@@ -137,7 +137,7 @@ def apply(target, got: Collected, fn: Solver):
     by_param[p] = got.stats[op]
     configs[p] = got.sites[op].config.fwd.rhs
     contracting[p] = got.sites[op].contracting
-    if _is_transposed(fold.get(params, p), got.sites[op].rhs.shape):
+    if _is_transposed(fold.get(params, p), got.weights[op]):
       flipped.add(op)  # The op reads kernel.T (GPT-2's Conv1D).
       contracting[p] = tuple(1 - d % 2 for d in contracting[p])
   new_params, new_stats = fn(params, by_param, configs, contracting)
