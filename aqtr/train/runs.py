@@ -154,10 +154,10 @@ NAMES: list[str] = []  # Registered names, in registration order.
 def register(name: str, cls: type, **defaults: Any) -> type:
   """Registers run `name`: a subclass of `cls` with these field defaults.
 
-  Example:
-    >>> _ = register('int8_again', PaxRun, config=aqtr.presets.int8)
-    >>> get('int8_again').dot_config(None).fwd.lhs.numerics.bits
-    8
+  Example (how the preset runs are registered):
+    >>> cls = registry.get('int8')  # register('int8', PaxRun, config=...)
+    >>> cls.__qualname__, cls().dot_config(None).fwd.lhs.numerics.bits
+    ('PaxRun[int8]', 8)
   """
   fields = [(k, Any, dataclasses.field(default=v)) for k, v in defaults.items()]
   sub = dataclasses.make_dataclass(
