@@ -20,7 +20,8 @@ block projection (LoRA, Hu et al. 2021, arXiv 2106.09685).
 The summary row's bpc is on the family's validation files; the run's
 `lora.json` adds the frozen base's bpc, the merged models' (adapters folded
 in and re-quantized to the base's format by round to nearest, and solved
-by `MERGE_SOLVER` on `ptq_batches` family batches) and the bytes of
+by `MERGE_SOLVER` on `ptq_batches` family batches; a float base's merge
+is float, nothing to solve) and the bytes of
 `aqtr.lora.sizes`.
 
 The runs are `aqtr.train.runs.LoraRun` objects (`stock`: the stock LM,
@@ -181,11 +182,10 @@ def _stock(run, exp, base, train, eval_set, emit, bar):
   )
   params = fitted.params
   model = nnx.merge(graphdef, params, rest)
-  cal = _calibration(train, exp)
-  merged = {
-    'rtn': lora.merge(model, x0),
-    'gptq': lora.merge(model, x0, batches=cal, **MERGE_SOLVER),
-  }
+  merged = {'rtn': lora.merge(model, x0)}
+  if run.base_format is not None:  # A float merge has nothing to solve.
+    cal = _calibration(train, exp)
+    merged['gptq'] = lora.merge(model, x0, batches=cal, **MERGE_SOLVER)
   return _Tuned(
     params,
     rest,
@@ -225,15 +225,14 @@ def _pax(run, exp, template, float_params, train, eval_set, emit, bar):
   )
   params = fitted.params
   trained = dict(rest, params=lora.combine(params, frozen_params))
-  cal = _calibration(train, exp)
   with warnings.catch_warnings():
     warnings.simplefilter('ignore', UserWarning)
-    merged = {
-      'rtn': lora.merge(lt, x0, variables=trained),
-      'gptq': lora.merge(
+    merged = {'rtn': lora.merge(lt, x0, variables=trained)}
+    if run.base_format is not None:  # A float merge has nothing to solve.
+      cal = _calibration(train, exp)
+      merged['gptq'] = lora.merge(
         lt, x0, variables=trained, batches=cal, **MERGE_SOLVER
-      ),
-    }
+      )
   return _Tuned(
     params,
     rest,
@@ -345,7 +344,7 @@ def run(
     'float_bytes': sizes.full // 3,
     'serve_equal': same,
     'merged_bpc': merged['rtn'],
-    'merged_gptq_bpc': merged['gptq'],
+    'merged_gptq_bpc': merged.get('gptq'),  # None: a float base.
     'frozen_bpc': tuned.frozen_bpc,
   }
   return result, serve

@@ -365,11 +365,13 @@ def _lora(run: Run, ctx: Context, out: Outcome) -> None:
   r, s = out.result, out.serve
   if r.diverged:
     return
+  gptq = s['merged_gptq_bpc']
+  solved = '' if gptq is None else f', merged (GPTQ) {gptq:.4f}'
   ctx.say(
     f'  {r.name}: {ctx.exp.finetune_family}/ validation bpc: frozen base '
     f'{s["frozen_bpc"]:.4f}, fine-tuned {r.final["bpc"]:.4f}, '
-    f'merged (RTN) {s["merged_bpc"]:.4f}, merged (GPTQ) '
-    f'{s["merged_gptq_bpc"]:.4f}; serve == train: {s["serve_equal"]}',
+    f'merged (RTN) {s["merged_bpc"]:.4f}{solved}; serve == train: '
+    f'{s["serve_equal"]}',
     flush=True,
   )
 
