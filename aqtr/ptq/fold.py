@@ -24,8 +24,9 @@ projection after a GELU, the tied logits table). Models register their
 map next to their code (`register`, keyed by the model class or a
 predicate on the parameters): the job's stock nnx LM in
 `aqtr.train.stock_lm`, the Pax LM in `aqtr.train.models`, Hugging Face
-Flax Llama / Mistral / GPT-2 / OPT / BLOOM in `aqtr.ptq.hf_fold`; `find`
-picks one for a model, `detect` from a parameter tree alone. Paths are
+Flax Llama / Mistral / GPT-2 / OPT / BLOOM and DeepMind's Gemma in
+`aqtr.ptq.hf_fold`; `find` picks one for a model, `detect` from a
+parameter tree alone. Paths are
 '/'-joined keys of the nested parameter dict (`nnx.to_pure_dict` trees,
 with integer list keys written as digits, or linen variables).
 
@@ -88,12 +89,16 @@ class Axis:
     repeat: each group channel appears `repeat` times along the axis,
       laid out [outer, repeat, inner] over the group's [outer, inner].
     inner: the `inner` size of that layout (used when repeat > 1).
+    offset: a source the model reads as `offset + value` (Gemma's
+      RMSNorm multiplies by `1 + scale`: offset 1.0); folding divides
+      `offset + value` by s.
   """
 
   path: str = ''
   axis: int = 0
   repeat: int = 1
   inner: int = 1
+  offset: float = 0.0
 
   def __post_init__(self):
     if not isinstance(self.path, str) or not self.path:
@@ -291,7 +296,11 @@ def apply(params: Mapping, group: FoldGroup, s: jax.Array) -> dict:
   ]:
     w = get(out, ax.path)
     f = along(expand(s, ax), w.ndim, ax.axis % w.ndim)
-    new = w / f.astype(w.dtype) if sign < 0 else w * f.astype(w.dtype)
+    f = f.astype(w.dtype)
+    if sign < 0:
+      new = (w + ax.offset) / f - ax.offset if ax.offset else w / f
+    else:
+      new = w * f
     out = replace(out, ax.path, new)
   return out
 

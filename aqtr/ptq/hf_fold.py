@@ -1,4 +1,4 @@
-"""Fold maps of Hugging Face `transformers` Flax LMs (AWQ, SmoothQuant).
+"""Fold maps of third-party Flax LMs (AWQ, SmoothQuant): HF, Gemma.
 
 Registered by class name (`aqtr.ptq.fold.register`; importing this
 module does not import `transformers`), so `aqtr.ptq.quantize(model,
@@ -22,6 +22,12 @@ holds in a field, one of these modules:
                   and dense_4h_to_h (after the attention and the GELU)
                   are unfolded
 
+  Gemma (DeepMind `gemma`, Gemma 2 / 3)
+                  pre_attention_norm -> q/kv_einsum (or qkv_einsum);
+                  pre_ffw_norm -> mlp/gating_einsum (its RMSNorm reads
+                  `1 + scale`: `Axis.offset`); mlp/linear (after the
+                  gated GELU) is unfolded
+
 Post-norm variants (OPT with `do_layer_norm_before=False`, BLOOM with
 `apply_residual_connection_post_layernorm=True`) feed the normed value to
 the residual too: no fold is exact there, so they are refused in one line.
@@ -41,7 +47,7 @@ from typing import Any
 
 from aqtr.ptq import fold
 
-__all__ = ['bloom', 'gpt2', 'llama', 'opt']
+__all__ = ['bloom', 'gemma', 'gpt2', 'llama', 'opt']
 
 _HF = 'transformers.models'
 
@@ -170,6 +176,38 @@ def bloom(params: Mapping, root: str = '', model: Any = None) -> fold.FoldMap:
   return fold.FoldMap(groups=tuple(groups), unfolded=tuple(unfolded))
 
 
+def gemma(params: Mapping, root: str = '', model: Any = None) -> fold.FoldMap:
+  """The fold map of a DeepMind `gemma` Transformer (linen)."""
+  del model
+  top = fold.get(params, root) if root else params
+  layers = fold.children(top, 'layer_')
+  if not layers:
+    raise ValueError(f'fold: no "layer_<i>" under {root or "<root>"!r}.')
+  groups, unfolded = [], []
+  for name in layers:
+    lay = '/'.join(p for p in (root, name) if p)
+    att = fold.get(params, f'{lay}/attn')
+    if 'qkv_einsum' in att:  # [3, heads, D, head_dim]
+      ins = (fold.Axis(path=f'{lay}/attn/qkv_einsum/w', axis=2),)
+    else:  # q: [heads, D, head_dim]; kv: [2, kv_heads, D, head_dim]
+      ins = (
+        fold.Axis(path=f'{lay}/attn/q_einsum/w', axis=1),
+        fold.Axis(path=f'{lay}/attn/kv_einsum/w', axis=2),
+      )
+    for norm, consumers in (
+      ('pre_attention_norm', ins),
+      ('pre_ffw_norm', (fold.Axis(path=f'{lay}/mlp/gating_einsum', axis=-1),)),
+    ):
+      src = fold.Axis(path=f'{lay}/{norm}/scale', offset=1.0)
+      groups.append(
+        fold.FoldGroup(
+          name=f'{lay}/{norm}', sources=(src,), consumers=consumers
+        )
+      )
+    unfolded.append(f'{lay}/mlp/linear')
+  return fold.FoldMap(groups=tuple(groups), unfolded=tuple(unfolded))
+
+
 for _name, _build, _classes in (
   (
     'hf_llama',
@@ -216,3 +254,4 @@ for _name, _build, _classes in (
     fold.register(
       _name if _i == 0 else f'{_name}_base', _build, model=f'{_HF}.{_cls}'
     )
+fold.register('gemma', gemma, model='gemma.transformer.Transformer')

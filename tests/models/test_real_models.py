@@ -256,7 +256,7 @@ def test_ptq_int4(name, method):
 
 
 # Models with a registered fold map (`aqtr.ptq.hf_fold`): AWQ runs on them.
-FOLDED = HF_LMS
+FOLDED = (*HF_LMS, 'gemma2', 'gemma3')
 
 
 @pytest.mark.parametrize('name,case', _params('fold', ('map',), FOLDED))
