@@ -175,11 +175,12 @@ def main(argv=None) -> None:
   flags = ' '.join(argv or sys.argv[1:])
   print(f'command: python benchmarks/real_models.py {flags}')
   print(f'CPU: {_cpu()}; date: {datetime.date.today()}; jax {jax.__version__}')
-  print(
-    '\n| model | preset | quantized ops | fwd dots | grad dots | err vs float '
-    '| serve == train (jit) | serving bytes / float |'
-  )
-  print('|---|---|---|---|---|---|---|---|')
+  if not a.ptq_only:
+    print(
+      '\n| model | preset | quantized ops | fwd dots | grad dots | err vs '
+      'float | serve == train (jit) | serving bytes / float |'
+    )
+    print('|---|---|---|---|---|---|---|---|')
   ptq_rows = []
   with jax.numpy_rank_promotion('allow'):
     for z in models:
