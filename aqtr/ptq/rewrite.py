@@ -93,7 +93,9 @@ def fold_map_of(fold_map, target, params: Mapping) -> fold.FoldMap:
   """`fold_map`, or the map registered for the target's model (`fold.find`)."""
   if fold_map is not None:
     return fold_map
-  model = target.template if isinstance(target, PaxTarget) else target.model
+  model = getattr(target, 'model', None)
+  if model is None:  # A Pax target holds its template.
+    model = getattr(target, 'template', None)
   return fold.find(model, params)
 
 
