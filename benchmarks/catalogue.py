@@ -111,13 +111,13 @@ def sqnr(tensors: list[tuple[Array, int]], t: aqtr.TensorConfig) -> float:
 
 def lm_tensors(steps: int) -> tuple[list, list, str]:
   """Weights and activations of the main job's LM after `steps` steps."""
-  from aqtr.train import experiment, loop, tasks
+  from aqtr.train import experiment, pax_run, tasks
 
   cfg = experiment.default()
   cfg.steps, cfg.eval_every, cfg.log_every = steps, steps, steps
   exp, template, _ = experiment.split(cfg)
   task = tasks.make(exp)
-  res = loop.train(
+  res = pax_run.train(
     'float', aqtr.presets.float(), exp, task, template, show_progress=False
   )
   weights = []
@@ -230,7 +230,7 @@ def ptq_accuracy(
   activations float, with each calibration, and evaluates the validation
   accuracy. No retraining.
   """
-  from aqtr.train import experiment, loop, models, tasks
+  from aqtr.train import experiment, models, pax_run, tasks
 
   cals = cals if cals is not None else list(calibration_variants())
   cfg = experiment.digits()
@@ -238,7 +238,7 @@ def ptq_accuracy(
   cfg.model = models.mlp(num_classes=10, hidden=hidden)
   exp, template, _ = experiment.split(cfg)
   task = tasks.make(exp)
-  res = loop.train(
+  res = pax_run.train(
     'float', aqtr.presets.float(), exp, task, template, show_progress=False
   )
   none = aqtr.TensorConfig(numerics=NoNumerics())

@@ -45,10 +45,10 @@ from flax import nnx
 
 import aqtr
 import aqtr.ptq as ptq
-from aqtr.ptq import fold, outliers, smoothquant
+from aqtr.ptq import outliers, smoothquant
 from aqtr.rules import Rule
 from aqtr.tilings.subchannel import SubChannel
-from aqtr.train import experiment, loop, stock_lm, tasks
+from aqtr.train import experiment, models, pax_run, stock_lm, tasks
 
 
 def _train(kind: str, steps: int, cache: str | None):
@@ -78,7 +78,7 @@ def _train(kind: str, steps: int, cache: str | None):
       r = stock_lm.train('stock_float', exp, task, template)
       params = nnx.to_pure_dict(nnx.state(r.injected, nnx.Param))
     else:
-      r = loop.train(
+      r = pax_run.train(
         'float', aqtr.presets.float(), exp, task, template, show_progress=False
       )
       params = r.params
@@ -104,9 +104,9 @@ class Lm:
     self.params = params
     if kind == 'stock':
       heads = model.blocks[0].heads
-      self.fold_map = fold.stock_lm(params, num_heads=heads)
+      self.fold_map = stock_lm.fold_map(params, num_heads=heads)
     else:
-      self.fold_map = fold.pax_lm(params)
+      self.fold_map = models.fold_map(params)
 
   def rules(self, config):
     keep = [Rule(None, path='embed.*')] if self.kind == 'stock' else []

@@ -14,6 +14,7 @@ and each preset, prints:
 and per model int4 weight-only PTQ: the logit error of RTN, GPTQ and AWQ.
 
   python benchmarks/real_models.py [--models hf_gpt2 gemma3] [--no-ptq]
+                                   [--ptq-only]
 """
 
 from __future__ import annotations
@@ -162,6 +163,9 @@ def main(argv=None) -> None:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument('--models', nargs='*', default=None)
   p.add_argument('--no-ptq', action='store_true')
+  p.add_argument(
+    '--ptq-only', action='store_true', help='only the int4 PTQ table'
+  )
   a = p.parse_args(argv)
   models = [
     z
@@ -171,18 +175,19 @@ def main(argv=None) -> None:
   flags = ' '.join(argv or sys.argv[1:])
   print(f'command: python benchmarks/real_models.py {flags}')
   print(f'CPU: {_cpu()}; date: {datetime.date.today()}; jax {jax.__version__}')
-  print(
-    '\n| model | preset | quantized ops | fwd dots | grad dots | err vs float '
-    '| serve == train (jit) | serving bytes / float |'
-  )
-  print('|---|---|---|---|---|---|---|---|')
+  if not a.ptq_only:
+    print(
+      '\n| model | preset | quantized ops | fwd dots | grad dots | err vs '
+      'float | serve == train (jit) | serving bytes / float |'
+    )
+    print('|---|---|---|---|---|---|---|---|')
   ptq_rows = []
   with jax.numpy_rank_promotion('allow'):
     for z in models:
       t0 = time.time()
       mod, x = z.build(), z.sample()
       v = jax.jit(mod.init)(jax.random.key(0), x)
-      for name, rules in PRESETS.items():
+      for name, rules in () if a.ptq_only else PRESETS.items():
         try:
           print(_row(z, mod, v, x, name, rules), flush=True)
         except Exception as e:  # noqa: BLE001 - the table reports it

@@ -30,7 +30,7 @@ import numpy as np
 
 import aqtr
 import aqtr.flax.linen as ql
-from aqtr.train import experiment, loop, models, tasks
+from aqtr.train import experiment, loop, models, pax_run, tasks
 
 
 def _setup(steps: int):
@@ -80,7 +80,7 @@ def loss_gap(exp, template, task, warmup: int, steps: int) -> list[str]:
     e = dataclasses.replace(
       exp, steps=n, eval_every=n, log_every=min(n, exp.log_every)
     )
-    return loop.train(
+    return pax_run.train(
       name, config, e, task, template, params=params, show_progress=False
     )
 

@@ -12,7 +12,13 @@ of the method, seconds).
 view (`as_matrix` / `from_matrix`) the solvers work on.
 """
 
-from aqtr.ptq import awq, fold, outliers, smoothquant  # Registers the methods.
+from aqtr.ptq import (  # Registers the methods and the HF fold maps.
+  awq,
+  fold,
+  hf_fold,
+  outliers,
+  smoothquant,
+)
 from aqtr.ptq.api import LayerReport, PtqReport, quantize
 from aqtr.ptq.awq import Awq
 from aqtr.ptq.collect import Collected, Site, collect
@@ -45,6 +51,7 @@ __all__ = [
   'collect',
   'fold',
   'from_matrix',
+  'hf_fold',
   'merge',
   'outliers',
   'output_error',

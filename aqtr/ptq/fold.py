@@ -20,11 +20,15 @@ head_dim channels made from kv_heads x head_dim values of `v`): its
 entries are [outer, repeat, inner] over the group's [outer, inner].
 
 `FoldMap` lists the groups and the weight ops left without one (e.g. the
-projection after a GELU, the tied logits table). Maps of the project's two
-LMs: `stock_lm` (the nnx Llama-style `StockLm`) and `pax_lm` (the Pax-style
-linen `TransformerLm`); `detect` picks one from the parameter tree. Paths
-are '/'-joined keys of the nested parameter dict (`nnx.to_pure_dict`
-trees, with integer list keys written as digits, or linen variables).
+projection after a GELU, the tied logits table). Models register their
+map next to their code (`register`, keyed by the model class or a
+predicate on the parameters): the job's stock nnx LM in
+`aqtr.train.stock_lm`, the Pax LM in `aqtr.train.models`, Hugging Face
+Flax Llama / Mistral / GPT-2 / OPT / BLOOM and DeepMind's Gemma in
+`aqtr.ptq.hf_fold`; `find` picks one for a model, `detect` from a
+parameter tree alone. Paths are
+'/'-joined keys of the nested parameter dict (`nnx.to_pure_dict` trees,
+with integer list keys written as digits, or linen variables).
 
 Example:
   >>> import jax.numpy as jnp
@@ -40,7 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -57,14 +61,19 @@ __all__ = [
   'check',
   'check_field',
   'check_inputs',
+  'children',
   'detect',
   'expand',
+  'find',
   'get',
-  'pax_lm',
+  'linear_sources',
+  'names',
+  'norm_sources',
   'reduce',
+  'register',
   'replace',
   'scale_stats',
-  'stock_lm',
+  'unregister',
 ]
 
 KINDS = ('norm', 'linear')
@@ -80,12 +89,16 @@ class Axis:
     repeat: each group channel appears `repeat` times along the axis,
       laid out [outer, repeat, inner] over the group's [outer, inner].
     inner: the `inner` size of that layout (used when repeat > 1).
+    offset: a source the model reads as `offset + value` (Gemma's
+      RMSNorm multiplies by `1 + scale`: offset 1.0); folding divides
+      `offset + value` by s.
   """
 
   path: str = ''
   axis: int = 0
   repeat: int = 1
   inner: int = 1
+  offset: float = 0.0
 
   def __post_init__(self):
     if not isinstance(self.path, str) or not self.path:
@@ -283,7 +296,11 @@ def apply(params: Mapping, group: FoldGroup, s: jax.Array) -> dict:
   ]:
     w = get(out, ax.path)
     f = along(expand(s, ax), w.ndim, ax.axis % w.ndim)
-    new = w / f.astype(w.dtype) if sign < 0 else w * f.astype(w.dtype)
+    f = f.astype(w.dtype)
+    if sign < 0:
+      new = (w + ax.offset) / f - ax.offset if ax.offset else w / f
+    else:
+      new = w * f
     out = replace(out, ax.path, new)
   return out
 
@@ -299,178 +316,153 @@ def scale_stats(stats: LayerStats, s: jax.Array) -> LayerStats:
   )
 
 
-def _children(tree: Mapping, prefix: str) -> list[str]:
+def children(tree: Mapping, prefix: str) -> list[str]:
+  """The keys `<prefix><i>` of `tree`, in the order of i ('layers_0', ...)."""
   rx = re.compile(re.escape(prefix) + r'(\d+)$')
   found = [(int(m.group(1)), str(k)) for k in tree if (m := rx.match(str(k)))]
   return [k for _, k in sorted(found)]
 
 
-def stock_lm(params: Mapping, *, num_heads: int | None = None) -> FoldMap:
-  """The fold map of `aqtr.train.stock_lm.StockLm` parameters.
-
-  Per block: attn_norm -> q, k, v; v -> o (grouped-query attention needs
-  `num_heads`: o reads each v channel `num_heads / kv_heads` times;
-  without it o is left unfolded); mlp_norm -> gate, up; up -> down
-  (SwiGLU: silu(gate) * up is linear in up). The final norm feeds the
-  tied embedding table (also the lookup): kept as is (`keep`).
-
-  Args:
-    params: the model's `nnx.to_pure_dict(nnx.state(model, nnx.Param))`.
-    num_heads: the query heads (needed when kv_heads < num_heads).
-  """
-  blocks = params.get('blocks')
-  if not isinstance(blocks, Mapping) or not blocks:
-    raise ValueError(
-      'fold.stock_lm: params have no "blocks" (expected the pure dict of a '
-      'StockLm: blocks/<i>/{attn_norm,q,k,v,o,mlp_norm,gate,up,down}).'
-    )
-  groups, unfolded = [], []
-  for i in sorted(blocks, key=int):
-    b = f'blocks/{i}'
-    k = lambda n, b=b: Axis(path=f'{b}/{n}/kernel')  # noqa: E731
-    groups.append(
-      FoldGroup(
-        name=f'{b}/attn_norm',
-        sources=(Axis(path=f'{b}/attn_norm/scale'),),
-        consumers=(k('q'), k('k'), k('v')),
-      )
-    )
-    d_q = get(params, f'{b}/q/kernel').shape[1]
-    d_kv = get(params, f'{b}/v/kernel').shape[1]
-    if d_q == d_kv:
-      o = Axis(path=f'{b}/o/kernel')
-    elif num_heads and d_q % num_heads == 0 and d_q % d_kv == 0:
-      o = Axis(path=f'{b}/o/kernel', repeat=d_q // d_kv, inner=d_q // num_heads)
-    else:
-      o = None
-      unfolded.append(f'{b}/o/kernel')
-    if o is not None:
-      groups.append(
-        FoldGroup(
-          name=f'{b}/v',
-          sources=(Axis(path=f'{b}/v/kernel', axis=1),),
-          consumers=(o,),
-          kind='linear',
-        )
-      )
-    groups.append(
-      FoldGroup(
-        name=f'{b}/mlp_norm',
-        sources=(Axis(path=f'{b}/mlp_norm/scale'),),
-        consumers=(k('gate'), k('up')),
-      )
-    )
-    groups.append(
-      FoldGroup(
-        name=f'{b}/up',
-        sources=(Axis(path=f'{b}/up/kernel', axis=1),),
-        consumers=(k('down'),),
-        kind='linear',
-      )
-    )
-  return FoldMap(
-    groups=tuple(groups), unfolded=tuple(unfolded), keep=('embed/embedding',)
-  )
-
-
-def _linear_sources(lin: str, params: Mapping) -> tuple[Axis, ...]:
+def linear_sources(lin: str, params: Mapping) -> tuple[Axis, ...]:
+  """A linear's output columns (kernel axis 1) and its bias, if any."""
   out = [Axis(path=f'{lin}/kernel', axis=1)]
   if 'bias' in get(params, lin):
     out.append(Axis(path=f'{lin}/bias'))
   return tuple(out)
 
 
-def _norm_sources(norm: str, params: Mapping) -> tuple[Axis, ...]:
+def norm_sources(norm: str, params: Mapping) -> tuple[Axis, ...]:
+  """A norm's 'scale' / 'weight' and 'bias' parameters (those it has)."""
   node = get(params, norm)
-  return tuple(Axis(path=f'{norm}/{p}') for p in ('scale', 'bias') if p in node)
+  names = ('scale', 'weight', 'bias')
+  return tuple(Axis(path=f'{norm}/{p}') for p in names if p in node)
 
 
-def pax_lm(params: Mapping) -> FoldMap:
-  """The fold map of `aqtr.pax.TransformerLm` (`aqtr.train.models.lm`).
+# A fold map builder: (params, root, model) -> FoldMap. `root` is the
+# '/'-joined path of the matched model's parameters in `params` ('' at the
+# top); `model` the matched module (None when found from the parameters).
+Builder = Callable[[Mapping, str, Any], FoldMap]
 
-  Per layer: attention_norm (scale and bias) -> q/k/v_proj; v_proj
-  (kernel columns and bias) -> o_proj; ffn_norm -> wi (and wi_gate);
-  gated: wi -> wo, plain: wo follows the activation (GELU), unfolded.
-  final_norm -> the untied `softmax` kernel (a tied table: `keep`).
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Entry:
+  """One registered fold map (see `register`)."""
+
+  name: str
+  build: Builder
+  model: type | str | None = None
+  predicate: Callable[[Mapping], bool] | None = None
+
+
+_ENTRIES: dict[str, Entry] = {}
+
+
+def register(
+  name: str,
+  build: Builder,
+  *,
+  model: type | str | None = None,
+  predicate: Callable[[Mapping], bool] | None = None,
+) -> Entry:
+  """Registers the fold map of a model class (or of a parameter tree).
+
+  Models register their map next to their code; `aqtr.ptq`'s AWQ and
+  SmoothQuant find it (`find`) when no `fold_map=` is given.
 
   Args:
-    params: the linen variables (`{'params': ...}`) or their 'params'.
+    name: the entry's name (errors, `names`); registering it again
+      replaces the entry (a module reloaded).
+    build: (params, root, model) -> the FoldMap.
+    model: the model class, or its 'module.QualName' (no import needed):
+      matches the model, a subclass (a model quantized by rules), or a
+      linen submodule held in a field (found at its attribute path).
+    predicate: params -> whether the tree is this model's (`detect`, and
+      models no class matched).
+
+  Returns:
+    The entry.
+
+  Example:
+    >>> e = register('toy', lambda p, root, m: FoldMap(),
+    ...              predicate=lambda p: 'toy' in p)
+    >>> detect({'toy': {}}) == FoldMap()
+    True
+    >>> _ = unregister('toy')
   """
-  root = 'params/' if 'params' in params else ''
-  top = get(params, root[:-1]) if root else params
-  layers = _children(top, 'layers_')
-  if not layers:
-    raise ValueError(
-      'fold.pax_lm: params have no "layers_<i>" (expected the variables of '
-      'an aqtr.pax.TransformerLm).'
-    )
-  groups, unfolded = [], []
-  for name in layers:
-    lay = f'{root}{name}'
-    att, ffn = f'{lay}/attention', f'{lay}/ffn'
-    proj = lambda n: Axis(path=f'{n}/kernel')  # noqa: E731
-    groups.append(
-      FoldGroup(
-        name=f'{lay}/attention_norm',
-        sources=_norm_sources(f'{lay}/attention_norm', params),
-        consumers=tuple(proj(f'{att}/{p}_proj') for p in 'qkv'),
-      )
-    )
-    groups.append(
-      FoldGroup(
-        name=f'{att}/v_proj',
-        sources=_linear_sources(f'{att}/v_proj', params),
-        consumers=(proj(f'{att}/o_proj'),),
-        kind='linear',
-      )
-    )
-    gated = 'wi_gate' in get(params, ffn)
-    ins = ('wi', 'wi_gate') if gated else ('wi',)
-    groups.append(
-      FoldGroup(
-        name=f'{lay}/ffn_norm',
-        sources=_norm_sources(f'{lay}/ffn_norm', params),
-        consumers=tuple(proj(f'{ffn}/{p}') for p in ins),
-      )
-    )
-    if gated:
-      groups.append(
-        FoldGroup(
-          name=f'{ffn}/wi',
-          sources=_linear_sources(f'{ffn}/wi', params),
-          consumers=(proj(f'{ffn}/wo'),),
-          kind='linear',
-        )
-      )
-    else:
-      unfolded.append(f'{ffn}/wo/kernel')
-  if 'softmax' in top:
-    groups.append(
-      FoldGroup(
-        name=f'{root}final_norm',
-        sources=_norm_sources(f'{root}final_norm', params),
-        consumers=(Axis(path=f'{root}softmax/kernel'),),
-      )
-    )
-    keep = ()
-  else:
-    keep = (f'{root}embedding/embedding',)
-  return FoldMap(groups=tuple(groups), unfolded=tuple(unfolded), keep=keep)
+  if model is None and predicate is None:
+    raise ValueError(f'fold.register({name!r}): give model= or predicate=.')
+  entry = Entry(name=name, build=build, model=model, predicate=predicate)
+  _ENTRIES[name] = entry
+  return entry
 
 
-def detect(params: Mapping, *, num_heads: int | None = None) -> FoldMap:
-  """The fold map of a known LM's parameters (`stock_lm` or `pax_lm`).
+def unregister(name: str) -> Entry | None:
+  """Removes the entry `name` (returns it; None if there was none)."""
+  return _ENTRIES.pop(name, None)
+
+
+def names() -> tuple[str, ...]:
+  """The registered fold maps' names, sorted."""
+  return tuple(sorted(_ENTRIES))
+
+
+def _is(cls: type, model: type | str) -> bool:
+  if isinstance(model, type):
+    return issubclass(cls, model)
+  return any(f'{c.__module__}.{c.__qualname__}' == model for c in cls.__mro__)
+
+
+def _submodules(model: Any, path: tuple[str, ...] = (), depth: int = 0):
+  """(path, module) of `model` and the modules in its dataclass fields."""
+  yield path, model
+  if depth >= 4 or not dataclasses.is_dataclass(model):
+    return
+  for f in dataclasses.fields(model):
+    if f.name in ('parent', 'name'):
+      continue
+    value = getattr(model, f.name, None)
+    if dataclasses.is_dataclass(value) and hasattr(value, 'apply'):
+      yield from _submodules(value, (*path, f.name), depth + 1)
+
+
+def find(model: Any, params: Mapping) -> FoldMap:
+  """The registered fold map of `model` (its class, else its parameters).
+
+  Args:
+    model: the model (a module, a quantized one, a Fiddle template) or
+      None.
+    params: its parameters: an nnx pure dict, or linen variables.
 
   Raises:
-    ValueError: the tree is neither; pass your own `FoldMap`.
+    ValueError: one line: nothing registered matches; pass a FoldMap.
   """
-  top = params.get('params', params)
-  if isinstance(top, Mapping) and _children(top, 'layers_'):
-    return pax_lm(params)
-  if 'blocks' in params:
-    return stock_lm(params, num_heads=num_heads)
+  if model is not None:
+    cls = model.__fn_or_cls__ if hasattr(model, '__fn_or_cls__') else None
+    is_template = isinstance(cls, type)
+    for path, sub in _submodules(model) if not is_template else [((), None)]:
+      kind = cls if is_template else type(sub)
+      for e in _ENTRIES.values():
+        if e.model is not None and _is(kind, e.model):
+          root = '/'.join(('params', *path) if 'params' in params else path)
+          return e.build(params, root, sub if sub is not None else model)
+  return detect(params, _model=model)
+
+
+def detect(params: Mapping, *, _model: Any = None) -> FoldMap:
+  """The fold map whose registered predicate accepts `params`.
+
+  Raises:
+    ValueError: no registered predicate accepts the tree; pass your own
+      `FoldMap`.
+  """
+  for e in _ENTRIES.values():
+    if e.predicate is not None and e.predicate(params):
+      return e.build(params, '', _model)
+  what = f' of {type(_model).__name__}' if _model is not None else ''
   raise ValueError(
-    'fold: no fold map known for these parameters (top-level keys: '
-    f'{", ".join(sorted(map(str, params))[:8])}); pass the method '
-    'fold_map=aqtr.ptq.fold.FoldMap(...).'
+    f'fold: no fold map known for these parameters{what} (top-level keys: '
+    f'{", ".join(sorted(map(str, params))[:8])}; registered: '
+    f'{", ".join(names()) or "none"}); pass the method '
+    'fold_map=aqtr.ptq.fold.FoldMap(...), or register one '
+    '(aqtr.ptq.fold.register).'
   )

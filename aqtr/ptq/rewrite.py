@@ -83,15 +83,23 @@ def weight_paths(target, got: Collected) -> dict[str, str]:
 
 
 def fold_map_of(fold_map, target, params: Mapping) -> fold.FoldMap:
-  """`fold_map`, or the known LM's map of the target (`fold.detect`)."""
+  """`fold_map`, or the map registered for the target's model (`fold.find`)."""
   if fold_map is not None:
     return fold_map
-  heads = None
   model = getattr(target, 'model', None)
-  blocks = getattr(model, 'blocks', None)
-  if blocks is not None and len(blocks):
-    heads = getattr(blocks[0], 'heads', None)
-  return fold.detect(params, num_heads=heads)
+  if model is None:  # A Pax target holds its template.
+    model = getattr(target, 'template', None)
+  return fold.find(model, params)
+
+
+def _is_transposed(param, w) -> bool:
+  """Whether an op reads the matrix parameter `param` as its transpose
+  (`w`: the weight the op read; GPT-2's Conv1D reads kernel.T)."""
+  if np.ndim(param) != 2 or np.shape(param)[::-1] != np.shape(w):
+    return False
+  if np.shape(param) == np.shape(w) and np.array_equal(param, w):
+    return False
+  return bool(np.array_equal(np.asarray(param).T, np.asarray(w)))
 
 
 Solver = Callable[[dict, dict, dict, dict], tuple[dict, dict]]
@@ -112,8 +120,9 @@ def apply(target, got: Collected, fn: Solver):
     their ops' new input stats).
   """
   paths = weight_paths(target, got)
+  params = params_of(target)
   by_param: dict[str, LayerStats] = {}
-  configs, contracting, seen = {}, {}, set()
+  configs, contracting, seen, flipped = {}, {}, set(), set()
   for op, p in paths.items():
     if p in seen:  # One weight read by two ops: no single input.
       by_param.pop(p, None)
@@ -123,11 +132,14 @@ def apply(target, got: Collected, fn: Solver):
     by_param[p] = got.stats[op]
     configs[p] = got.sites[op].config.fwd.rhs
     contracting[p] = got.sites[op].contracting
-  params = params_of(target)
+    if _is_transposed(fold.get(params, p), got.weights[op]):
+      flipped.add(op)  # The op reads kernel.T (GPT-2's Conv1D).
+      contracting[p] = tuple(1 - d % 2 for d in contracting[p])
   new_params, new_stats = fn(params, by_param, configs, contracting)
   new_target = with_params(target, new_params)
   stats = {op: new_stats.get(p, got.stats[op]) for op, p in paths.items()}
-  weights = {
-    op: jax.numpy.asarray(fold.get(new_params, p)) for op, p in paths.items()
-  }
+  weights = {}
+  for op, p in paths.items():
+    w = jax.numpy.asarray(fold.get(new_params, p))
+    weights[op] = w.T if op in flipped else w
   return new_target, dataclasses.replace(got, stats=stats, weights=weights)

@@ -7,11 +7,13 @@ flags). From Python:
   >>> cfg = experiment.tiny()
   >>> rows = job.run(cfg, 'out')  # doctest: +SKIP
 
-Modules: `experiment` (the config and named variants), `models` (Pax-style
-templates + injection), `high_precision` (blocks kept float), `tasks`
-(data and metric), `loop` (one run), `serving` (convert, orbax,
-serve == train), `generate` (restore a
-serving checkpoint, samples; `aqtr-generate` is `generate_cli`), `report`
+Modules: `experiment` (the config and named variants), `runs` (the run
+objects, registered by name), `models` (Pax-style templates + injection),
+`high_precision` (blocks kept float), `tasks` (data and metric), `loop`
+(the training loop of every run), `pax_run` (the template's runs),
+`stock_lm`, `lora_job` (the stock LM's and LoRA runs), `serving`
+(convert, orbax, serve == train), `generate` (restore a serving
+checkpoint, samples; `aqtr-generate` is `generate_cli`), `report`
 (outputs), `job` (all runs). Needs the `train` extra (flax, optax, orbax,
 matplotlib, rich, and scikit-learn for the digits task). Not imported by
 `import aqtr`.

@@ -30,9 +30,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import functools
 import math
 import numbers
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -54,18 +54,16 @@ from aqtr.fiddlers import (  # noqa: F401
   use_sparsity,
   use_tiling,
 )
-from aqtr.lora import config as lora_config
 from aqtr.rules import Rule
+from aqtr.train import lora_job, models, ptq_stage
 from aqtr.train import mesh as mesh_lib
-from aqtr.train import models, qt_runs
+from aqtr.train import runs as runs_lib
 from aqtr.train.high_precision import (
-  RECIPE_CONFIGS,
   RECIPE_KEEP,
   RECIPE_RUNS,
   HighPrecision,
   check_high_precision,
   high_precision,
-  kept_float,
 )
 
 __all__ = [
@@ -90,43 +88,10 @@ __all__ = [
 
 TASKS = ('lm', 'digits')
 
-# The runs an experiment may name in `runs`: name -> DotGeneralConfig maker.
-# Every preset; add an entry here to offer another run by name.
-LORA_RUNS = ('lora', 'qlora_nf4', 'stock_lora', 'stock_qlora_nf4')
-RUNS: dict[str, Callable[[], aqtr.DotGeneralConfig]] = (
-  {name: getattr(aqtr.presets, name) for name in aqtr.presets.__all__}
-  | {
-    name: functools.partial(qt_runs.config, spec)
-    for name, spec in qt_runs.SPECS.items()
-  }
-  | {
-    # 2:4 weights + int8 after a dense int8 warm-up of 50 steps, masks
-    # refreshed every 10 steps (held in the ops' 'aqtr_state').
-    'int8_sparse_2_4_warm': functools.partial(
-      aqtr.presets.int8_sparse_2_4, start_step=50, update_step=10
-    ),
-    # NVFP4 everywhere without the recipe's ingredients (no RHT, no SR, 1x16
-    # weight blocks): the baseline of `nvfp4_training`.
-    'nvfp4_naive': functools.partial(
-      aqtr.presets.nvfp4_training,
-      rht=False,
-      stochastic_rounding=False,
-      weight_blocks_2d=False,
-    ),
-  }
-  | RECIPE_CONFIGS  # The 4-bit recipes and their ablations.
-  | {
-    # A stock nnx Llama-style LM quantized by rules (`stock_lm.RULES`;
-    # the config shown is its weight ops' config).
-    'stock_float': aqtr.presets.float,
-    'stock_int8': aqtr.presets.int8,
-    # LoRA / QLoRA fine-tunes of the float LM and of the stock float LM
-    # (`aqtr.train.lora_job`; the config shown is the frozen base's).
-    **{
-      n: lora_config.nf4 if 'qlora' in n else aqtr.presets.float
-      for n in LORA_RUNS
-    },
-  }
+# The runs an experiment may name in `runs` (`aqtr.train.runs`: run
+# objects registered by name; register one there to offer another run).
+RUNS: tuple[str, ...] = tuple(
+  n for n in runs_lib.NAMES if n not in runs_lib.EXTRA
 )
 
 
@@ -289,9 +254,10 @@ class Experiment:
         f"runs must be a tuple of run names, e.g. ('float',), got {runs!r}."
       )
     for name in self.runs:
-      if name not in RUNS:
+      if name not in runs_lib.registry or name in runs_lib.EXTRA:
+        known = ', '.join(runs_lib.names())
         raise ValueError(
-          f'runs: unknown run {name!r}; runs: {", ".join(RUNS)} (a config '
+          f'runs: unknown run {name!r}; runs: {known} (a config '
           'of your own goes in `custom`, e.g. '
           '--config="fiddler:custom(\'int8\')").'
         )
@@ -314,15 +280,15 @@ class Experiment:
         'stock_rules must be a tuple of aqtr.rules.Rule (add one with '
         f'--config="fiddler:stock_rule(\'int8\')"), got {rules!r}.'
       )
-    stock = [n for n in self.run_names if n.startswith('stock_')]
-    if stock and self.task != 'lm':
+    lm = [n for n in self.run_names if runs_lib.get(n).lm_only]
+    if lm and self.task != 'lm':
       raise ValueError(
-        f"runs: {', '.join(stock)} need task 'lm', got {self.task!r}."
+        f"runs: {', '.join(lm)} need task 'lm', got {self.task!r}."
       )
-    if any(n in LORA_RUNS for n in self.runs):
-      from aqtr.train import lora_job  # noqa: PLC0415 (a cycle)
-
-      lora_job.check_fields(self, LORA_RUNS)
+    lora_runs = {n: runs_lib.get(n) for n in self.runs}
+    lora_job.check_fields(
+      self, {n: r for n, r in lora_runs.items() if r.trains == 'adapters'}
+    )
     if not self.runs and self.custom is None and not self.stock_rules:
       raise ValueError('nothing to run: runs is empty and custom is None.')
     for name in _RANGES:
@@ -334,14 +300,20 @@ class Experiment:
     error = mesh_lib.shape_error(self.mesh)  # Devices: checked at run time.
     if error:
       raise ValueError(error)
-    from aqtr.train import ptq_stage  # noqa: PLC0415 (imports flax; a cycle)
-
     ptq_stage.check_fields(self)
     if not isinstance(self.distributed, bool):
       raise ValueError(
         f'distributed must be True or False, got {self.distributed!r}.'
       )
     check_high_precision(self.high_precision)
+
+  @property
+  def holds_out_family(self) -> bool:
+    """Whether the job's LM corpus leaves out `finetune_family`: its own
+    runs train the float models that LoRA runs fine-tune on it."""
+    return self.init_from is None and any(
+      runs_lib.get(n).trains == 'adapters' for n in self.runs
+    )
 
   @property
   def run_names(self) -> tuple[str, ...]:
@@ -438,9 +410,18 @@ def run_config(
 
   'stock_custom' (rules, not one config) shows as float here.
   """
-  if name == 'stock_custom':
-    return aqtr.presets.float()
-  return custom if name == 'custom' else RUNS[name]()
+  return runs_lib.get(name).dot_config(types.SimpleNamespace(custom=custom))
+
+
+def kept_float(name: str, exp: Experiment) -> HighPrecision | None:
+  """The blocks run `name` keeps float (None: none).
+
+  Example:
+    >>> exp = Experiment(runs=('fp8', 'nvfp4_recipe'))
+    >>> kept_float('fp8', exp), kept_float('nvfp4_recipe', exp).label()
+    (None, 'last 1 block + head')
+  """
+  return runs_lib.get(name).keep(exp)
 
 
 def custom(

@@ -43,7 +43,6 @@ __all__ = [
   'RECIPE_RUNS',
   'HighPrecision',
   'high_precision',
-  'kept_float',
 ]
 
 
@@ -144,26 +143,6 @@ RECIPE_CONFIGS = {
 }
 RECIPE_RUNS = tuple(RECIPE_CONFIGS)
 RECIPE_KEEP = HighPrecision(last_blocks=1, head=True)
-
-
-def kept_float(name: str, exp: Any) -> HighPrecision | None:
-  """The blocks the main-job run `name` keeps float (None: none).
-
-  Args:
-    name: a run name.
-    exp: the `aqtr.train.experiment.Experiment` (its `high_precision`).
-
-  Example:
-    >>> from aqtr.train.experiment import Experiment
-    >>> exp = Experiment(runs=('fp8', 'nvfp4_recipe'))
-    >>> kept_float('fp8', exp), kept_float('nvfp4_recipe', exp).label()
-    (None, 'last 1 block + head')
-  """
-  if name in RECIPE_RUNS:
-    return exp.high_precision or RECIPE_KEEP
-  if name == 'custom':
-    return exp.high_precision
-  return None
 
 
 def high_precision(

@@ -28,18 +28,13 @@ import fiddle as fdl
 
 import aqtr.pax
 from aqtr import fiddle as aqtr_fiddle
-from aqtr.flax import common
 from aqtr.train import (
   experiment,
   generate,
   loop,
-  lora_job,
   models,
-  ptq_stage,
-  qt_runs,
   report,
-  serving,
-  stock_lm,
+  runs,
   tasks,
 )
 from aqtr.train import mesh as mesh_lib
@@ -94,11 +89,11 @@ def resolved(
   return out
 
 
-def _write_config(out: pathlib.Path, cfg: fdl.Config, exp, runs) -> None:
+def _write_config(out: pathlib.Path, cfg: fdl.Config, exp, run_list) -> None:
   full = resolved(cfg, exp)
   lines = ['# experiment (one line per leaf)', aqtr_fiddle.to_text(full)]
-  for name, config in runs:
-    keep = experiment.kept_float(name, exp)
+  for name, config in run_list:
+    keep = runs.get(name).keep(exp)
     kept = f' but {keep.label()} (float)' if keep and keep.any else ''
     lines += [
       '',
@@ -140,37 +135,6 @@ def _row(
     'status': 'ok',
     'param+optimizer MB': r.param_opt_bytes / 2**20,
   }
-
-
-def _serve(
-  r: loop.RunResult, task, run_dir: pathlib.Path, say, template, keep
-) -> dict:
-  if r.name.startswith('stock_'):
-    serve = stock_lm.serve(r, task)
-  else:
-    serve = _serve_pax(r, task, run_dir, template, keep)
-  (run_dir / 'serving.json').write_text(json.dumps(serve, indent=1))
-  say(
-    f'  {r.name}: serving checkpoint {serve["checkpoint"]}: '
-    f'{serve["serving_bytes"] / 1024:.1f} KB, serve == train: '
-    f'{serve["serve_equal"]} (max |diff| {serve["max_abs_diff"]:g})',
-    flush=True,
-  )
-  return serve
-
-
-def _serve_pax(r: loop.RunResult, task, run_dir: pathlib.Path, template, keep):
-  return serving.check(
-    r.injected,
-    r.params,
-    r.config,
-    r.logits_fn,
-    task.eval_set,
-    run_dir / 'serving',
-    r.collections,
-    model=template if task.name == 'lm' else None,
-    keep=keep,
-  )
 
 
 def _samples(r, exp, run_dir: pathlib.Path, served: bool) -> list | None:
@@ -257,14 +221,12 @@ def run(
   job_marker = report.mark_incomplete(out, 'this job')
   say(f'output: {out.absolute()}', flush=True)
   task = tasks.make(exp)
-  runs = [(n, experiment.run_config(n, custom)) for n in exp.run_names]
-  _write_config(out, cfg, exp, runs)
+  run_list = [(n, runs.get(n).dot_config(exp)) for n in exp.run_names]
+  _write_config(out, cfg, exp, run_list)
   say(f'aqtr-train: {exp.task}, {task.info}', flush=True)
   params = loop.init_params(template, task, exp.seed)
-  float_bytes = common.nbytes(params)
   rows, records, samples = [], [], []
-  base = None
-  lora_bases = {}  # 'float' / 'stock_float' -> the LoRA runs' float base.
+  base = None  # The baseline run ('x float').
   try:
     with report.Metrics(out / 'metrics.jsonl') as metrics:
 
@@ -272,83 +234,37 @@ def run(
         records.append(rec)
         metrics.write(rec)
 
-      for name, config in runs:
-        run_dir = out / name
-        run_dir.mkdir()
-        marker = report.mark_incomplete(run_dir, f'run {name!r}')
-        stock = name.startswith('stock_')
-        if name in lora_job.RUNS:
-          want = lora_job.base_run(name)
-          if want not in lora_bases:
-            lora_bases[want] = lora_job.load_base(
-              lora_job.base_path(exp.init_from, name), template, exp.seed, name
-            )
-          r, serve = lora_job.run(
-            name,
-            exp,
-            lora_bases[want],
-            run_dir,
-            template=template,
-            on_record=on_record,
-          )
-          say(
-            f'  {name}: {exp.finetune_family}/ validation bpc: frozen base '
-            f'{serve["frozen_bpc"]:.4f}, fine-tuned {r.final["bpc"]:.4f}, '
-            f'merged (RTN) {serve["merged_bpc"]:.4f}, merged (GPTQ) '
-            f'{serve["merged_gptq_bpc"]:.4f}; serve == train: '
-            f'{serve["serve_equal"]}',
-            flush=True,
-          )
-          rows.append(_row(r, task.metric, base, serve, serve['float_bytes']))
-          metrics.write({'run': name, 'summary': rows[-1]})
-          marker.unlink()
-          continue
-        if stock:
-          r = stock_lm.train(name, exp, task, template, on_record=on_record)
-          if name == 'stock_float' and any(
-            lora_job.base_run(n) == name for n in exp.runs if n in lora_job.RUNS
-          ):
-            lora_bases[name] = r.injected
-            lora_job.save_base(r.injected, run_dir)
-        else:
-          r = loop.train(
-            name,
-            config,
-            exp,
-            task,
-            template,
-            params=params,
-            on_record=on_record,
-            show_progress=show_progress,
-            spec=qt_runs.SPECS.get(name),
-            keep=experiment.kept_float(name, exp),
-          )
-        (run_dir / 'injection.txt').write_text(str(r.report) + '\n')
-        serve = None
+      ctx = runs.Context(
+        exp=exp,
+        task=task,
+        template=template,
+        params=params,
+        run_dir=out,
+        say=say,
+        on_record=on_record,
+        show_progress=show_progress,
+      )
+      for name, _ in run_list:
+        run_obj = runs.get(name)
+        ctx.run_dir = out / name
+        ctx.run_dir.mkdir()
+        marker = report.mark_incomplete(ctx.run_dir, f'run {name!r}')
+        outcome = run_obj.execute(ctx)
+        r = outcome.result
+        for step in run_obj.post:
+          runs.POST[step](run_obj, ctx, outcome)
         if r.diverged:
           say(f'  {name}: DIVERGED ({r.diverged}); the other runs go on.')
-        elif (
-          stock_lm.rules_of(name, exp) is not None
-          if stock
-          else models.has_frozen_weights(r.injected)
-        ):
-          keep = experiment.kept_float(name, exp)
-          serve = _serve(r, task, run_dir, say, template, keep)
-        samples += _samples(r, exp, run_dir, serve is not None) or []
-        if name == 'float' and not r.diverged:
+        served = outcome.serve is not None
+        samples += _samples(r, exp, ctx.run_dir, served) or []
+        if run_obj.baseline and not r.diverged:
           base = r
-          if any(
-            lora_job.base_run(n) == name for n in exp.runs if n in lora_job.RUNS
-          ):
-            lora_bases[name] = r.params
-            lora_job.save_base(r.params, run_dir)
-        own = stock_lm.float_bytes(r) if stock else float_bytes
-        rows.append(_row(r, task.metric, base, serve, own))
+        row = _row(r, task.metric, base, outcome.serve, outcome.float_bytes)
+        rows.append(row)
         metrics.write({'run': name, 'summary': rows[-1]})
         marker.unlink()
-    if exp.ptq and base is not None:
-      say('post-training quantization of the float run:', flush=True)
-      rows += ptq_stage.run(exp, task, template, base, out, say)
+    for late in ctx.late:  # E.g. the PTQ stage of the float run.
+      rows += late()
   except KeyboardInterrupt:
     if rows:
       _write_summary(out, rows, task.metric, samples)
@@ -366,7 +282,7 @@ def run(
       what = 'FAILED' if row['run'].startswith('ptq:') else 'DIVERGED'
       say(f'{row["run"]} {what}: {row["status"]} (its numbers are not shown)')
   say(
-    f'\n{len(runs)} run(s) in {time.perf_counter() - t_start:.0f} s; '
+    f'\n{len(run_list)} run(s) in {time.perf_counter() - t_start:.0f} s; '
     f'outputs in {out}',
     flush=True,
   )

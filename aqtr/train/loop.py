@@ -1,10 +1,19 @@
-"""Training one run: optax Adam, jitted step, periodic evaluation.
+"""The training loop of every run: jitted step, evaluation, divergence.
+
+`fit` is the one loop: every run of `aqtr-train` (the Pax LM / MLP runs,
+the stock nnx LM runs, the LoRA fine-tunes) and `aqtr.train.lora_runs`
+train through it. What differs between runs is the `Trainee` they hand
+it: the trained leaves, the state carried from step to step (stateful
+calibrations), the frozen leaves (a LoRA base), and `apply`, the forward.
+`aqtr.train.pax_run.train` builds the trainee of a Pax-style template
+quantized by one DotGeneralConfig; `stock_lm`, `lora_job` theirs.
 
 Every run of an experiment starts from the same parameters (same init key;
 the quantized model has the float model's parameter tree) and sees the same
 batches (`Task.batches()` from the same seed). Compile time is measured
-ahead of time (`jit(...).lower(...).compile()`); steps/s counts training
-steps only (no compile, no evaluation).
+ahead of time (`jit(...).lower(...).compile()`; `Trainee.aot=False`: the
+first step's time); steps/s counts training steps only (no compile, no
+evaluation).
 
 Divergence: every step also reports whether its loss and all updated
 parameters are finite; the flags are read every `CHECK_EVERY` steps (and at
@@ -13,12 +22,12 @@ every log or eval step). The first non-finite step ends the run early with
 
 Example:
   >>> import aqtr
-  >>> from aqtr.train import experiment, loop, tasks
+  >>> from aqtr.train import experiment, pax_run, tasks
   >>> cfg = experiment.tiny()
   >>> cfg.steps = 2
   >>> exp, template, _ = experiment.split(cfg)
-  >>> r = loop.train('int8', aqtr.presets.int8(), exp, tasks.make(exp),
-  ...                template, show_progress=False)  # doctest: +SKIP
+  >>> r = pax_run.train('int8', aqtr.presets.int8(), exp, tasks.make(exp),
+  ...                   template, show_progress=False)  # doctest: +SKIP
   >>> r.step  # doctest: +SKIP
   2
 """
@@ -26,6 +35,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import threading
 import time
 from collections.abc import Callable
@@ -39,14 +49,20 @@ import optax
 import aqtr
 import aqtr.pax
 from aqtr import qt
-from aqtr.core import slot_state
 from aqtr.train import mesh as mesh_lib
-from aqtr.train import models, progress, qt_runs
-from aqtr.train.experiment import Experiment
-from aqtr.train.high_precision import HighPrecision
+from aqtr.train import models, progress
 from aqtr.train.tasks import Task, cross_entropy, evaluate_logits
 
-__all__ = ['CHECK_EVERY', 'RunResult', 'init_params', 'optimizer', 'train']
+__all__ = [
+  'CHECK_EVERY',
+  'Fitted',
+  'RunResult',
+  'Schedule',
+  'Trainee',
+  'fit',
+  'init_params',
+  'optimizer',
+]
 
 CHECK_EVERY = 5  # Steps between two reads of the finite flags.
 
@@ -103,7 +119,7 @@ def check_stop() -> None:
 
 
 def optimizer(
-  exp: Experiment, adam_bits: int | None = None
+  exp: Any, adam_bits: int | None = None
 ) -> optax.GradientTransformation:
   """Clipped AdamW with linear warmup and cosine decay to 10%.
 
@@ -131,105 +147,126 @@ def init_params(template: Any, task: Task, seed: int) -> Any:
   return jax.jit(module.init)(jax.random.key(seed), x)['params']
 
 
-def _rngs(config, seed: int, step) -> dict[str, jax.Array] | None:
-  """Stochastic rounding keys (the 'quant' stream), only when used."""
-  if not aqtr.pax.needs_key(config):
-    return None
-  return {'quant': jax.random.fold_in(jax.random.key(seed + 1), step)}
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Schedule:
+  """How long `fit` trains and when it logs, evaluates and checks.
 
-
-def _with_quant_params(float_params: Any, quant_params: Any) -> Any:
-  """The float params plus the quantized model's own (e.g. LSQ steps)."""
-  if not isinstance(quant_params, dict):
-    return float_params
-  out = dict(float_params)
-  for k, v in quant_params.items():
-    out[k] = _with_quant_params(out[k], v) if k in out else v
-  return out
-
-
-def _bind_collections(fn, calib):
-  """(params, x) -> fn(params, calib, x)."""
-  return lambda params, x: fn(params, calib, x)
-
-
-def stateful_init(module, config, params, x, seed: int) -> tuple[Any, dict]:
-  """(params, collections) of a model whose calibrations keep state.
-
-  Stateless configs: (params, {}), without tracing anything. Otherwise the
-  model is initialised once for its learned calibration parameters (added
-  to `params`, which keep their float values) and its 'aqtr_state'
-  collection.
+  Attributes:
+    steps: optimizer steps.
+    log_every: record the mean train loss every this many steps.
+    eval_every: evaluate every this many steps (and at 0 and the end);
+      0: only at the end.
   """
-  if not slot_state.paths(config):
-    return params, {}
-  v = jax.jit(module.init)(jax.random.key(seed), x)
-  collections = {k: c for k, c in v.items() if k != 'params'}
-  return _with_quant_params(params, v['params']), collections
 
+  steps: int = 1
+  log_every: int = 10
+  eval_every: int = 0
 
-def train(
-  name: str,
-  config: aqtr.DotGeneralConfig,
-  exp: Experiment,
-  task: Task,
-  template: Any,
-  *,
-  params: Any = None,
-  on_record: Callable[[Record], None] | None = None,
-  show_progress: bool = True,
-  spec: qt_runs.RunSpec | None = None,
-  keep: HighPrecision | None = None,
-) -> RunResult:
-  """Trains the model of `template` quantized by `config`.
-
-  Args:
-    name: the run's name (records and progress bar).
-    config: injected into every projection of the model.
-    exp: steps, optimizer and evaluation settings.
-    task: data and metric.
-    template: the float model template.
-    params: initial params (copied; default: `init_params`).
-    on_record: called with each metrics record as it is made.
-    show_progress: draw the progress bar.
-    spec: a quantized-training / low-bit-optimizer run (`qt_runs`).
-    keep: blocks left float (`aqtr.train.high_precision`), or None.
-
-  Returns:
-    A RunResult with the trained (float) params and the metrics.
-  """
-  injected, report = models.inject(template, config, keep)
-  module = models.build(injected)
-  emit = on_record or (lambda r: None)
-  batches = task.batches()
-  x0, y0 = next(task.batches())
-  if params is None:
-    params = init_params(template, task, exp.seed)
-  params, calib = stateful_init(module, config, params, x0, exp.seed)
-  params = jax.tree.map(jnp.copy, params)  # The step donates its buffers.
-  spec = spec or qt_runs.RunSpec()
-  tx = optimizer(exp, spec.adam_bits)
-  if spec.weights is not None:  # Weights kept only quantized.
-    params, _ = qt.quantize_params(params, [qt.Rule(fmt=spec.weights)])
-    tx = qt.quantized_training(tx, seed=exp.seed)
-  mesh = mesh_lib.make(exp.mesh) if exp.mesh else None
-  if mesh is not None:
-    params = jax.device_put(params, mesh_lib.param_shardings(mesh, params))
-
-  def place(x):
-    """A batch split over the mesh's 'data' axis (one device: as is)."""
-    return (
-      x if mesh is None else jax.device_put(x, mesh_lib.batch_sharding(mesh))
+  @classmethod
+  def of(cls, exp: Any) -> Schedule:
+    """The schedule of an `Experiment` (steps, log_every, eval_every)."""
+    return cls(
+      steps=exp.steps, log_every=exp.log_every, eval_every=exp.eval_every
     )
 
-  x0, y0 = place(x0), place(y0)
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Trainee:
+  """What `fit` trains.
+
+  Attributes:
+    params: the trained leaves (a pytree; QT runs: `aqtr.qt` QTParams,
+      updated by `aqtr.qt.apply_updates`). Donated to the step.
+    apply: (float params, state, frozen, x, step) -> (logits, updated
+      state).
+    state: collections carried from step to step (stateful calibrations;
+      their gradient is the backward passes' state, merged by
+      `aqtr.state.merge_tree`); {}: none.
+    frozen: leaves read but not trained (a LoRA base), not donated.
+    aot: compile ahead of time; False: plain jit, the first step's time
+      is the compile time (e.g. trees whose layouts the first call fixes).
+    mesh: a device mesh (`aqtr.train.mesh`): batches split over its
+      'data' axis, params and optimizer state keep their shardings from
+      step to step; None: one device.
+  """
+
+  params: Any = None
+  apply: Callable[..., tuple[jax.Array, Any]] | None = None
+  state: Any = dataclasses.field(default_factory=dict)
+  frozen: Any = None
+  aot: bool = True
+  mesh: Any = None
+
+
+@dataclasses.dataclass
+class Fitted:
+  """What `fit` leaves: trained leaves, metrics and timings."""
+
+  params: Any
+  state: Any
+  opt_state: Any
+  step: int
+  train_loss: float
+  final: dict[str, float]
+  history: list[Record]
+  compile_s: float
+  train_s: float
+  steps_per_s: float
+  logits: Callable[[Any, Any], jax.Array]  # (params, x) -> logits, jitted
+  diverged: str | None = None
+
+
+def fit(
+  name: str,
+  trainee: Trainee,
+  tx: optax.GradientTransformation,
+  batches,
+  schedule: Schedule,
+  *,
+  eval_set=(),
+  metric: str = 'bpc',
+  unit: str = 'tok',
+  items_per_batch: int = 1,
+  on_record: Callable[[Record], None] | None = None,
+  show_progress: bool = True,
+  loss: Callable[[jax.Array, jax.Array], jax.Array] = cross_entropy,
+) -> Fitted:
+  """Trains `trainee` on `batches` with `tx`: the loop of every run.
+
+  Evaluates on `eval_set` at step 0, every `schedule.eval_every` steps and
+  at the end (records {'run', 'step', 'val_loss', metric}); records the
+  mean train loss every `log_every` steps ({'run', 'step', 'train_loss',
+  'steps_per_s', 'time_s'}); stops at the first non-finite loss or
+  parameter (`Fitted.diverged`, a {'run', 'step', 'diverged'} record).
+
+  Args:
+    name: the run's name (records, progress bar).
+    trainee: what to train (`Trainee`).
+    tx: the optimizer.
+    batches: an iterator of (x, y) batches.
+    schedule: steps, logging and evaluation.
+    eval_set: (x, y) validation batches; (): no evaluation.
+    metric: 'bpc' or 'accuracy' (`tasks.evaluate_logits`).
+    unit: the progress bar's item unit ('tok', 'img').
+    items_per_batch: items per batch (progress bar throughput).
+    on_record: called with each metrics record.
+    show_progress: draw the progress bar.
+    loss: (logits, labels) -> the scalar loss.
+
+  Returns:
+    A `Fitted`.
+  """
+  emit = on_record or (lambda r: None)
+  mesh = trainee.mesh
+  apply, frozen = trainee.apply, trainee.frozen
+  params, state = trainee.params, trainee.state
   opt_state = tx.init(params)
-  state_shardings = None  # One device: wherever jit puts them.
-  if mesh is not None:  # The state keeps its shardings from step to step.
+  out_shardings = None  # One device: wherever jit puts them.
+  if mesh is not None:
     opt_state = jax.device_put(
       opt_state, mesh_lib.state_shardings(mesh, opt_state)
     )
-    state_shardings = (
+    out_shardings = (
       mesh_lib.state_shardings(mesh, params),
       mesh_lib.state_shardings(mesh, opt_state),
       None,
@@ -237,71 +274,82 @@ def train(
       None,
     )
 
-  def apply(p, calib, x, step):
-    """(logits, updated collections); stateful calibrations update."""
-    rngs = _rngs(config, exp.seed, step)
-    if not calib:
-      return module.apply({'params': p}, x, rngs=rngs), calib
-    return module.apply(
-      {'params': p, **calib}, x, rngs=rngs, mutable=list(calib)
+  def place(x):
+    """A batch split over the mesh's 'data' axis (one device: as is)."""
+    return (
+      x if mesh is None else jax.device_put(x, mesh_lib.batch_sharding(mesh))
     )
 
-  def step_fn(params, opt_state, calib, x, y, step):
-    def loss_fn(p, c):
-      logits, updated = apply(p, c, x, step)
-      return cross_entropy(logits, y), updated
+  def step_fn(params, opt_state, state, frozen, x, y, step):
+    def loss_fn(p, s):
+      logits, updated = apply(p, s, frozen, x, step)
+      return loss(logits, y), updated
 
-    (loss, updated), (grads, calib_grads) = jax.value_and_grad(
+    (value, updated), (grads, state_grads) = jax.value_and_grad(
       loss_fn, (0, 1), has_aux=True
-    )(qt.dequantize(params), calib)
+    )(qt.dequantize(params), state)
     # The backward passes' calibration state arrives as the gradient.
-    calib = aqtr.state.merge_tree(updated, calib_grads)
+    state = aqtr.state.merge_tree(updated, state_grads)
     updates, opt_state = tx.update(grads, opt_state, params)
     params = qt.apply_updates(params, updates)
     leaves = [jnp.isfinite(p).all() for p in jax.tree.leaves(params)]
-    finite = jnp.isfinite(loss) & jnp.stack(leaves).all()
-    return params, opt_state, calib, loss, finite
+    finite = jnp.isfinite(value) & jnp.stack(leaves).all()
+    return params, opt_state, state, value, finite
 
-  def logits_fn(params, calib, x):
-    return apply(qt.dequantize(params), calib, x, 0)[0]
+  def logits_fn(params, state, frozen, x):
+    return apply(qt.dequantize(params), state, frozen, x, 0)[0]
 
+  step_j = jax.jit(step_fn, donate_argnums=(0, 1), out_shardings=out_shardings)
   history: list[Record] = []
-  losses, window, flags, train_s = [], [], [], 0.0
-  diverged, done = None, exp.steps
-  with progress.Bar(name, exp.steps, task.unit, show_progress) as bar:
+  losses, window, flags, train_s, compile_s = [], [], [], 0.0, 0.0
+  diverged, done, steps = None, schedule.steps, schedule.steps
+  final: dict[str, float] = {}
+  with progress.Bar(name, steps, unit, show_progress) as bar:
     bar.status('compiling')
     t0 = time.perf_counter()
-    step_c = (
-      jax.jit(step_fn, donate_argnums=(0, 1), out_shardings=state_shardings)
-      .lower(params, opt_state, calib, x0, y0, jnp.int32(0))
-      .compile()
-    )
-    eval_c = (
-      jax.jit(logits_fn).lower(params, calib, task.eval_set[0][0]).compile()
-    )
+    if trainee.aot:
+      x0, y0 = map(place, next(batches))
+      step_c = step_j.lower(
+        params, opt_state, state, frozen, x0, y0, jnp.int32(0)
+      ).compile()
+      batches = itertools.chain([(x0, y0)], batches)
+    else:
+      step_c = step_j
+    eval_j = jax.jit(logits_fn)
+    if trainee.aot and eval_set:
+      x_eval = eval_set[0][0]
+      eval_c = eval_j.lower(params, state, frozen, x_eval).compile()
+    else:
+      eval_c = eval_j
     compile_s = time.perf_counter() - t0
 
     def evaluate(step):
+      if not eval_set:
+        return {}
       rec = evaluate_logits(
-        lambda x: eval_c(params, calib, x), task.eval_set, task.metric
+        lambda x: eval_c(params, state, frozen, x), eval_set, metric
       )
-      rec = {'run': name, 'step': step, **rec}
-      history.append(rec)
-      emit(rec)
+      history.append({'run': name, 'step': step, **rec})
+      emit(history[-1])
       return rec
 
-    final = evaluate(0)
+    every = schedule.eval_every or steps
+    final = evaluate(0) if schedule.eval_every else {}
     t = time.perf_counter()
-    for i in range(1, exp.steps + 1):
+    for i in range(1, steps + 1):
       check_stop()
       x, y = map(place, next(batches))
-      params, opt_state, calib, loss, finite = step_c(
-        params, opt_state, calib, x, y, jnp.int32(i)
+      params, opt_state, state, value, finite = step_c(
+        params, opt_state, state, frozen, x, y, jnp.int32(i)
       )
-      window.append(loss)
+      if i == 1 and not trainee.aot:  # The first call compiles.
+        jax.block_until_ready(value)
+        compile_s = time.perf_counter() - t0
+        t = time.perf_counter()
+      window.append(value)
       flags.append(finite)
-      log = i % exp.log_every == 0 or i == exp.steps
-      ev = i % exp.eval_every == 0 or i == exp.steps
+      log = i % schedule.log_every == 0 or i == steps
+      ev = i % every == 0 or i == steps
       if not (log or ev or i % CHECK_EVERY == 0):
         continue
       ok = np.asarray(jax.device_get(flags))
@@ -316,46 +364,36 @@ def train(
       if not (log or ev):
         continue
       train_s += time.perf_counter() - t
+      timed = i if trainee.aot else i - 1
       if log:
         losses.append(float(np.mean(jax.device_get(window))))
         window = []
-        rec = {
-          'run': name,
-          'step': i,
-          'train_loss': losses[-1],
-          'steps_per_s': i / train_s,
-          'time_s': train_s,
-        }
+        rate = timed / max(train_s, 1e-9)
+        rec = {'run': name, 'step': i, 'train_loss': losses[-1]}
+        rec |= {'steps_per_s': rate, 'time_s': train_s}
         history.append(rec)
         emit(rec)
         bar.update(
           i,
           loss=losses[-1],
-          steps_per_s=i / train_s,
-          items_per_s=i * task.items_per_batch / train_s,
+          steps_per_s=rate,
+          items_per_s=rate * items_per_batch,
         )
       if ev:
         final = evaluate(i)
       t = time.perf_counter()
-  stored = qt.tree_bytes(params) + qt.tree_bytes(opt_state)
-  return RunResult(
-    name=name,
-    config=config,
-    injected=injected,
-    report=report,
-    params=qt.dequantize(params),
+  timed = done if trainee.aot else done - 1
+  return Fitted(
+    params=params,
+    state=state,
+    opt_state=opt_state,
     step=done,
     train_loss=float('nan') if diverged else losses[-1],
     final=final,
     history=history,
-    steps_per_s=done / max(train_s, 1e-9),
     compile_s=compile_s,
     train_s=train_s,
-    # QT runs: eval_c takes the quantized tree; this one the float params.
-    logits_fn=_bind_collections(
-      eval_c if spec.weights is None else jax.jit(logits_fn), calib
-    ),
-    param_opt_bytes=stored,
+    steps_per_s=timed / max(train_s, 1e-9),
+    logits=lambda p, x: eval_j(p, state, frozen, x),
     diverged=diverged,
-    collections=calib,
   )

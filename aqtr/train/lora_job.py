@@ -20,12 +20,18 @@ block projection (LoRA, Hu et al. 2021, arXiv 2106.09685).
 The summary row's bpc is on the family's validation files; the run's
 `lora.json` adds the frozen base's bpc, the merged models' (adapters folded
 in and re-quantized to the base's format by round to nearest, and solved
-by `MERGE_SOLVER` on `ptq_batches` family batches) and the bytes of
+by `MERGE_SOLVER` on `ptq_batches` family batches; a float base's merge
+is float, nothing to solve) and the bytes of
 `aqtr.lora.sizes`.
 
+The runs are `aqtr.train.runs.LoraRun` objects (`stock`: the stock LM,
+`base_format`: None or 'nf4', `init_from`: the float run).
+
 Example:
-  >>> sorted(RUNS)
-  ['lora', 'qlora_nf4', 'stock_lora', 'stock_qlora_nf4']
+  >>> from aqtr.train import runs
+  >>> r = runs.get('stock_qlora_nf4')
+  >>> r.stock, r.base_format, r.init_from
+  (True, 'nf4', 'stock_float')
 """
 
 from __future__ import annotations
@@ -33,44 +39,34 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import math
 import pathlib
-import time
 import warnings
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 
-import aqtr
 import aqtr.flax.checkpoint as ckpt
 from aqtr import lora, ptq
 from aqtr.data import loader, stdlib
 from aqtr.train import loop, models, stock_lm
-from aqtr.train.tasks import cross_entropy, evaluate_logits
+from aqtr.train.tasks import evaluate_logits
 
 __all__ = [
   'BASE_DIR',
-  'RUNS',
   'base_path',
   'check_fields',
   'family_data',
   'family_split',
-  'is_stock',
   'load_base',
   'read',
   'run',
   'save_base',
 ]
 
-RUNS = {
-  'lora': None,
-  'qlora_nf4': 'nf4',
-  'stock_lora': None,
-  'stock_qlora_nf4': 'nf4',
-}
 BASE_DIR = 'float_params'  # In the 'float' / 'stock_float' run's folder.
 PAX_RULES = r'layers.*'  # Every block projection of the Pax LM.
 # How the merged weights are solved (`aqtr.lora.merge`'s arguments): GPTQ
@@ -78,16 +74,6 @@ PAX_RULES = r'layers.*'  # Every block projection of the Pax LM.
 # base's grid did worse: +1.6% vs +1.2% bpc after config:long; README).
 MERGE_SOLVER = {'method': ptq.Gptq(act_order=True), 'grid': 'fresh'}
 STOCK_RULES = r'.*blocks.*'  # ... of the stock LM.
-
-
-def is_stock(name: str) -> bool:
-  """Whether LoRA run `name` fine-tunes the stock nnx LM."""
-  return name.startswith('stock_')
-
-
-def base_run(name: str) -> str:
-  """The run whose float model LoRA run `name` fine-tunes."""
-  return 'stock_float' if is_stock(name) else 'float'
 
 
 def read(names: list[str], cap: int | None) -> np.ndarray:
@@ -124,15 +110,16 @@ def save_base(base: Any, run_dir: pathlib.Path) -> pathlib.Path:
   return path
 
 
-def base_path(init_from: str, name: str) -> str:
-  """The checkpoint of run `name`'s base: `init_from` may be a job folder."""
-  inside = pathlib.Path(init_from) / base_run(name) / BASE_DIR
+def base_path(init_from: str, base_run: str) -> str:
+  """The checkpoint of run `base_run`'s float model: `init_from` may be a
+  job folder (then its `<base_run>/float_params`) or the checkpoint."""
+  inside = pathlib.Path(init_from) / base_run / BASE_DIR
   return str(inside) if inside.is_dir() else init_from
 
 
-def load_base(path: str, template: Any, seed: int, name: str = 'lora'):
+def load_base(path: str, template: Any, seed: int, *, stock: bool = False):
   """The float base saved by `save_base`: stock LM or Pax LM params."""
-  if is_stock(name):
+  if stock:
     model = stock_lm.StockLm(**stock_lm.sizes(template), rngs=nnx.Rngs(seed))
     nnx.update(model, ckpt.restore(path, nnx.state(model)))
     return model
@@ -141,62 +128,44 @@ def load_base(path: str, template: Any, seed: int, name: str = 'lora'):
   return ckpt.restore(path, shapes['params'])
 
 
-def _config(name: str, exp: Any) -> lora.LoraConfig:
-  r, base = exp.lora_rank, RUNS[name]
+def _config(run: Any, exp: Any) -> lora.LoraConfig:
+  r, base = exp.lora_rank, run.base_format
   return lora.LoraConfig(
     rank=r, alpha=2.0 * r, base=base, double_quant=base is not None
   )
 
 
-def _finetune(name, exp, apply, params, rest, train, emit):
-  """Trains `params` (the adapters): (params, history, losses, times)."""
-  tx = loop.optimizer(exp)
-  opt = tx.init(params)
-
-  def step_fn(p, rest, o, x, y):
-    value, g = jax.value_and_grad(
-      lambda p: cross_entropy(apply(p, rest, x), y)
-    )(p)
-    upd, o = tx.update(g, o, p)
-    return optax.apply_updates(p, upd), o, value
-
+def _finetune(name, exp, apply, params, rest, train, eval_set, emit, bar):
+  """Trains `params` (the adapters) with the job's loop: a `loop.Fitted`."""
   # Plain jit (the uint4 codes' layout is fixed at the first call): the
   # compile time is the first step's.
-  step_c = jax.jit(step_fn)
-  history, losses, window, train_s, compile_s = [], [], [], 0.0, 0.0
-  batches = loader.windows(train, exp.batch_size, exp.seq_len, exp.seed)
-  tick = time.perf_counter()
-  for i in range(1, exp.steps + 1):
-    loop.check_stop()
-    x, y = next(batches)
-    params, opt, value = step_c(params, rest, opt, x, y)
-    if i == 1:
-      jax.block_until_ready(value)
-      compile_s = time.perf_counter() - tick
-      tick = time.perf_counter()
-    window.append(value)
-    if i % exp.log_every == 0 or i == exp.steps:
-      losses.append(float(np.mean(jax.device_get(window))))
-      window = []
-      train_s += time.perf_counter() - tick
-      rec = {'run': name, 'step': i, 'train_loss': losses[-1]}
-      rec |= {'steps_per_s': i / train_s, 'time_s': train_s}
-      history.append(rec)
-      emit(rec)
-      tick = time.perf_counter()
-  return params, history, losses, compile_s, train_s
+  trainee = loop.Trainee(
+    params=params,
+    apply=lambda p, s, r, x, step: (apply(p, r, x), s),
+    frozen=rest,
+    aot=False,
+  )
+  return loop.fit(
+    name,
+    trainee,
+    loop.optimizer(exp),
+    loader.windows(train, exp.batch_size, exp.seq_len, exp.seed),
+    loop.Schedule(steps=exp.steps, log_every=exp.log_every),
+    eval_set=eval_set,
+    items_per_batch=exp.batch_size * exp.seq_len,
+    on_record=emit,
+    show_progress=bar,
+  )
 
 
 def _bpc(fn, eval_set) -> float:
   return evaluate_logits(fn, eval_set, 'bpc')['bpc']
 
 
-def _stock(name, exp, base, train, eval_set, emit):
+def _stock(run, exp, base, train, eval_set, emit, bar):
   """LoRA on the stock nnx LM `base`; (trained, numbers)."""
   x0 = jnp.zeros((1, exp.seq_len), jnp.int32)
-  model = lora.attach(
-    base, {STOCK_RULES: _config(name, exp)}, x0, seed=exp.seed
-  )
+  model = lora.attach(base, {STOCK_RULES: _config(run, exp)}, x0, seed=exp.seed)
   graphdef, params, rest = nnx.split(model, lora.Adapter, ...)
 
   def apply(p, r, x):
@@ -208,13 +177,15 @@ def _stock(name, exp, base, train, eval_set, emit):
     return lambda x: f(state, x)
 
   frozen = _bpc(served(base), eval_set)
-  params, *log = _finetune(name, exp, apply, params, rest, train, emit)
+  fitted = _finetune(
+    run.name, exp, apply, params, rest, train, eval_set, emit, bar
+  )
+  params = fitted.params
   model = nnx.merge(graphdef, params, rest)
-  cal = _calibration(train, exp)
-  merged = {
-    'rtn': lora.merge(model, x0),
-    'gptq': lora.merge(model, x0, batches=cal, **MERGE_SOLVER),
-  }
+  merged = {'rtn': lora.merge(model, x0)}
+  if run.base_format is not None:  # A float merge has nothing to solve.
+    cal = _calibration(train, exp)
+    merged['gptq'] = lora.merge(model, x0, batches=cal, **MERGE_SOLVER)
   return _Tuned(
     params,
     rest,
@@ -223,16 +194,16 @@ def _stock(name, exp, base, train, eval_set, emit):
     frozen,
     {k: served(m) for k, m in merged.items()},
     lora.sizes(model, x0),
-    log,
+    fitted,
   )
 
 
-def _pax(name, exp, template, float_params, train, eval_set, emit):
+def _pax(run, exp, template, float_params, train, eval_set, emit, bar):
   """LoRA on the Pax LM (`template`, float `float_params`)."""
   x0 = jnp.zeros((1, exp.seq_len), jnp.int32)
   lt, lv = lora.attach(
     template,
-    {PAX_RULES: _config(name, exp)},
+    {PAX_RULES: _config(run, exp)},
     x0,
     variables={'params': float_params},
     seed=exp.seed,
@@ -249,17 +220,19 @@ def _pax(name, exp, template, float_params, train, eval_set, emit):
     return lambda x: f(v, x)
 
   frozen = _bpc(served(template, {'params': float_params}), eval_set)
-  params, *log = _finetune(name, exp, apply, params, rest, train, emit)
+  fitted = _finetune(
+    run.name, exp, apply, params, rest, train, eval_set, emit, bar
+  )
+  params = fitted.params
   trained = dict(rest, params=lora.combine(params, frozen_params))
-  cal = _calibration(train, exp)
   with warnings.catch_warnings():
     warnings.simplefilter('ignore', UserWarning)
-    merged = {
-      'rtn': lora.merge(lt, x0, variables=trained),
-      'gptq': lora.merge(
+    merged = {'rtn': lora.merge(lt, x0, variables=trained)}
+    if run.base_format is not None:  # A float merge has nothing to solve.
+      cal = _calibration(train, exp)
+      merged['gptq'] = lora.merge(
         lt, x0, variables=trained, batches=cal, **MERGE_SOLVER
-      ),
-    }
+      )
   return _Tuned(
     params,
     rest,
@@ -268,7 +241,7 @@ def _pax(name, exp, template, float_params, train, eval_set, emit):
     frozen,
     {k: served(*m) for k, m in merged.items()},
     lora.sizes(lt, x0, variables=trained),
-    log,
+    fitted,
   )
 
 
@@ -287,39 +260,48 @@ class _Tuned:
   frozen_bpc: float
   merged: dict  # method -> (x -> logits).
   sizes: lora.Bytes
-  log: list  # history, losses, compile_s, train_s
+  fitted: loop.Fitted
 
 
 def run(
-  name: str, exp: Any, base: Any, run_dir, *, template=None, on_record=None
+  run: Any,
+  exp: Any,
+  base: Any,
+  run_dir,
+  *,
+  template=None,
+  on_record=None,
+  show_progress: bool = False,
 ):
-  """Fine-tunes `base` with LoRA run `name`; (RunResult, serve dict).
+  """Fine-tunes `base` with LoRA run `run`; (RunResult, serve dict).
 
   Args:
-    name: a key of `RUNS`.
+    run: the `aqtr.train.runs.LoraRun` (name, stock, base_format).
     exp: the Experiment.
     base: the float stock LM (stock runs) or the Pax LM's float params.
     run_dir: the run's folder (`lora.json` is written there).
     template: the Pax LM's float template (Pax runs).
     on_record: called with each metrics record.
+    show_progress: draw the progress bar.
   """
   emit = on_record or (lambda r: None)
   train, val = family_data(exp.finetune_family)
   eval_set = loader.eval_windows(
     val, exp.batch_size, exp.seq_len, exp.eval_batches
   )
-  if is_stock(name):
-    tuned = _stock(name, exp, base, train, eval_set, emit)
+  data = (train, eval_set, emit, show_progress)
+  name = run.name
+  if run.stock:
+    tuned = _stock(run, exp, base, *data)
   else:
-    tuned = _pax(name, exp, template, base, train, eval_set, emit)
-  history, losses, compile_s, train_s = tuned.log
+    tuned = _pax(run, exp, template, base, *data)
+  fitted = tuned.fitted
+  final = fitted.final or {'val_loss': math.nan, 'bpc': math.nan}
   forward = jax.jit(tuned.apply)
 
   def train_fn(p, x):
     return forward(p, tuned.rest, x)
 
-  final = evaluate_logits(lambda x: train_fn(tuned.params, x), eval_set, 'bpc')
-  emit({'run': name, 'step': exp.steps, **final})
   same = all(
     bool(np.array_equal(train_fn(tuned.params, x), tuned.serve(x)))
     for x, _ in eval_set
@@ -328,32 +310,33 @@ def run(
   sizes = tuned.sizes
   info = {
     'family': exp.finetune_family,
-    'model': 'stock nnx LM' if is_stock(name) else 'Pax LM',
+    'model': 'stock nnx LM' if run.stock else 'Pax LM',
     'bpc': {
       'frozen_base': tuned.frozen_bpc,
       name: final['bpc'],
       **{f'{name}_merged_{k}': v for k, v in merged.items()},
     },
     'bytes': dataclasses.asdict(sizes) | {'ratio_to_full_ft': sizes.ratio},
-    'step_s': train_s / max(exp.steps - 1, 1),
+    'step_s': 1 / fitted.steps_per_s,
   }
   pathlib.Path(run_dir, 'lora.json').write_text(json.dumps(info, indent=1))
-  cfg = _config(name, exp)
-  rules = STOCK_RULES if is_stock(name) else PAX_RULES
+  cfg = _config(run, exp)
+  rules = STOCK_RULES if run.stock else PAX_RULES
   result = loop.RunResult(
     name=name,
-    config=lora.nf4() if RUNS[name] else aqtr.presets.float(),
+    config=run.config(),
     injected=None,
     report=f'{name}: {cfg} on {rules} (family {exp.finetune_family})',
     params=tuned.params,
-    step=exp.steps,
-    train_loss=losses[-1],
+    step=fitted.step,
+    train_loss=fitted.train_loss,
     final=final,
-    history=history,
-    steps_per_s=(exp.steps - 1) / max(train_s, 1e-9),
-    compile_s=compile_s,
-    train_s=train_s,
+    history=fitted.history,
+    steps_per_s=fitted.steps_per_s,
+    compile_s=fitted.compile_s,
+    train_s=fitted.train_s,
     logits_fn=train_fn,
+    diverged=fitted.diverged,
     param_opt_bytes=sizes.total,
   )
   serve = {  # Served as trained: frozen base + adapters + other params.
@@ -361,14 +344,19 @@ def run(
     'float_bytes': sizes.full // 3,
     'serve_equal': same,
     'merged_bpc': merged['rtn'],
-    'merged_gptq_bpc': merged['gptq'],
+    'merged_gptq_bpc': merged.get('gptq'),  # None: a float base.
     'frozen_bpc': tuned.frozen_bpc,
   }
   return result, serve
 
 
-def check_fields(exp, lora_runs: tuple[str, ...]) -> None:
-  """Raises one line for bad LoRA fields of Experiment `exp`."""
+def check_fields(exp, lora_runs: dict[str, Any]) -> None:
+  """Raises one line for bad LoRA fields of Experiment `exp`.
+
+  Args:
+    exp: the Experiment.
+    lora_runs: {name: its `aqtr.train.runs.LoraRun`} of `exp.runs`.
+  """
   names = [n for n in exp.runs if n in lora_runs]
   if not names:
     return
@@ -381,9 +369,9 @@ def check_fields(exp, lora_runs: tuple[str, ...]) -> None:
       f'init_from must be a checkpoint path or None, got {exp.init_from!r}.'
     )
   for i, n in enumerate(exp.runs):
-    want = base_run(n) if n in lora_runs else None
+    want = lora_runs[n].init_from if n in lora_runs else None
     if want and exp.init_from is None and want not in exp.runs[:i]:
-      model = 'stock LM' if is_stock(n) else 'LM'
+      model = 'stock LM' if lora_runs[n].stock else 'LM'
       raise ValueError(
         f'runs: {n!r} fine-tunes the float {model}: put {want!r} before it '
         f"in runs, or set init_from=<a job's folder or its "
@@ -395,7 +383,7 @@ def check_fields(exp, lora_runs: tuple[str, ...]) -> None:
       f'{exp.finetune_family!r}.'
     )
   group = lora.nf4().fwd.rhs.tiling.tile_size
-  nf4 = [n for n in names if RUNS[n] == 'nf4']
+  nf4 = [n for n in names if lora_runs[n].base_format == 'nf4']
   if nf4 and exp.model is not None:
     d = stock_lm.sizes(exp.model)['d_model']
     if d % group:

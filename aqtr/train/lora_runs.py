@@ -48,6 +48,7 @@ from flax import nnx
 import aqtr.lora as lora
 import aqtr.ptq as ptq
 from aqtr.data import stdlib
+from aqtr.train import loop
 from aqtr.train.lora_job import family_data, read
 from aqtr.train.stock_lm import StockLm
 
@@ -133,31 +134,29 @@ def bpc(model, data: np.ndarray, s: Settings) -> float:
 
 
 def train(model, data, s: Settings, steps: int, lr: float, wrt, seed: int):
-  """Trains `wrt` of `model` (in place) with AdamW; (model, s/step)."""
+  """Trains `wrt` of `model` with AdamW (`loop.fit`); (model, s/step)."""
   sched = optax.warmup_cosine_decay_schedule(0.0, lr, steps // 10 + 1, steps)
   tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(sched))
   graphdef, params, rest = nnx.split(model, wrt, ...)
-  opt = tx.init(params)
 
-  @jax.jit
-  def step(params, rest, opt, x, y):
-    def loss(p):
-      return _loss(nnx.merge(graphdef, p, rest), x, y)
+  def apply(p, state, r, x, step):
+    del step
+    return nnx.merge(graphdef, p, r)(x), state
 
-    value, g = jax.value_and_grad(loss)(params)
-    upd, opt = tx.update(g, opt, params)
-    return optax.apply_updates(params, upd), opt, value
-
-  it = _batches(data, s, seed)
-  t0, warm = 0.0, min(5, steps - 1)
-  for i in range(steps):
-    if i == warm:
-      jax.block_until_ready(params)
-      t0 = time.perf_counter()
-    params, opt, _ = step(params, rest, opt, *next(it))
-  jax.block_until_ready(params)
-  per = (time.perf_counter() - t0) / max(steps - warm, 1)
-  return nnx.merge(graphdef, params, rest), per
+  fitted = loop.fit(
+    'lora_runs',
+    loop.Trainee(params=params, apply=apply, frozen=rest),
+    tx,
+    _batches(data, s, seed),
+    loop.Schedule(steps=steps, log_every=steps),
+    show_progress=False,
+    loss=lambda logits, y: optax.softmax_cross_entropy_with_integer_labels(
+      logits, y
+    ).mean(),
+  )
+  if fitted.diverged:
+    raise FloatingPointError(f'lora_runs: {fitted.diverged}')
+  return nnx.merge(graphdef, fitted.params, rest), 1 / fitted.steps_per_s
 
 
 def run(s: Settings) -> dict[str, Any]:

@@ -27,6 +27,7 @@ Example:
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 from typing import Any
 
 import fiddle as fdl
@@ -40,10 +41,12 @@ import aqtr.pax
 from aqtr import fiddle as aqtr_fiddle
 from aqtr import freezers, sparsity
 from aqtr.freezers import Mode
+from aqtr.ptq import fold
 from aqtr.train.high_precision import HighPrecision
 
 __all__ = [
   'build',
+  'fold_map',
   'has_frozen_weights',
   'inject',
   'lm',
@@ -175,3 +178,89 @@ def has_frozen_weights(injected: fdl.Config) -> bool:
     _frozen_config(node.__arguments__.get('config')) is not None
     for node in selectors.select(injected, aqtr.pax.EinsumOp)
   )
+
+
+def fold_map(params: Mapping) -> fold.FoldMap:
+  """The fold map of `aqtr.pax.TransformerLm` (`aqtr.train.models.lm`).
+
+  Per layer: attention_norm (scale and bias) -> q/k/v_proj; v_proj
+  (kernel columns and bias) -> o_proj; ffn_norm -> wi (and wi_gate);
+  gated: wi -> wo, plain: wo follows the activation (GELU), unfolded.
+  final_norm -> the untied `softmax` kernel (a tied table: `keep`).
+
+  Args:
+    params: the linen variables (`{'params': ...}`) or their 'params'.
+  """
+  root = 'params/' if 'params' in params else ''
+  top = fold.get(params, root[:-1]) if root else params
+  layers = fold.children(top, 'layers_')
+  if not layers:
+    raise ValueError(
+      'models.fold_map: params have no "layers_<i>" (expected the variables of '
+      'an aqtr.pax.TransformerLm).'
+    )
+  groups, unfolded = [], []
+  for name in layers:
+    lay = f'{root}{name}'
+    att, ffn = f'{lay}/attention', f'{lay}/ffn'
+    proj = lambda n: fold.Axis(path=f'{n}/kernel')  # noqa: E731
+    groups.append(
+      fold.FoldGroup(
+        name=f'{lay}/attention_norm',
+        sources=fold.norm_sources(f'{lay}/attention_norm', params),
+        consumers=tuple(proj(f'{att}/{p}_proj') for p in 'qkv'),
+      )
+    )
+    groups.append(
+      fold.FoldGroup(
+        name=f'{att}/v_proj',
+        sources=fold.linear_sources(f'{att}/v_proj', params),
+        consumers=(proj(f'{att}/o_proj'),),
+        kind='linear',
+      )
+    )
+    gated = 'wi_gate' in fold.get(params, ffn)
+    ins = ('wi', 'wi_gate') if gated else ('wi',)
+    groups.append(
+      fold.FoldGroup(
+        name=f'{lay}/ffn_norm',
+        sources=fold.norm_sources(f'{lay}/ffn_norm', params),
+        consumers=tuple(proj(f'{ffn}/{p}') for p in ins),
+      )
+    )
+    if gated:
+      groups.append(
+        fold.FoldGroup(
+          name=f'{ffn}/wi',
+          sources=fold.linear_sources(f'{ffn}/wi', params),
+          consumers=(proj(f'{ffn}/wo'),),
+          kind='linear',
+        )
+      )
+    else:
+      unfolded.append(f'{ffn}/wo/kernel')
+  if 'softmax' in top:
+    groups.append(
+      fold.FoldGroup(
+        name=f'{root}final_norm',
+        sources=fold.norm_sources(f'{root}final_norm', params),
+        consumers=(fold.Axis(path=f'{root}softmax/kernel'),),
+      )
+    )
+    keep = ()
+  else:
+    keep = (f'{root}embedding/embedding',)
+  return fold.FoldMap(groups=tuple(groups), unfolded=tuple(unfolded), keep=keep)
+
+
+def _is_pax_lm(params: Mapping) -> bool:
+  top = params.get('params', params)
+  return isinstance(top, Mapping) and bool(fold.children(top, 'layers_'))
+
+
+fold.register(
+  'pax_lm',
+  lambda params, root, model: fold_map(params),
+  model=aqtr.pax.TransformerLm,
+  predicate=_is_pax_lm,
+)

@@ -10,7 +10,8 @@ job's data with the job's optimizer, then converts it (`aqtr.flax.convert`:
 frozen int8 kernels) and checks that serving gives the training logits bit
 for bit on the validation set.
 
-Runs (`RULES`; `Experiment.stock_rules` adds 'stock_custom'):
+Runs (`aqtr.train.runs.StockRun`; their rules: `RULES`,
+`Experiment.stock_rules` adds 'stock_custom'):
 
   stock_float   the float model (no rules)
   stock_int8    int8 forward and gradients on every weight op; attention's
@@ -31,29 +32,29 @@ Example:
 
 from __future__ import annotations
 
-import time
+from collections.abc import Mapping
 from typing import Any
 
 import fiddle as fdl
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 
 import aqtr
 import aqtr.flax
+from aqtr.ptq import fold
 from aqtr.rules import Rule
 from aqtr.train import loop
-from aqtr.train.tasks import Task, cross_entropy, evaluate_logits
+from aqtr.train.tasks import Task
 
 __all__ = [
   'KEEP',
   'RULES',
   'StockLm',
   'float_bytes',
+  'fold_map',
   'rope',
-  'rules_of',
   'serve',
   'sizes',
   'stock_rule',
@@ -163,13 +164,6 @@ class StockLm(nnx.Module):
     return self.embed.attend(self.norm(x))
 
 
-def rules_of(name: str, exp: Any) -> tuple[Rule, ...] | None:
-  """The rules of the stock run `name` (None: float)."""
-  if name == 'stock_custom':
-    return tuple(exp.stock_rules)
-  return RULES[name]
-
-
 def sizes(template: Any) -> dict[str, int]:
   """`StockLm`'s size arguments taken from the job's LM template."""
   return _sizes(template)
@@ -198,16 +192,20 @@ def train(
   task: Task,
   template: Any,
   *,
+  rules: tuple[Rule, ...] | None = None,
   on_record=None,
+  show_progress: bool = False,
 ) -> loop.RunResult:
-  """Trains the stock model of run `name` (its rules) on the job's data.
+  """Trains the stock model quantized by `rules` on the job's data.
 
   Args:
-    name: a stock run ('stock_float', 'stock_int8', 'stock_custom').
+    name: the run's name ('stock_float', 'stock_int8', 'stock_custom').
     exp: the experiment (steps, optimizer, evaluation, `stock_rules`).
     task: the 'lm' task.
     template: the job's LM template (sizes: vocab, width, layers, heads).
+    rules: the `aqtr.rules.Rule`s quantizing it; None: float.
     on_record: called with each metrics record.
+    show_progress: draw the progress bar.
 
   Returns:
     A `loop.RunResult`; `injected` is the trained nnx model (quantized,
@@ -215,85 +213,47 @@ def train(
   """
   if task.name != 'lm':
     raise ValueError(f"runs: {name!r} needs task 'lm', got {task.name!r}.")
-  emit = on_record or (lambda r: None)
   model = StockLm(**_sizes(template), rngs=nnx.Rngs(exp.seed))
   x0 = jnp.asarray(next(task.batches())[0])
-  rules = rules_of(name, exp)
   report: Any = 'float (no rules)'
   if rules is not None:
     model = aqtr.flax.quantize(model, rules)
     report = aqtr.flax.report(model, x0)
   graphdef, params = nnx.split(model)
-  tx = loop.optimizer(exp)
-  opt_state = tx.init(params)
 
-  def loss_fn(p, x, y):
-    return cross_entropy(nnx.merge(graphdef, p)(x), y)
+  def apply(p, state, frozen, x, step):
+    del frozen, step
+    return nnx.merge(graphdef, p)(x), state
 
-  def step_fn(p, o, x, y):
-    loss, grads = jax.value_and_grad(loss_fn)(p, x, y)
-    updates, o = tx.update(grads, o, p)
-    return optax.apply_updates(p, updates), o, loss
-
-  def logits_fn(p, x):
-    return nnx.merge(graphdef, p)(x)
-
-  t0 = time.perf_counter()
-  step_c = jax.jit(step_fn, donate_argnums=(0, 1)).lower(
-    params, opt_state, x0, x0
+  f = loop.fit(
+    name,
+    loop.Trainee(params=params, apply=apply),
+    loop.optimizer(exp),
+    task.batches(),
+    loop.Schedule.of(exp),
+    eval_set=task.eval_set,
+    metric=task.metric,
+    unit=task.unit,
+    items_per_batch=task.items_per_batch,
+    on_record=on_record,
+    show_progress=show_progress,
   )
-  step_c = step_c.compile()
-  eval_c = jax.jit(logits_fn).lower(params, task.eval_set[0][0]).compile()
-  compile_s = time.perf_counter() - t0
-  history, losses, window, train_s = [], [], [], 0.0
-
-  def evaluate(step):
-    rec = evaluate_logits(
-      lambda x: eval_c(params, x), task.eval_set, task.metric
-    )
-    rec = {'run': name, 'step': step, **rec}
-    history.append(rec)
-    emit(rec)
-    return rec
-
-  final = evaluate(0)
-  batches = task.batches()
-  t = time.perf_counter()
-  for i in range(1, exp.steps + 1):
-    loop.check_stop()
-    x, y = next(batches)
-    params, opt_state, loss = step_c(params, opt_state, x, y)
-    window.append(loss)
-    log = i % exp.log_every == 0 or i == exp.steps
-    ev = i % exp.eval_every == 0 or i == exp.steps
-    if not (log or ev):
-      continue
-    losses.append(float(np.mean(jax.device_get(window))))
-    window = []
-    train_s += time.perf_counter() - t
-    if log:
-      rec = {'run': name, 'step': i, 'train_loss': losses[-1]}
-      rec |= {'steps_per_s': i / train_s, 'time_s': train_s}
-      history.append(rec)
-      emit(rec)
-    if ev:
-      final = evaluate(i)
-    t = time.perf_counter()
   return loop.RunResult(
     name=name,
     config=aqtr.presets.float(),
-    injected=nnx.merge(graphdef, params),
+    injected=nnx.merge(graphdef, f.params),
     report=report,
-    params=params,
-    step=exp.steps,
-    train_loss=losses[-1],
-    final=final,
-    history=history,
-    steps_per_s=exp.steps / max(train_s, 1e-9),
-    compile_s=compile_s,
-    train_s=train_s,
-    logits_fn=lambda p, x: eval_c(p, x),
-    param_opt_bytes=_nbytes(params) + _nbytes(opt_state),
+    params=f.params,
+    step=f.step,
+    train_loss=f.train_loss,
+    final=f.final,
+    history=f.history,
+    steps_per_s=f.steps_per_s,
+    compile_s=f.compile_s,
+    train_s=f.train_s,
+    logits_fn=f.logits,
+    diverged=f.diverged,
+    param_opt_bytes=_nbytes(f.params) + _nbytes(f.opt_state),
   )
 
 
@@ -351,3 +311,84 @@ def stock_rule(cfg: fdl.Config, config: Any = 'int8', **criteria: Any) -> None:
     ['int4_weight_only', 'int8']
   """
   cfg.stock_rules = (*cfg.stock_rules, fdl.Config(Rule, config, **criteria))
+
+
+def fold_map(params: Mapping, *, num_heads: int | None = None) -> fold.FoldMap:
+  """The fold map of `StockLm` parameters (AWQ, SmoothQuant: `aqtr.ptq.fold`).
+
+  Per block: attn_norm -> q, k, v; v -> o (grouped-query attention needs
+  `num_heads`: o reads each v channel `num_heads / kv_heads` times;
+  without it o is left unfolded); mlp_norm -> gate, up; up -> down
+  (SwiGLU: silu(gate) * up is linear in up). The final norm feeds the
+  tied embedding table (also the lookup): kept as is (`keep`).
+
+  Args:
+    params: the model's `nnx.to_pure_dict(nnx.state(model, nnx.Param))`.
+    num_heads: the query heads (needed when kv_heads < num_heads).
+  """
+  blocks = params.get('blocks')
+  if not isinstance(blocks, Mapping) or not blocks:
+    raise ValueError(
+      'stock_lm.fold_map: params have no "blocks" (expected the pure dict of a '
+      'StockLm: blocks/<i>/{attn_norm,q,k,v,o,mlp_norm,gate,up,down}).'
+    )
+  groups, unfolded = [], []
+  for i in sorted(blocks, key=int):
+    b = f'blocks/{i}'
+    k = lambda n, b=b: fold.Axis(path=f'{b}/{n}/kernel')  # noqa: E731
+    groups.append(
+      fold.FoldGroup(
+        name=f'{b}/attn_norm',
+        sources=(fold.Axis(path=f'{b}/attn_norm/scale'),),
+        consumers=(k('q'), k('k'), k('v')),
+      )
+    )
+    d_q = fold.get(params, f'{b}/q/kernel').shape[1]
+    d_kv = fold.get(params, f'{b}/v/kernel').shape[1]
+    if d_q == d_kv:
+      o = fold.Axis(path=f'{b}/o/kernel')
+    elif num_heads and d_q % num_heads == 0 and d_q % d_kv == 0:
+      o = fold.Axis(
+        path=f'{b}/o/kernel', repeat=d_q // d_kv, inner=d_q // num_heads
+      )
+    else:
+      o = None
+      unfolded.append(f'{b}/o/kernel')
+    if o is not None:
+      groups.append(
+        fold.FoldGroup(
+          name=f'{b}/v',
+          sources=(fold.Axis(path=f'{b}/v/kernel', axis=1),),
+          consumers=(o,),
+          kind='linear',
+        )
+      )
+    groups.append(
+      fold.FoldGroup(
+        name=f'{b}/mlp_norm',
+        sources=(fold.Axis(path=f'{b}/mlp_norm/scale'),),
+        consumers=(k('gate'), k('up')),
+      )
+    )
+    groups.append(
+      fold.FoldGroup(
+        name=f'{b}/up',
+        sources=(fold.Axis(path=f'{b}/up/kernel', axis=1),),
+        consumers=(k('down'),),
+        kind='linear',
+      )
+    )
+  return fold.FoldMap(
+    groups=tuple(groups), unfolded=tuple(unfolded), keep=('embed/embedding',)
+  )
+
+
+fold.register(
+  'stock_lm',
+  lambda params, root, model: fold_map(
+    fold.get(params, root) if root else params,
+    num_heads=model.blocks[0].heads if model is not None else None,
+  ),
+  model=StockLm,
+  predicate=lambda params: 'blocks' in params and 'embed' in params,
+)

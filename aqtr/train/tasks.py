@@ -21,13 +21,13 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from aqtr.data import digits, loader, stdlib
-from aqtr.train.experiment import LORA_RUNS, Experiment
 
 __all__ = ['Task', 'cross_entropy', 'evaluate_logits', 'make']
 
@@ -57,16 +57,16 @@ class Task:
   info: str
 
 
-def make(exp: Experiment) -> Task:
+def make(exp: Any) -> Task:
   """The Task of `exp.task`, with its data loaded."""
   if exp.task == 'lm':
     return _lm(exp)
   return _digits(exp)
 
 
-def _lm(exp: Experiment) -> Task:
+def _lm(exp: Any) -> Task:
   exclude = stdlib.EXCLUDE
-  if exp.init_from is None and any(n in LORA_RUNS for n in exp.runs):
+  if exp.holds_out_family:
     exclude += (exp.finetune_family,)  # Held out for the LoRA fine-tunes.
   corpus = stdlib.load(exp.val_percent, exp.max_corpus_bytes, exclude=exclude)
   b, t = exp.batch_size, exp.seq_len
@@ -86,7 +86,7 @@ def _lm(exp: Experiment) -> Task:
   )
 
 
-def _digits(exp: Experiment) -> Task:
+def _digits(exp: Any) -> Task:
   d = digits.load(seed=exp.seed)
   n = len(d.x_val)
   info = f'sklearn digits 8x8: train {len(d.x_train)}, validation {n} images'

@@ -45,7 +45,7 @@ from aqtr.numerics.nvfp4 import NvFp4
 from aqtr.ptq import fold, outliers, smoothquant
 from aqtr.tilings.per_channel import PerChannel
 from aqtr.tilings.subchannel import SubChannel
-from aqtr.train import experiment, loop, models, tasks
+from aqtr.train import experiment, models, pax_run, tasks
 
 __all__ = ['FORMATS', 'GRIDS', 'METHODS', 'Study', 'run', 'weight_config']
 
@@ -169,7 +169,7 @@ def _float_lm(study: Study, say):
   exp, template, _ = experiment.split(study.lm)
   task = tasks.make(exp)
   t0 = time.perf_counter()
-  r = loop.train(
+  r = pax_run.train(
     'float',
     aqtr.presets.float(),
     exp,

@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from aqtr.data import stdlib
-from aqtr.train import experiment, job, lora_job, models, stock_lm
+from aqtr.train import experiment, job, lora_job, models, runs, stock_lm
 
 
 def _cfg(**kw):
@@ -40,9 +40,11 @@ def test_lora_runs_need_a_float_base():
 
 def test_init_from_may_name_a_job_folder(tmp_path):
   (tmp_path / 'float' / lora_job.BASE_DIR).mkdir(parents=True)
-  got = lora_job.base_path(str(tmp_path), 'qlora_nf4')
+  want = runs.get('qlora_nf4').init_from
+  got = lora_job.base_path(str(tmp_path), want)
   assert got == str(tmp_path / 'float' / lora_job.BASE_DIR)
-  assert lora_job.base_path(str(tmp_path), 'stock_lora') == str(tmp_path)
+  want = runs.get('stock_lora').init_from
+  assert lora_job.base_path(str(tmp_path), want) == str(tmp_path)
 
 
 def test_qlora_needs_d_model_its_groups_divide():
@@ -67,14 +69,14 @@ def test_stock_qlora_run_from_a_saved_float_base(tmp_path):
   )
   model = stock_lm.StockLm(**stock_lm.sizes(template), rngs=nnx.Rngs(3))
   path = lora_job.save_base(model, tmp_path)
-  base = lora_job.load_base(str(path), template, 0, 'stock_qlora_nf4')
+  base = lora_job.load_base(str(path), template, 0, stock=True)
   for a, b in zip(
     jax.tree.leaves(nnx.state(model)),
     jax.tree.leaves(nnx.state(base)),
     strict=True,
   ):
     np.testing.assert_array_equal(a, b)
-  r, serve = lora_job.run('stock_qlora_nf4', exp, base, tmp_path)
+  r, serve = lora_job.run(runs.get('stock_qlora_nf4'), exp, base, tmp_path)
   assert serve['serve_equal']
   assert r.step == 3 and np.isfinite(r.final['bpc'])
   info = json.loads((tmp_path / 'lora.json').read_text())
@@ -97,9 +99,10 @@ def test_qlora_run_on_the_pax_lm_from_saved_float_params(tmp_path):
   x = jax.numpy.zeros((1, 2), int)
   params = jax.jit(models.build(template).init)(jax.random.key(5), x)['params']
   path = lora_job.save_base(params, tmp_path)
-  base = lora_job.load_base(str(path), template, 0, 'qlora_nf4')
+  base = lora_job.load_base(str(path), template, 0)
   jax.tree.map(np.testing.assert_array_equal, params, base)
-  r, serve = lora_job.run('qlora_nf4', exp, base, tmp_path, template=template)
+  run = runs.get('qlora_nf4')
+  r, serve = lora_job.run(run, exp, base, tmp_path, template=template)
   assert serve['serve_equal']
   assert r.step == 3 and np.isfinite(r.final['bpc'])
   info = json.loads((tmp_path / 'lora.json').read_text())
@@ -118,10 +121,10 @@ def test_qlora_run_on_the_pax_lm_from_saved_float_params(tmp_path):
 
 @pytest.mark.slow
 def test_job_pretrains_then_fine_tunes(tmp_path):
-  runs = ('float', 'lora', 'qlora_nf4', 'stock_float', 'stock_lora')
-  cfg = _cfg(runs=runs, steps=10)
+  names = ('float', 'lora', 'qlora_nf4', 'stock_float', 'stock_lora')
+  cfg = _cfg(runs=names, steps=10)
   rows = job.run(cfg, tmp_path / 'out', show_progress=False, echo=False)
-  assert [r['run'] for r in rows] == list(runs)
+  assert [r['run'] for r in rows] == list(names)
   assert all(r['status'] == 'ok' for r in rows)
   assert all(r['serve==train'] for r in rows if 'lora' in r['run'])
   for base in ('float', 'stock_float'):

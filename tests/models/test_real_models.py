@@ -255,17 +255,72 @@ def test_ptq_int4(name, method):
   assert ours <= rtn * (1.0 if method == 'rtn' else 0.95), str(rep)
 
 
+# Models with a registered fold map (`aqtr.ptq.hf_fold`): AWQ runs on them.
+FOLDED = (*HF_LMS, 'gemma2', 'gemma3')
+
+
+@pytest.mark.parametrize('name,case', _params('fold', ('map',), FOLDED))
+def test_fold_map_is_registered_for_the_model(name, case):
+  """`fold.find` picks the model's map; its paths and sizes fit the
+  parameters (abstract shapes: no compile)."""
+  del case
+  _, mod, _, v = _model(name)
+  fm = ptq.fold.find(af.quantize(mod, PRESETS['int8']), v)
+  sizes = ptq.fold.check(v, fm)
+  assert len(sizes) >= 2 * zoo.LAYERS, sizes
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize('name', [z.name for z in zoo.MODELS[:1]])
-def test_awq_without_a_fold_map_is_refused_in_one_line(name):
-  """No fold map is registered for third-party models (AWQ folds its
-  scales into the preceding norm or linear: the model's structure)."""
-  z, mod, _, _ = _model(name)
+@pytest.mark.parametrize('name,case', _params('fold', ('exact',), FOLDED))
+def test_fold_map_keeps_the_float_model(name, case):
+  del case
+  _, mod, x, _ = _model(name)
+  v = _variables(name)
+  fm = ptq.fold.find(mod, v)
+  q, sizes = v, ptq.fold.check(v, fm)
+  for i, g in enumerate(fm.groups):
+    key = jax.random.key(i)
+    s = jnp.exp(jax.random.uniform(key, (sizes[g.name],), minval=-1.0))
+    q = ptq.fold.apply(q, g, s)
+  y0 = jax.jit(mod.apply)(v, x)
+  assert _rel(jax.jit(mod.apply)(q, x), y0) < 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('name,case', _params('awq', ('int4',), FOLDED))
+def test_awq_int4(name, case):
+  """int4 weight-only AWQ through the registered fold map: the served
+  logits stay close to float and the layers' output errors (on the
+  rewritten inputs) are below round to nearest's."""
+  del case
+  z, mod, x, _ = _model(name)
+  v = _variables(name)
   rules = [Rule('int4_weight_only', path=z.blocks, weight=True)]
-  with pytest.raises(ValueError, match='no fold map known.*fold_map='):
+  (sm, sv), rep = ptq.quantize(
+    mod, rules, _batches(z), variables=v, method='awq'
+  )
+  err = _rel(jax.jit(sm.apply)(sv, x), jax.jit(mod.apply)(v, x))
+  assert 0 < err < ERROR['int4_weight_only']
+  ours = sum(r.error for r in rep.layers)
+  rtn = sum(r.rtn_error for r in rep.layers)
+  assert ours < rtn, str(rep)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('name', ['hf_vit'])
+def test_awq_without_a_fold_map_is_refused_in_one_line(name):
+  """No fold map is registered for ViT (AWQ folds its scales into the
+  preceding norm or linear: the model's structure)."""
+  z = next(z for z in zoo.MODELS if z.name == name)
+  if not z.available():
+    pytest.skip(z.package)
+  _, mod, _, _ = _model(name)
+  rules = [Rule('int4_weight_only', path=z.blocks, weight=True)]
+  with pytest.raises(ValueError, match='no fold map known.*fold_map=') as e:
     ptq.quantize(
       mod, rules, _batches(z), variables=_variables(name), method='awq'
     )
+  assert '\n' not in str(e.value)
 
 
 @pytest.mark.parametrize('name', ['griffin'])

@@ -14,6 +14,7 @@ from aqtr.ptq import awq, fold, outliers
 from aqtr.ptq.stats import LayerStats, as_matrix, output_error
 from aqtr.rules import Rule
 from aqtr.tilings.subchannel import SubChannel
+from aqtr.train import models, stock_lm
 
 from . import lms
 
@@ -146,7 +147,7 @@ def test_scales_normalised():
 
 def test_quantize_awq_pax_lm_beats_rtn_on_outliers():
   t, module, v = lms.pax()
-  p, _ = outliers.inject(v, fold.pax_lm(v), channels=2)
+  p, _ = outliers.inject(v, models.fold_map(v), channels=2)
   batches = [lms.ids(i, batch=4) for i in range(2)]
   rules = [Rule(aqtr.presets.int4_weight_only(), weight=True)]
   x = lms.ids(7, batch=4)
@@ -165,7 +166,7 @@ def test_quantize_awq_pax_lm_beats_rtn_on_outliers():
 def test_awq_stock_lm_gqa_keeps_float_and_lowers_error():
   model = lms.stock(kv_heads=2)
   p = lms.stock_params(model)
-  fm = fold.stock_lm(p, num_heads=4)
+  fm = stock_lm.fold_map(p, num_heads=4)
   d = {'q': 16, 'k': 16, 'v': 16, 'o': 16, 'gate': 16, 'up': 16, 'down': 32}
   stats = {}
   for i, (name, n) in enumerate(d.items()):

@@ -7,6 +7,7 @@ import pytest
 
 from aqtr.ptq import fold, outliers
 from aqtr.ptq.stats import LayerStats
+from aqtr.train import models, stock_lm
 
 from . import lms
 
@@ -30,7 +31,7 @@ def _fold_all(params, fold_map, scales):
 def test_stock_lm_fold_keeps_outputs(kv_heads):
   model = lms.stock(kv_heads)
   p = lms.stock_params(model)
-  fm = fold.stock_lm(p, num_heads=4)
+  fm = stock_lm.fold_map(p, num_heads=4)
   names = [g.name for g in fm.groups]
   assert names == [
     'blocks/0/attn_norm',
@@ -51,7 +52,7 @@ def test_stock_lm_fold_keeps_outputs(kv_heads):
 
 def test_stock_lm_gqa_without_heads_leaves_o_unfolded():
   p = lms.stock_params(lms.stock(kv_heads=2))
-  fm = fold.stock_lm(p)
+  fm = stock_lm.fold_map(p)
   assert 'blocks/0/v' not in [g.name for g in fm.groups]
   assert fm.unfolded == ('blocks/0/o/kernel',)
 
@@ -59,7 +60,7 @@ def test_stock_lm_gqa_without_heads_leaves_o_unfolded():
 @pytest.mark.parametrize('gated', [False, True])
 def test_pax_lm_fold_keeps_outputs(gated):
   _, module, v = lms.pax(gated)
-  fm = fold.pax_lm(v)
+  fm = models.fold_map(v)
   names = [g.name for g in fm.groups]
   lay = 'params/layers_0'
   want_names = [f'{lay}/attention_norm', f'{lay}/attention/v_proj']
@@ -77,9 +78,9 @@ def test_pax_lm_fold_keeps_outputs(gated):
 
 def test_detect_picks_the_map():
   _, _, v = lms.pax()
-  assert fold.detect(v) == fold.pax_lm(v)
+  assert fold.detect(v) == models.fold_map(v)
   p = lms.stock_params(lms.stock(4))
-  assert fold.detect(p) == fold.stock_lm(p)
+  assert fold.detect(p) == stock_lm.fold_map(p)
   with pytest.raises(
     ValueError, match='no fold map known.*fold_map=aqtr.ptq.fold.FoldMap'
   ):
@@ -89,7 +90,7 @@ def test_detect_picks_the_map():
 def test_outliers_inject_is_exact():
   model = lms.stock(2)
   p = lms.stock_params(model)
-  fm = fold.stock_lm(p, num_heads=4)
+  fm = stock_lm.fold_map(p, num_heads=4)
   q, where = outliers.inject(p, fm, channels=3, seed=1)
   assert sorted(where) == ['blocks/0/attn_norm', 'blocks/0/mlp_norm']
   idx, f = where['blocks/0/attn_norm']
@@ -104,7 +105,7 @@ def test_outliers_inject_is_exact():
 
 def test_outliers_inject_pax_is_exact():
   _, module, v = lms.pax()
-  q, where = outliers.inject(v, fold.pax_lm(v), channels=2)
+  q, where = outliers.inject(v, models.fold_map(v), channels=2)
   assert len(where) == 3  # attention_norm, ffn_norm, final_norm
   x = lms.ids()
   assert (module.apply(q, x) == module.apply(v, x)).all()

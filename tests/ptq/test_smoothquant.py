@@ -15,6 +15,7 @@ import aqtr.ptq
 from aqtr.ptq import fold, outliers, smoothquant
 from aqtr.ptq.stats import LayerStats
 from aqtr.rules import Rule
+from aqtr.train import models, stock_lm
 
 from . import lms
 
@@ -73,7 +74,7 @@ def test_smooth_keeps_the_product_and_moves_the_outlier():
 def test_gqa_output_projection_gets_tied_scales():
   model = lms.stock(kv_heads=2)
   p = lms.stock_params(model)
-  fm = fold.stock_lm(p, num_heads=4)
+  fm = stock_lm.fold_map(p, num_heads=4)
   g = next(g for g in fm.groups if g.name == 'blocks/0/v')
   x = jax.random.normal(jax.random.key(3), (32, 16))
   stats = {'blocks/0/o/kernel': LayerStats.from_activations(x)}
@@ -91,7 +92,7 @@ def test_gqa_output_projection_gets_tied_scales():
 def test_smoothed_stock_lm_float_unchanged():
   model = _outlier_stock()
   p = lms.stock_params(model)
-  fm = fold.stock_lm(p, num_heads=4)
+  fm = stock_lm.fold_map(p, num_heads=4)
   d = {'q': 16, 'k': 16, 'v': 16, 'o': 16, 'gate': 16, 'up': 16, 'down': 32}
   stats = {}
   for i, (name, n) in enumerate(d.items()):
@@ -110,7 +111,7 @@ def test_smoothed_stock_lm_float_unchanged():
 def _outlier_stock():
   model = lms.stock(kv_heads=2)
   p = lms.stock_params(model)
-  q, _ = outliers.inject(p, fold.stock_lm(p, num_heads=4), channels=2)
+  q, _ = outliers.inject(p, stock_lm.fold_map(p, num_heads=4), channels=2)
   return lms.stock_with(model, q)
 
 
@@ -147,7 +148,7 @@ def _dots(jaxpr) -> collections.Counter:
 
 def test_quantize_smoothquant_pax_lm():
   t, module, v = lms.pax()
-  p, _ = outliers.inject(v, fold.pax_lm(v), channels=2)
+  p, _ = outliers.inject(v, models.fold_map(v), channels=2)
   batches = [lms.ids(i, batch=4) for i in range(2)]
   rules = [Rule(smoothquant.w8a8('token'), weight=True)]
   (tmpl, served), rep = aqtr.ptq.quantize(

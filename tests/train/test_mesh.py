@@ -12,7 +12,7 @@ import optax
 import pytest
 
 import aqtr
-from aqtr.train import experiment, loop, mesh, models, tasks
+from aqtr.train import experiment, loop, mesh, models, pax_run, tasks
 
 pytestmark = pytest.mark.skipif(
   jax.device_count() != 8, reason='needs 8 host devices (tests/conftest.py)'
@@ -28,7 +28,7 @@ def _setup(shape=()):
 
 def _losses(shape, config):
   exp, template, task = _setup(shape)
-  r = loop.train('run', config, exp, task, template, show_progress=False)
+  r = pax_run.train('run', config, exp, task, template, show_progress=False)
   return [h['train_loss'] for h in r.history if 'train_loss' in h], r.params
 
 
