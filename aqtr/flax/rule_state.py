@@ -157,7 +157,7 @@ def _shapes(tree):
   return jax.tree.map(lambda a: (tuple(jnp.shape(a)), str(a.dtype)), tree)
 
 
-class RuleHost(common.Host):
+class RuleHost(common.OpHost):
   """The state of one rule op, kept in the module that runs it.
 
   Args:

@@ -86,10 +86,7 @@ def fold_map_of(fold_map, target, params: Mapping) -> fold.FoldMap:
   """`fold_map`, or the map registered for the target's model (`fold.find`)."""
   if fold_map is not None:
     return fold_map
-  model = getattr(target, 'model', None)
-  if model is None:  # A Pax target holds its template.
-    model = getattr(target, 'template', None)
-  return fold.find(model, params)
+  return fold.find(target.model, params)
 
 
 def _is_transposed(param, w) -> bool:

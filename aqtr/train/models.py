@@ -26,9 +26,7 @@ Example:
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Mapping
-from typing import Any
 
 import fiddle as fdl
 import flax.linen as nn
@@ -36,11 +34,8 @@ import jax
 from fiddle import selectors
 
 import aqtr
-import aqtr.flax.linen as aqtr_linen
 import aqtr.pax
-from aqtr import fiddle as aqtr_fiddle
-from aqtr import freezers, sparsity
-from aqtr.freezers import Mode
+from aqtr.pax import host as pax_host
 from aqtr.ptq import fold
 from aqtr.train.high_precision import HighPrecision
 
@@ -137,45 +132,14 @@ def build(template: fdl.Config) -> nn.Module:
   return fdl.build(template)
 
 
-def _frozen_config(config: Any) -> Config:
-  if isinstance(config, fdl.Buildable):
-    config = aqtr_fiddle.build(config)
-  if _is_float(config) or not config.fwd.rhs.quantized:
-    return None
-  nm = isinstance(config.fwd.rhs.sparsity, sparsity.NM)
-  return freezers.configure(config, rhs='sparse_weights' if nm else 'weights')
-
-
-def serving_template(injected: fdl.Config, mode: Mode) -> fdl.Config:
-  """The injected model with its weight-quantized ops in a freezer `mode`.
-
-  Every `EinsumOp` whose config quantizes the forward rhs (the weight)
-  becomes `aqtr.flax.linen.Einsum(config=<with the 'weights' freezer on
-  rhs>, mode=mode)` ('sparse_weights' for N:M sparse weights: stored
-  compressed); other ops are unchanged. Same parameter tree.
-
-  Args:
-    injected: a template returned by `inject`.
-    mode: `Mode.CONVERT` (freeze) or `Mode.SERVE` (run from frozen values).
-
-  Returns:
-    A new template; `injected` is unchanged.
-  """
-  cfg = copy.deepcopy(injected)
-  for node in selectors.select(cfg, aqtr.pax.EinsumOp):
-    frozen = _frozen_config(node.__arguments__.get('config'))
-    if frozen is None:
-      continue
-    stream = node.__arguments__.get('rng_stream', 'quant')
-    fdl.update_callable(node, aqtr_linen.Einsum, drop_invalid_args=True)
-    node.config, node.mode, node.rng_name = frozen, mode, stream
-  return cfg
+# The injected template with its weight ops frozen (`aqtr.pax.host`).
+serving_template = pax_host.serving_template
 
 
 def has_frozen_weights(injected: fdl.Config) -> bool:
   """Whether some op of `injected` quantizes its weight (rhs) operand."""
   return any(
-    _frozen_config(node.__arguments__.get('config')) is not None
+    pax_host.frozen_config(node.__arguments__.get('config')) is not None
     for node in selectors.select(injected, aqtr.pax.EinsumOp)
   )
 
