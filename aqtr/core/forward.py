@@ -15,9 +15,12 @@ Internal API (used by `dot_general.py` and `operand.py`):
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 
 from aqtr.core import prims
+from aqtr.core.boundary import fusion_boundary
 from aqtr.core.passes import (
   Operand,
   QuantizedOperand,
@@ -104,6 +107,19 @@ def forward_operand(plan: Plan, side: Side, x, key, st: SlotState | None):
   return quantize_tiled(operand, plan.fwd_tile)
 
 
+def _pinned(q: QuantizedOperand) -> QuantizedOperand:
+  """`q` with its scale and zero point behind a fusion boundary.
+
+  Training computes them from the float operand, serving loads them: from
+  here on both programs run the same code on the same arrays (the
+  contraction's rescale and tile sum), which XLA then fuses alike.
+  """
+  if q.scale is None:
+    return q
+  scale, zero_point = fusion_boundary((q.scale, q.zero_point))
+  return dataclasses.replace(q, scale=scale, zero_point=zero_point)
+
+
 def _residual(plan: Plan, side: Side, x, q, kept, key, decay):
   """What the backward keeps of one forward operand: `x` or `kept` (q, or
   q_L^T for a [K, N] weight's drhs), q's mask and learned derivatives,
@@ -156,7 +172,7 @@ def forward(plan: Plan, lhs, rhs, key, state: dict, residuals: bool = True):
     )
     for s in SIDES
   }
-  q = keep_on_shards(q, plan)
+  q = {s: _pinned(v) for s, v in keep_on_shards(q, plan).items()}
   kept = dict(q)
   if plan.transposed_lhs and residuals:
     q[Side.LHS], kept[Side.LHS] = q[Side.LHS].with_transposed()
