@@ -107,17 +107,20 @@ def forward_operand(plan: Plan, side: Side, x, key, st: SlotState | None):
   return quantize_tiled(operand, plan.fwd_tile)
 
 
-def _pinned(q: QuantizedOperand) -> QuantizedOperand:
-  """`q` with its scale and zero point behind a fusion boundary.
+def _pinned(q: dict) -> dict:
+  """{side: q} with the scales and zero points behind a fusion boundary.
 
-  Training computes them from the float operand, serving loads them: from
-  here on both programs run the same code on the same arrays (the
-  contraction's rescale and tile sum), which XLA then fuses alike.
+  Training computes them from the float operands, serving loads them:
+  from here on both programs run the same code on the same arrays (the
+  contraction's rescale and tile sum), which XLA then fuses alike. One
+  boundary for both sides (each one costs compile time).
   """
-  if q.scale is None:
-    return q
-  scale, zero_point = fusion_boundary((q.scale, q.zero_point))
-  return dataclasses.replace(q, scale=scale, zero_point=zero_point)
+  sides = [s for s in SIDES if q[s].scale is not None]
+  parts = fusion_boundary([(q[s].scale, q[s].zero_point) for s in sides])
+  out = dict(q)
+  for s, (scale, zero_point) in zip(sides, parts, strict=True):
+    out[s] = dataclasses.replace(q[s], scale=scale, zero_point=zero_point)
+  return out
 
 
 def _residual(plan: Plan, side: Side, x, q, kept, key, decay):
@@ -172,7 +175,7 @@ def forward(plan: Plan, lhs, rhs, key, state: dict, residuals: bool = True):
     )
     for s in SIDES
   }
-  q = {s: _pinned(v) for s, v in keep_on_shards(q, plan).items()}
+  q = _pinned(keep_on_shards(q, plan))
   kept = dict(q)
   if plan.transposed_lhs and residuals:
     q[Side.LHS], kept[Side.LHS] = q[Side.LHS].with_transposed()
