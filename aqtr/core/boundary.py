@@ -23,20 +23,23 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import get_abstract_mesh
 
 
 def fusion_fenced() -> bool:
   """Whether `fusion_boundary` fences fusion on the default backend.
 
-  True on CPU (a while loop, measured: serve == train bit for bit on real
-  models under XLA's default flags). Elsewhere it is an
-  `optimization_barrier`, which XLA may drop before fusion (not measured).
+  True on CPU outside a mesh context (a while loop, measured: serve ==
+  train bit for bit on real models under XLA's default flags). Elsewhere
+  it is an `optimization_barrier`, which XLA may drop before fusion (not
+  measured): under a mesh the loop's trip count, read from a sharded
+  scale, would cost a collective per dot.
 
   Example:
     >>> fusion_fenced()  # On the CPU backend.
     True
   """
-  return jax.default_backend() == 'cpu'
+  return jax.default_backend() == 'cpu' and get_abstract_mesh().empty
 
 
 def _trips(first: jax.Array) -> jax.Array:
@@ -50,9 +53,10 @@ def _trips(first: jax.Array) -> jax.Array:
 def fusion_boundary(tree):
   """`tree`'s arrays as buffers of their own that no fusion reaches across.
 
-  On CPU a one-trip while loop whose trip count XLA cannot fold (XLA:CPU
-  drops `optimization_barrier`s before fusion, but keeps a loop);
-  elsewhere an `optimization_barrier`. The values are unchanged.
+  Where `fusion_fenced`, a one-trip while loop whose trip count XLA
+  cannot fold (XLA:CPU drops `optimization_barrier`s before fusion, but
+  keeps a loop); elsewhere an `optimization_barrier`. The values are
+  unchanged.
 
   Args:
     tree: a pytree of arrays (None leaves allowed).
