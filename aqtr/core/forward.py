@@ -15,9 +15,12 @@ Internal API (used by `dot_general.py` and `operand.py`):
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 
 from aqtr.core import geometry
+from aqtr.core.boundary import fusion_boundary
 from aqtr.core.passes import (
   Operand,
   QuantizedOperand,
@@ -103,6 +106,22 @@ def forward_operand(plan: Plan, side: Side, x, key, st: SlotState | None):
   return quantize_tiled(operand, plan.fwd_tile)
 
 
+def _pinned(q: dict) -> dict:
+  """{side: q} with the scales and zero points behind a fusion boundary.
+
+  Training computes them from the float operands, serving loads them:
+  from here on both programs run the same code on the same arrays (the
+  contraction's rescale and tile sum), which XLA then fuses alike. One
+  boundary for both sides (each one costs compile time).
+  """
+  sides = [s for s in SIDES if q[s].scale is not None]
+  parts = fusion_boundary([(q[s].scale, q[s].zero_point) for s in sides])
+  out = dict(q)
+  for s, (scale, zero_point) in zip(sides, parts, strict=True):
+    out[s] = dataclasses.replace(q[s], scale=scale, zero_point=zero_point)
+  return out
+
+
 def _residual(plan: Plan, side: Side, x, q, kept, key, decay):
   """What the backward keeps of one forward operand: `x` or `kept` (q, or
   q_L^T for a [K, N] weight's drhs), q's mask and learned derivatives,
@@ -152,7 +171,7 @@ def forward(
     )
     for s in SIDES
   }
-  q = keep_on_shards(q, plan)
+  q = _pinned(keep_on_shards(q, plan))
   kept = dict(q)
   if plan.transposed_lhs and residuals:
     q[Side.LHS], kept[Side.LHS] = q[Side.LHS].with_transposed()

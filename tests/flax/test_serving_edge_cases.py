@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -13,6 +17,7 @@ import aqtr.flax
 from aqtr.rules import Rule
 
 X = jnp.ones((2, 32))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
 
 
 def _linen():
@@ -50,9 +55,15 @@ def test_quantize_names_methods():
 
 
 @pytest.mark.parametrize(
-  'ulps, outcome', [(0, None), (3, 'warn'), (999, 'raise')]
+  'ulps, fenced, outcome',
+  [
+    (0, True, None),
+    (3, True, 'raise'),  # CPU: the programs fuse alike, 1 ULP is a bug
+    (3, False, 'warn'),  # a backend whose fusion boundary is not kept
+    (999, False, 'raise'),
+  ],
 )
-def test_serve_check_names_the_ulp_distance(ulps, outcome):
+def test_serve_check_names_the_ulp_distance(monkeypatch, ulps, fenced, outcome):
   from aqtr.flax import serving  # noqa: PLC0415
 
   base = jnp.array([1.0, -2.0, 3.5], jnp.float32)
@@ -64,6 +75,7 @@ def test_serve_check_names_the_ulp_distance(ulps, outcome):
     def run_jit(self, *a):
       return next(outs)
 
+  monkeypatch.setattr(serving, 'fusion_fenced', lambda: fenced)
   if outcome == 'raise':
     with pytest.raises(ValueError, match=f'{ulps} ULP'):
       serving.check_served(Fake(), Fake(), (), {})
@@ -90,3 +102,41 @@ def test_a_served_submodule_called_alone_is_one_line():
   served(X)  # the served model itself serves its frozen values
   with pytest.raises(ValueError, match='call the served model itself'):
     served.up(X)
+
+
+# A stock linen model, compiled with XLA's DEFAULT flags (the test session
+# runs LLVM at -O0, which never contracts a multiply-add into an FMA): its
+# NVFP4 down projection sums two 16-wide blocks, where the trained and the
+# served program used to fuse the scales differently (2.4e-7 apart).
+_STOCK = """
+import jax, numpy as np, flax.linen as nn, aqtr.flax as af
+from aqtr.rules import Rule
+
+class Mlp(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    h = nn.Dense(64, use_bias=False)(nn.RMSNorm()(x))
+    x = x + nn.Dense(32, use_bias=False)(nn.gelu(h))
+    return nn.Dense(8)(nn.RMSNorm()(x))
+
+mod = Mlp()
+x = jax.random.normal(jax.random.key(32), (2, 8, 32))
+v = jax.jit(mod.init)(jax.random.key(0), x)
+q = af.quantize(mod, [Rule('nvfp4', weight=True)])
+sm, sv = af.convert(q, x, variables=v, check=False)
+y, want = jax.jit(sm.apply)(sv, x), jax.jit(q.apply)(v, x)
+np.testing.assert_array_equal(y, want)
+"""
+
+
+def test_stock_model_serves_what_it_trains_under_default_xla_flags():
+  env = dict(os.environ, XLA_FLAGS='', JAX_PLATFORMS='cpu')
+  got = subprocess.run(
+    [sys.executable, '-c', _STOCK],
+    env=env,
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert got.returncode == 0, got.stderr[-2000:]

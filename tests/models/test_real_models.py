@@ -16,6 +16,9 @@ from __future__ import annotations
 
 import collections
 import functools
+import os
+import subprocess
+import sys
 
 import jax
 import jax.extend
@@ -228,6 +231,62 @@ def test_convert_serves_what_trains_under_jit(name, preset):
   np.testing.assert_array_equal(
     jax.jit(sm.apply)(sv, x), jax.jit(q.apply)(v, x)
   )
+
+
+# The cases that differed by 1-3 ULP under XLA's default flags before the
+# forward put its scales behind a fusion boundary (`aqtr.core.boundary`):
+# LLVM contracted the rescale and the add after it into an FMA in one
+# program's fusion and not the other's.
+_DEFAULT_FLAGS = """
+import os, sys, jax, numpy as np
+sys.path.insert(0, os.path.join('tests', 'models'))
+import zoo, aqtr.flax as af
+from aqtr.flax import Rule
+jax.config.update('jax_numpy_rank_promotion', 'allow')
+PRESETS = {'int8': [Rule('int8')], 'int8_weights': [Rule('int8', weight=True)],
+           'int4_weight_only': [Rule('int4_weight_only', weight=True)],
+           'fp8': [Rule('fp8')]}
+for case in sys.argv[1:]:
+  name, preset = case.split(':')
+  z = next(z for z in zoo.MODELS if z.name == name)
+  mod, x = z.build(), z.sample()
+  v = jax.jit(mod.init)(jax.random.key(0), x)
+  q = af.quantize(mod, PRESETS[preset])
+  sm, sv = af.convert(q, x, variables=v, check=False)
+  np.testing.assert_array_equal(
+    jax.jit(sm.apply)(sv, x), jax.jit(q.apply)(v, x), err_msg=case
+  )
+"""
+_FMA_CASES = (
+  'hf_mistral:int8',
+  'hf_mistral:int8_weights',
+  'hf_mistral:fp8',
+  'hf_llama_mqa:fp8',
+  'griffin:int4_weight_only',
+)
+
+
+@pytest.mark.slow
+def test_serve_equals_train_under_default_xla_flags():
+  """Bit for bit under jit with XLA's default flags (the test session runs
+  LLVM at -O0, which never forms an FMA): one process, several cases."""
+  cases = [
+    c
+    for c in _FMA_CASES
+    if next(z for z in zoo.MODELS if z.name == c.split(':')[0]).available()
+  ]
+  if not cases:
+    pytest.skip('the models extra is not installed')
+  root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+  got = subprocess.run(
+    [sys.executable, '-c', _DEFAULT_FLAGS, *cases],
+    env=dict(os.environ, XLA_FLAGS='', JAX_PLATFORMS='cpu'),
+    cwd=root,
+    capture_output=True,
+    text=True,
+    timeout=900,
+  )
+  assert got.returncode == 0, got.stderr[-3000:]
 
 
 def _batches(z, n=2):

@@ -69,3 +69,18 @@ def test_gptq_static_groups_takes_a_bool_only():
 def test_unknown_method_option_lists_the_options():
   with pytest.raises(TypeError, match=r"no option\(s\) \['foo'\]; its options"):
     ptq.quantize(_model(), INT4, _xs(), method='gptq', foo=1)
+
+
+@pytest.mark.parametrize('method', ['rtn', 'gptq'])
+def test_serve_check_never_blocks_ptq(monkeypatch, method):
+  """PTQ writes its own serving values: convert's serve == train check
+  (which raises on any difference on CPU) is not run."""
+  from aqtr.flax import serving  # noqa: PLC0415
+
+  def refuse(*args):
+    raise AssertionError('ptq ran the serve == train check')
+
+  monkeypatch.setattr(serving, 'check_served', refuse)
+  served, rep = ptq.quantize(_model(), INT4, _xs(), method=method)
+  assert served(_xs(1)[0]).shape == (64, 8)
+  assert all(math.isfinite(r.error) for r in rep.layers)
