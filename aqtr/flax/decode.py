@@ -18,16 +18,18 @@ model left. Under `jit`, as `aqtr.pax.Decoder` (whose `Sampling`,
             temperature and top-k sampling with a seed); stops when the
             cache is full
 
-Example:
-  >>> import jax, jax.numpy as jnp, transformers
-  >>> cfg = transformers.GPT2Config(vocab_size=32, n_positions=16,
-  ...   n_embd=16, n_layer=1, n_head=2)
-  >>> with jax.numpy_rank_promotion('allow'):
-  ...   hf = transformers.FlaxGPT2LMHeadModel(cfg, seed=0)
-  ...   dec = Decoder(hf, length=16, kv='int8')
-  ...   out = dec.generate(None, [[1, 2, 3], [4]], max_new=4)
-  >>> [len(t) for t in out.tokens]
-  [4, 4]
+Example (a Hugging Face Flax LM; its params are the default variables):
+
+  hf = transformers.FlaxGPT2LMHeadModel(config)
+  dec = Decoder(hf, length=256, kv='int8')
+  out = dec.generate(None, [[1, 2, 3], [4]], max_new=32,
+                     sampling=Sampling(temperature=0.8, top_k=40, seed=0))
+  out.tokens, out.tokens_per_s, out.kv_bytes
+
+  q = aqtr.flax.quantize(hf.module, [aqtr.Rule('int8', path='.*/h/.*')])
+  served, svars = aqtr.flax.convert(q, ids, mask, positions,
+                                    variables={'params': hf.params})
+  Decoder(served, length=256, kv='int4').generate(svars, prompts, 32)
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ __all__ = [
   'Sampling',
   'load_tree',
   'pad',
+  'rules_of',
   'store_tree',
 ]
 
@@ -102,7 +105,14 @@ def load_tree(tree: Any) -> Any:
   return jax.tree.map(kv_cache.load, tree, is_leaf=_is_stored)
 
 
-def _rules(kv: Any, names: tuple[str, ...]) -> tuple[CacheRule, ...]:
+def rules_of(kv: Any, names: tuple[str, ...]) -> tuple[CacheRule, ...]:
+  """CacheRules of `kv`: a format name (one rule for `names`), a CacheRule
+  or CacheRules.
+
+  Example:
+    >>> rules_of('int8', ('k', 'v'))[0].names
+    ('k', 'v')
+  """
   if kv is None:
     kv = 'none'
   if isinstance(kv, str):
@@ -204,7 +214,7 @@ class Decoder:
         'a shorter cache.'
       )
     self.length, self.vocab = length, self.lm.vocab
-    self.rules = _rules(kv, self.lm.names)
+    self.rules = rules_of(kv, self.lm.names)
     self._extend = jax.jit(self._extend_impl)
     self._first = jax.jit(self._first_impl, static_argnames='sampling')
     self._loop = jax.jit(self._loop_impl, static_argnames='sampling')
