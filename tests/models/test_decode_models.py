@@ -64,7 +64,10 @@ def test_hugging_face_lms_decode_through_their_own_caches(name):
   int8, int4 = (h + 4) / (4 * h), (h / 2 + 4) / (4 * h)
   for kv, ratio in [('int8', int8), ('int4', int4), ('fp8', int8)]:
     q = Decoder(hf, length=S, kv=kv).generate(None, PROMPTS, 8)
-    assert q.kv_bytes / f.kv_bytes <= ratio + 1e-3, (kv, q.kv_bytes / f.kv_bytes)
+    assert q.kv_bytes / f.kv_bytes <= ratio + 1e-3, (
+      kv,
+      q.kv_bytes / f.kv_bytes,
+    )
     assert q.tokens[0][:2] == f.tokens[0][:2], kv  # (random weights)
 
 
@@ -184,3 +187,62 @@ def test_sampling_and_bad_input_on_a_real_lm():
     Decoder(hf, length=S + 1)
   with pytest.raises(ValueError, match=r'outside the vocabulary \[0, 128\)'):
     dec.generate(None, [[1, 128]], 2)
+
+
+def _cli(capsys, *args):
+  from absl import flags  # noqa: PLC0415
+
+  from aqtr.train.generate_cli import define_flags, main  # noqa: PLC0415
+
+  define_flags()
+  flags.FLAGS.unparse_flags()
+  with pytest.raises(SystemExit) as e:
+    main(['aqtr-generate', *args])
+  out, err = capsys.readouterr()
+  return e.value.code or 0, out, err
+
+
+def test_aqtr_generate_decodes_a_stock_lms_exported_checkpoint(
+  tmp_path, capsys
+):
+  from aqtr import checkpoints, presets  # noqa: PLC0415
+
+  hf = _hf_model('llama')
+  q = aqtr.flax.quantize(
+    hf.module, [Rule(presets.int4_weight_only(), path='.*/layers/.*')]
+  )
+  served, svars = aqtr.flax.convert(
+    q, *_hf_inputs(), variables={'params': hf.params}
+  )
+  folder = tmp_path / 'llama_int4'
+  checkpoints.export(
+    served, str(folder), variables=svars, config=hf.config.to_dict()
+  )
+  status, out, err = _cli(
+    capsys,
+    f'--checkpoint={folder}',
+    '--ids=5,9,2,7',
+    '--ids=4,8',
+    '--max_new=6',
+    '--kv=int8',
+    '--kv_scales=block',
+    '--kv_block=8',
+  )
+  assert status == 0, err
+  assert "--- '5,9,2,7'" in out and 'tokens/s decoding (batch 2, 6 new' in out
+  assert '(int8, 32 slots x 2 sequences' in out
+  for args, message in [
+    (['--ids=5,x'], "--ids #0: '5,x' is not comma-separated integer"),
+    (['--prompt=hi'], 'has no tokenizer; give prompts as token ids'),
+    (['--ids=5,128'], r'token 128 is outside the vocabulary [0, 128)'),
+    (['--ids=5', '--temperature=nan'], 'temperature must be a finite num'),
+    (['--ids=5', '--top_k=500'], 'top_k=500 exceeds the vocabulary size'),
+    (['--ids=5', '--cache_len=64'], 'exceeds the 32 positions'),
+    (['--ids=5', '--kv=int8', '--kv_scales=block', '--kv_block=5'], 'block'),
+    (['--ids=' + ','.join(['1'] * 40)], 'prompt 0 has 40 tokens'),
+  ]:
+    status, out, err = _cli(capsys, f'--checkpoint={folder}', *args)
+    assert status == 2 and out == '', (args, out, err)
+    assert len(err.strip().splitlines()) == 1 and message in err, (args, err)
+  status, _, err = _cli(capsys, f'--checkpoint={tmp_path}', '--ids=1')
+  assert status == 2 and 'has no config.json' in err
