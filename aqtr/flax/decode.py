@@ -222,7 +222,8 @@ class Decoder:
     self._compiled = {}
 
   def _variables(self, variables: Any, method: str) -> Any:
-    variables = self.lm.variables if variables is None else variables
+    if variables is None and self.lm.variables is not None:
+      variables = self.lm.variables()
     if variables is None:
       raise ValueError(
         f"Decoder.{method}: give the model's variables (linen: "

@@ -66,8 +66,9 @@ class StockLM:
       lengths may share a batch).
     max_length: the most cache slots the model has positions for (None:
       no bound).
-    variables: the variables used when none are given (a Hugging Face
-      model's params, an nnx model's state), or None.
+    variables: () -> the variables used when none are given (a Hugging
+      Face model's params, an nnx model's state less its caches, read at
+      each call), or None.
   """
 
   kind: str
@@ -78,7 +79,7 @@ class StockLM:
   chunked: bool = True
   padding: bool = True
   max_length: int | None = None
-  variables: Any = None
+  variables: Callable[[], Any] | None = None
 
 
 def _zeros(tree: Any) -> Any:
@@ -120,7 +121,9 @@ def hf(model: Any) -> StockLM:
       f'module, got {type(model).__name__}.'
     )
   config = module.config
-  params = getattr(model, '_params', None) if module is not model else None
+  has_params = (
+    module is not model and getattr(model, '_params', None) is not None
+  )
   limit = getattr(config, 'max_position_embeddings', None) or getattr(
     config, 'n_positions', None
   )
@@ -162,7 +165,7 @@ def hf(model: Any) -> StockLM:
     init_cache=init_cache,
     apply=apply,
     max_length=limit,
-    variables=None if params is None else {'params': params},
+    variables=(lambda: {'params': model.params}) if has_params else None,
   )
 
 
@@ -312,7 +315,7 @@ def nnx_lm(
   call = call or (lambda m, ids, positions: m(ids, positions))
   make = init_cache or _init_attention_caches
   make(model, 1, 1)
-  graphdef, _, rest = nnx.split(model, nnx.Cache, ...)
+  graphdef = nnx.split(model, nnx.Cache, ...)[0]
 
   def init_cache_fn(variables, batch, length):
     del variables
@@ -331,7 +334,7 @@ def nnx_lm(
     apply=apply,
     chunked=chunked,
     padding=False,
-    variables=rest,
+    variables=lambda: nnx.split(model, nnx.Cache, ...)[2],
   )
 
 
