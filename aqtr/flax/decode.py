@@ -8,8 +8,8 @@ Face Flax causal LM, DeepMind gemma's Transformer, any linen LM with a
 the decoder carries between calls is stored as `aqtr.flax.kv_cache`
 rules say (int8, packed int4, fp8 codes + per-token or per-block scales);
 each call dequantizes it, runs the model's own code, and stores what the
-model left. Under `jit`, as `aqtr.pax.Decoder` (whose `Sampling`,
-`sample` and `Generation` it shares):
+model left. Under `jit`, as `aqtr.pax.Decoder` (sharing `aqtr.flax.sampling`:
+`Sampling`, `sample`, `pad`, `Generation`):
 
   prefill   the left-padded prompts in one call (or one token a call for
             a model that takes one), filling slots 0..P-1
@@ -46,7 +46,7 @@ from jax import lax
 
 from aqtr.flax import kv_cache, stock_lm
 from aqtr.flax.kv_cache import CacheRule, StoredCache
-from aqtr.pax.decode import Generation, Sampling, sample
+from aqtr.flax.sampling import Generation, Sampling, pad, sample
 
 __all__ = [
   'Decoder',
@@ -127,64 +127,6 @@ def rules_of(kv: Any, names: tuple[str, ...]) -> tuple[CacheRule, ...]:
       f'kv must be a format name, a CacheRule or CacheRules, got {kv!r}.'
     )
   return rules
-
-
-def _token_ids(i: int, prompt: Any) -> list[int]:
-  if isinstance(prompt, str | bytes):
-    raise TypeError(
-      f'prompt {i} is text ({prompt!r}); give token ids (tokenize first).'
-    )
-  arr = np.asarray(prompt)
-  if arr.ndim != 1 or (arr.size and arr.dtype.kind not in 'iu'):
-    raise TypeError(
-      f'prompt {i} must be a flat list of int token ids, got {prompt!r} '
-      f'({arr.dtype}, shape {arr.shape}).'
-    )
-  return [int(t) for t in arr]
-
-
-def pad(prompts: Any, length: int, vocab: int) -> tuple[np.ndarray, ...]:
-  """Left-pads token prompts: (ids [b, P] int32, start [b] int32).
-
-  Raises one line for: no prompts, text or non-integer tokens, an empty
-  prompt, a prompt longer than the `length` cache slots, a token outside
-  [0, vocab).
-
-  Example:
-    >>> ids, start = pad([[1, 2], [3]], length=4, vocab=8)
-    >>> ids.tolist(), start.tolist()
-    ([[1, 2], [0, 3]], [0, 1])
-  """
-  if isinstance(prompts, str) or not isinstance(
-    prompts, Sequence | np.ndarray | jax.Array
-  ):
-    raise TypeError(
-      'prompts must be a list of token-id lists (tokenize text first), '
-      f'got {type(prompts).__name__}.'
-    )
-  prompts = [_token_ids(i, p) for i, p in enumerate(prompts)]
-  if not prompts:
-    raise ValueError('prompts: give at least one prompt.')
-  for i, p in enumerate(prompts):
-    if not p:
-      raise ValueError(f'prompt {i} is empty; give at least one token.')
-    if len(p) > length:
-      raise ValueError(
-        f'prompt {i} has {len(p)} tokens; the cache holds {length} '
-        '(shorten the prompt or use a longer cache: length=).'
-      )
-    bad = [t for t in p if not 0 <= t < vocab]
-    if bad:
-      raise ValueError(
-        f'prompt {i}: token {bad[0]} is outside the vocabulary [0, {vocab}).'
-      )
-  width = max(len(p) for p in prompts)
-  ids = np.zeros((len(prompts), width), np.int32)
-  start = np.zeros(len(prompts), np.int32)
-  for i, p in enumerate(prompts):
-    ids[i, width - len(p) :] = p
-    start[i] = width - len(p)
-  return ids, start
 
 
 class Decoder:
@@ -377,7 +319,7 @@ class Decoder:
       sampling: greedy by default.
 
     Returns:
-      An `aqtr.pax.decode.Generation`.
+      An `aqtr.flax.sampling.Generation`.
 
     Raises:
       ValueError: one line for bad prompts or arguments, and when the
