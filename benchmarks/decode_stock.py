@@ -17,6 +17,8 @@ cache of `--context` slots; tokens/s of the decode loop (compiled ahead),
 minimum over `--rounds` interleaved rounds. The stored cache is
 dequantized and requantized whole at each step (the model's own attention
 reads floats), so a quantized cache costs time here; it saves memory.
+`weight MB held`: the bytes the arrays hold on this backend (XLA:CPU
+keeps an int4 code in a byte).
 
 Run: python benchmarks/decode_stock.py [--rounds 3] [--context 256]
 """
@@ -122,7 +124,7 @@ def main() -> None:
     f'{args.context} slots; {args.steps} steps; min of {args.rounds}\n'
   )
   print(
-    '| weights + cache | batch | tokens/s | x float | ms/step | weight MB '
+    '| weights + cache | batch | tokens/s | x float | ms/step | weight MB held '
     '| KV MB | KV x f32 |'
   )
   print('|---|---|---|---|---|---|---|---|')
