@@ -288,8 +288,13 @@ class Decoder:
 
   def _compile(self, args: tuple, sampling: Sampling) -> tuple:
     """The compiled prefill and loop for these shapes (cached)."""
-    spec = jax.tree.map(lambda x: (jnp.shape(x), jnp.result_type(x)), args)
-    key = (str(spec), str(jax.tree.structure(args)), sampling)
+    leaves, treedef = jax.tree.flatten(args)
+    spec = tuple((jnp.shape(x), jnp.result_type(x)) for x in leaves)
+    key = (spec, treedef, sampling)  # (no repr: nnx states may hold
+    try:  # frozen kernels that refuse to be read as values)
+      hash(key)
+    except TypeError:  # Unhashable static metadata: compile anew.
+      key = object()
     if key not in self._compiled:
       lowered = self._first.lower(*args, sampling=sampling)
       token, cache, rng, _ = lowered.out_info
