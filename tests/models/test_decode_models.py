@@ -22,6 +22,7 @@ PROMPTS = [[5, 9, 2, 7, 11, 3], [4, 8]]
 
 def _hf_model(name):
   transformers = pytest.importorskip('transformers')
+  small = dict(vocab_size=zoo.VOCAB, num_hidden_layers=zoo.LAYERS)
   if name == 'gpt2':
     cfg = transformers.GPT2Config(
       vocab_size=zoo.VOCAB,
@@ -31,6 +32,27 @@ def _hf_model(name):
       n_positions=S,
     )
     return transformers.FlaxGPT2LMHeadModel(cfg, seed=0)
+  if name == 'mistral':
+    cfg = transformers.MistralConfig(
+      **zoo._hf_llama_kw(), num_key_value_heads=2, sliding_window=S
+    )
+    return transformers.FlaxMistralForCausalLM(cfg, seed=0)
+  if name == 'opt':
+    cfg = transformers.OPTConfig(
+      **small,
+      hidden_size=zoo.D,
+      ffn_dim=2 * zoo.D,
+      num_attention_heads=zoo.HEADS,
+      max_position_embeddings=S,
+      word_embed_proj_dim=zoo.D,
+    )
+    return transformers.FlaxOPTForCausalLM(cfg, seed=0)
+  if name == 'bloom':  # (ALiBi: no positions, no length bound)
+    cfg = transformers.BloomConfig(
+      vocab_size=zoo.VOCAB, hidden_size=zoo.D, n_layer=zoo.LAYERS,
+      n_head=zoo.HEADS,
+    )  # fmt: skip
+    return transformers.FlaxBloomForCausalLM(cfg, seed=0)
   cfg = transformers.LlamaConfig(**zoo._hf_llama_kw(), num_key_value_heads=2)
   return transformers.FlaxLlamaForCausalLM(cfg, seed=0)
 
@@ -47,7 +69,7 @@ def _hf_inputs():
   return ids, ids, pos
 
 
-@pytest.mark.parametrize('name', ['gpt2', 'llama'])
+@pytest.mark.parametrize('name', ['gpt2', 'llama', 'mistral', 'opt', 'bloom'])
 def test_hugging_face_lms_decode_through_their_own_caches(name):
   hf = _hf_model(name)
   dec = Decoder(hf, length=S)
