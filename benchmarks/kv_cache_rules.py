@@ -19,7 +19,11 @@ decoding freely, the share of greedy tokens equal to the float cache's
 (a random model's logits are nearly flat, so one near-tie flips a token
 and changes every later input: a strict measure).
 
-Run: python benchmarks/kv_cache_rules.py [--new 32]
+Rows per model: float, int8, fp8 and int4 caches with one scale per token
+and head, then int8 and int4 with one scale per head and block of
+`--blocks` slots (`CacheRule(block=B)`).
+
+Run: python benchmarks/kv_cache_rules.py [--new 32] [--blocks 32 64]
 """
 
 from __future__ import annotations
@@ -143,6 +147,7 @@ def nnx_greedy(rule, prompt, new, forced=None):
 def main() -> None:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument('--new', type=int, default=32)
+  p.add_argument('--blocks', type=int, nargs='*', default=[32, 64])
   args = p.parse_args()
   print(f'CPU: {host.cpu_model()}; jax {jax.__version__}')
   print(
@@ -170,16 +175,19 @@ def main() -> None:
     'top-1 = float | greedy tokens = float |'
   )
   print('|---|---|---|---|---|---|---|')
+  cells = [('none', 0), ('int8', 0), ('fp8', 0), ('int4', 0)]
+  cells += [(f, b) for b in args.blocks for f in ('int8', 'int4')]
   for name, run in runs.items():
     toks, logits, nbytes = run(None)
-    for fmt in ('none', 'int8', 'fp8', 'int4'):
-      rule = CacheRule(numerics=fmt)
+    for fmt, block in cells:
+      rule = CacheRule(numerics=fmt, block=block)
       top1, lg, qbytes = run(rule, toks)  # Fed the float run's tokens.
       change = float(jnp.max(jnp.abs(lg - logits)) / jnp.max(jnp.abs(logits)))
       agree = np.mean(np.asarray(top1) == np.asarray(toks))
       free = np.mean(np.asarray(run(rule)[0]) == np.asarray(toks))
+      label = f'{fmt} per {block} slots' if block else fmt
       print(
-        f'| {name} | {fmt} | {qbytes / LEN:.0f} | {qbytes / nbytes:.3f} | '
+        f'| {name} | {label} | {qbytes / LEN:.0f} | {qbytes / nbytes:.3f} | '
         f'{change:.2e} | {agree:.2f} | {free:.2f} |'
       )
 

@@ -71,6 +71,7 @@ from aqtr.tilings import PerChannel
 
 __all__ = [
   'CALIBRATIONS',
+  'BlockCache',
   'FORMATS',
   'CacheRule',
   'QuantizedCache',
@@ -95,6 +96,9 @@ class CacheRule:
       'cached_key', 'cached_value').
     calibration: 'absmax' or 'static'.
     bound: the static bound (calibration='static' only), finite and > 0.
+    block: 0: one scale per token and head; B > 0: one scale per head
+      and block of B slots (the cache's third-last axis, [..., S, n, h],
+      must be a multiple of B): bytes per token and head h + 4 / B.
 
   Example:
     >>> rule = CacheRule(numerics='int4', path='.*attn')
@@ -107,6 +111,7 @@ class CacheRule:
   names: tuple[str, ...] = ('cached_key', 'cached_value')
   calibration: str = 'absmax'
   bound: float | None = None
+  block: int = 0
 
   def __post_init__(self):
     if self.numerics not in FORMATS:
@@ -133,6 +138,11 @@ class CacheRule:
       re.compile(self.path)
     except re.error as e:
       raise ValueError(f'CacheRule.path {self.path!r} is no regex: {e}') from e
+    b = self.block
+    if isinstance(b, bool) or not isinstance(b, int) or b < 0:
+      raise ValueError(
+        f'CacheRule.block must be an int >= 0 (0: per-token scales), got {b!r}.'
+      )
     self.tensor_config()  # Checks the static bound.
 
   def matches(self, module_path: str, name: str) -> bool:
@@ -220,6 +230,8 @@ def store(rule: CacheRule, x: jax.Array, where: str) -> Any:
       f"axis, but {where} has head size {h} (odd): use numerics='int8' or "
       "'fp8'."
     )
+  if rule.block:
+    return _store_blocks(rule, cfg, x, where)
   qt = quantize(x.astype(jnp.float32), cfg, contracting_axes=(-1,))
   codes = qt.qvalue.reshape(x.shape)
   if rule.numerics == 'int4':
@@ -407,3 +419,48 @@ def cache_bytes(tree: Any) -> int:
     6
   """
   return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockCache(StoredCache):
+  """A StoredCache with one scale per head and block of `block` slots.
+
+  Attributes:
+    block: slots per scale (static); `scale` is [..., S / block, n].
+  """
+
+  block: int
+
+  def dequant(self) -> jax.Array:
+    c = _unpack(self.codes) if self.numerics == 'int4' else self.codes
+    scale = jnp.repeat(self.scale, self.block, axis=-2)  # [..., S, n]
+    return (c.astype(jnp.float32) * scale[..., None]).astype(self.dtype)
+
+
+jax.tree_util.register_dataclass(
+  BlockCache,
+  data_fields=['codes', 'scale'],
+  meta_fields=['numerics', 'dtype', 'block'],
+)
+
+
+def _store_blocks(rule, cfg, x: jax.Array, where: str) -> BlockCache:
+  """x [..., S, n, h] with one scale per head and block of slots."""
+  b = rule.block
+  if x.ndim < 3 or x.shape[-3] % b:
+    raise ValueError(
+      f'CacheRule(block={b}) scales blocks of {b} slots along the third-last '
+      f'axis of [..., slots, heads, head_size], but {where} has shape '
+      f'{x.shape}: use a block that divides {x.shape[-3:-2] or "its slots"}'
+      ' or block=0.'
+    )
+  *lead, s, n, h = x.shape
+  xb = x.astype(jnp.float32).reshape(*lead, s // b, b, n, h)
+  rows = jnp.swapaxes(xb, -3, -2).reshape(*lead, s // b, n, b * h)
+  qt = quantize(rows, cfg, contracting_axes=(-1,))
+  codes = qt.qvalue.reshape(*lead, s // b, n, b, h)
+  codes = jnp.swapaxes(codes, -3, -2).reshape(x.shape)
+  if rule.numerics == 'int4':
+    codes = _pack(codes)
+  scale = qt.scale.reshape(*lead, s // b, n)
+  return BlockCache(codes, scale, rule.numerics, jnp.dtype(x.dtype).name, b)

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -44,82 +43,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from aqtr.flax import sampling as sampling_lib
+from aqtr.flax.sampling import Generation, Sampling, sample
 from aqtr.pax import kv_cache
 from aqtr.pax.kv_cache import Cache, KVCacheConfig
 
 __all__ = ['Decoder', 'Generation', 'Sampling', 'sample']
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Sampling:
-  """How the next token is picked from its logits.
-
-  Attributes:
-    temperature: 0 greedy (argmax), else sample softmax(logits / T).
-    top_k: sample among the k largest logits only (0: all).
-    seed: the PRNG seed of the sampling.
-  """
-
-  temperature: float = 0.0
-  top_k: int = 0
-  seed: int = 0
-
-  def __post_init__(self):
-    t = self.temperature
-    if not (isinstance(t, int | float) and math.isfinite(t) and t >= 0):
-      raise ValueError(
-        f'Sampling.temperature must be a finite number >= 0, got {t!r}.'
-      )
-    for name in ('top_k', 'seed'):
-      v = getattr(self, name)
-      if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-        raise ValueError(f'Sampling.{name} must be an int >= 0, got {v!r}.')
-
-
-def sample(logits: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Array:
-  """Next tokens [b] (int32) of logits [b, V].
-
-  Example:
-    >>> import jax, jax.numpy as jnp
-    >>> sample(jnp.array([[0., 3., 1.]]), jax.random.key(0), Sampling())
-    Array([1], dtype=int32)
-  """
-  logits = logits.astype(jnp.float32)
-  if sampling.temperature == 0:
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-  logits = logits / sampling.temperature
-  if sampling.top_k:
-    kth = lax.top_k(logits, sampling.top_k)[0][..., -1:]
-    logits = jnp.where(logits < kth, -jnp.inf, logits)
-  return jax.random.categorical(key, logits).astype(jnp.int32)
-
-
-@dataclasses.dataclass(frozen=True)
-class Generation:
-  """What `Decoder.generate` returns.
-
-  Attributes:
-    tokens: the new tokens of each prompt.
-    stopped: why fewer than max_new tokens came (the cache is full), or
-      None.
-    compile_s: seconds compiling (0 when compiled by an earlier call).
-    prefill_s: seconds of the prefill (and the first token).
-    decode_s: seconds of the decode loop (the other tokens).
-    kv_bytes: bytes of the cache.
-  """
-
-  tokens: list[list[int]]
-  stopped: str | None
-  compile_s: float
-  prefill_s: float
-  decode_s: float
-  kv_bytes: int
-
-  @property
-  def tokens_per_s(self) -> float:
-    """Decode-loop throughput: tokens (all sequences) per second."""
-    n = sum(len(t) for t in self.tokens) - len(self.tokens)
-    return n / self.decode_s if self.decode_s > 0 else float('nan')
 
 
 def _attentions(lm: nn.Module) -> list[Any]:
@@ -129,22 +58,6 @@ def _attentions(lm: nn.Module) -> list[Any]:
 def _vocab(lm: nn.Module) -> int:
   e = lm.embedding
   return getattr(e, 'num_classes', None) or e.num_embeddings
-
-
-def _token_ids(i: int, prompt: Any) -> list[int]:
-  """Prompt `i` as a list of ints (one line for any other kind of token)."""
-  if isinstance(prompt, str | bytes):
-    raise TypeError(
-      f'prompt {i} is text ({prompt!r}); give token ids (e.g. '
-      'aqtr.train.generate.encode(text)).'
-    )
-  arr = np.asarray(prompt)
-  if arr.ndim != 1 or (arr.size and arr.dtype.kind not in 'iu'):
-    raise TypeError(
-      f'prompt {i} must be a flat list of int token ids, got '
-      f'{prompt!r} ({arr.dtype}, shape {arr.shape}).'
-    )
-  return [int(t) for t in arr]
 
 
 def _check_variables(variables: Any, method: str) -> None:
@@ -234,37 +147,7 @@ class Decoder:
       ValueError: no prompt, an empty prompt, a prompt longer than the
         cache, or a token outside the vocabulary.
     """
-    if isinstance(prompts, str) or not isinstance(
-      prompts, Sequence | np.ndarray | jax.Array
-    ):
-      raise TypeError(
-        'prompts must be a list of token-id lists (encode text first), '
-        f'got {type(prompts).__name__}.'
-      )
-    prompts = [_token_ids(i, p) for i, p in enumerate(prompts)]
-    if not prompts:
-      raise ValueError('prompts: give at least one prompt.')
-    for i, p in enumerate(prompts):
-      if not p:
-        raise ValueError(f'prompt {i} is empty; give at least one token.')
-      if len(p) > self.length:
-        raise ValueError(
-          f'prompt {i} has {len(p)} tokens; the cache holds {self.length} '
-          '(shorten the prompt or use a longer cache).'
-        )
-      bad = [t for t in p if not 0 <= int(t) < self.vocab]
-      if bad:
-        raise ValueError(
-          f'prompt {i}: token {bad[0]} is outside the vocabulary '
-          f'[0, {self.vocab}).'
-        )
-    width = max(len(p) for p in prompts)
-    ids = np.zeros((len(prompts), width), np.int32)
-    start = np.zeros(len(prompts), np.int32)
-    for i, p in enumerate(prompts):
-      ids[i, width - len(p) :] = p
-      start[i] = width - len(p)
-    return ids, start
+    return sampling_lib.pad(prompts, self.length, self.vocab)
 
   def prefill(self, variables: Any, ids: Any, start: Any) -> tuple:
     """(logits [b, P, V], cache) of left-padded prompts (see `pad`)."""

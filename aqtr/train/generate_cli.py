@@ -1,15 +1,17 @@
 """`aqtr-generate`: text from an `aqtr-train` LM run's serving checkpoint.
 
 Restores the frozen int8/fp8 weights of `<out>/<run>/serving` (written by
-`aqtr-train` for every weight-quantized LM run), decodes each prompt with a
-float or quantized KV cache, and prints the text, the decode throughput
-and the memory of the weights and of the cache.
+`aqtr-train` for every weight-quantized LM run), or with `--checkpoint` a
+stock LM's quantized checkpoint (`aqtr.train.generate_stock`), decodes
+each prompt with a float or quantized KV cache, and prints the text, the
+decode throughput and the memory of the weights and of the cache.
 
   aqtr-generate --serving=aqtr_train_out/NAME/int8/serving \\
     --prompt='def __init__(self' --max_new=40
   aqtr-generate --serving=... --prompt='import ' --prompt='class ' \\
     --kv=int8 --kv_read=int8_dots --temperature=0.8 --top_k=20 --seed=1
   aqtr-generate --serving=... --kv=int4 --kv_scales=block --kv_block=8
+  aqtr-generate --checkpoint=FOLDER --ids=5,9,2 --kv=int8  # a stock LM
 
 Exit status: 0 text generated; 2 a mistake (one line on stderr naming the
 flag or the file, no traceback).
@@ -24,7 +26,7 @@ from collections.abc import Sequence
 from absl import app, flags
 
 from aqtr.pax import decode, kv_cache
-from aqtr.train import generate
+from aqtr.train import generate, generate_stock
 
 _FLAGS: dict[str, flags.FlagHolder] = {}
 
@@ -42,6 +44,14 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> dict:
   }
   specs = [
     ('string', 'serving', None, 'The serving folder <out>/<run>/serving.'),
+    (
+      'string',
+      'checkpoint',
+      None,
+      'A stock LM checkpoint folder (aqtr.checkpoints.export of a Hugging '
+      'Face Flax LM) instead of --serving.',
+    ),
+    ('multi', 'ids', [], 'Prompt token ids 5,9,2 (--checkpoint); repeat.'),
     ('multi', 'prompt', [generate.PROMPT], 'Prompt text; repeat for a batch.'),
     ('int', 'max_new', 40, 'New tokens (bytes) per prompt, >= 1.'),
     ('float', 'temperature', 0.0, '0: greedy; else sample logits / T.'),
@@ -84,7 +94,7 @@ def _kv(f: dict) -> kv_cache.KVCacheConfig:
 
 def run(f: dict) -> None:
   """Generates and prints; ValueError (one line) on any mistake."""
-  if not f['serving'].value:
+  if not (f['serving'].value or f['checkpoint'].value):
     raise ValueError('--serving: give <out>/<run>/serving of an aqtr-train run')
   for name in ('max_new', 'top_k', 'seed', 'cache_len'):
     low = 1 if name == 'max_new' else 0
@@ -94,6 +104,9 @@ def run(f: dict) -> None:
     raise ValueError(
       f'--temperature must be >= 0, got {f["temperature"].value}'
     )
+  if f['checkpoint'].value:
+    generate_stock.run(f)
+    return
   try:
     kv = _kv(f)
   except ValueError as e:
