@@ -35,6 +35,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import jax
@@ -64,7 +65,7 @@ class FrozenKernel(nnx.Variable):
   """
 
   def get_value(self, *, index=variablelib.MISSING):
-    if not intercept.is_active():
+    if not intercept.is_active() and not _SHOWING[0]:
       # Read outside a served model's call (e.g. `served.up(x)` on a
       # submodule): the zeros would be served as if they were the kernel.
       raise ValueError(
@@ -83,6 +84,28 @@ class FrozenKernel(nnx.Variable):
   def entries(self) -> dict:
     """{op key: {entry name: {'rhs': parts}}}."""
     return self.get_raw_value()
+
+  # Printing a served model's state shows the holder (as the zeros it reads
+  # as); only a computation reading it outside the served call is refused.
+  def __nnx_repr__(self):
+    with _showing():
+      yield from list(super().__nnx_repr__())
+
+  def __treescope_repr__(self, path, subtree_renderer):
+    with _showing():
+      return super().__treescope_repr__(path, subtree_renderer)
+
+
+_SHOWING = [0]  # > 0 while a holder is being printed
+
+
+@contextlib.contextmanager
+def _showing():
+  _SHOWING[0] += 1
+  try:
+    yield
+  finally:
+    _SHOWING[0] -= 1
 
 
 class FrozenBox(struct.PyTreeNode, meta.AxisMetadata):
