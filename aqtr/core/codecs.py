@@ -29,13 +29,14 @@ scales in training and serving alike.
 
 A numerics names its codec (`Numerics.codec()`); `encode_parts` /
 `decode_parts` map a frozen operand's parts {'qvalue', 'scale',
-'zero_point'} to the stored parts ({'codes', ...} when packed) and back.
+'zero_point'} to the stored parts (the packed values under the codec's
+name, 'int4', 'table4', ...) and back.
 
 Example:
   >>> import jax.numpy as jnp
   >>> c = Int4()
   >>> s = c.encode(jnp.array([[-8, 7, 1, -1]], jnp.int8))
-  >>> s['codes'].dtype, s['codes'].shape
+  >>> s['int4'].dtype, s['int4'].shape
   (dtype('uint8'), (1, 2))
   >>> c.decode(s, dtype=jnp.int8).tolist()
   [[-8, 7, 1, -1]]
@@ -69,6 +70,7 @@ __all__ = [
   'decode_parts',
   'encode_parts',
   'get',
+  'packed_key',
   'names',
   'pack',
   'register',
@@ -128,8 +130,8 @@ class Codec(abc.ABC):
 
   # Whether decode(encode(x)) == x bit for bit.
   lossless: ClassVar[bool] = True
-  # The stored part's key of a value codec ('codes': packed).
-  key: ClassVar[str] = 'codes'
+  # The stored part's key of a value codec (packed: the codec's name).
+  key: ClassVar[str] = 'qvalue'
   # Bits per stored value (value codecs).
   bits: ClassVar[int] = 4
 
@@ -158,7 +160,6 @@ names = registry.names
 class Raw(Codec):
   """The values as they are (int8, fp8, float32, ...)."""
 
-  key = 'qvalue'
   bits = 8
 
   def applies(self, shape) -> bool:
@@ -176,6 +177,8 @@ class Raw(Codec):
 class Int4(Codec):
   """Signed integers in [-8, 7] (any integer dtype), two per uint8."""
 
+  key = 'int4'
+
   def encode(self, x, *, lead=0):
     nib = lax.bitcast_convert_type(x.astype(jnp.int8), jnp.uint8) & 0xF
     return {self.key: pack(nib, 4)}
@@ -190,6 +193,8 @@ class Int4(Codec):
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class UInt4(Codec):
   """Unsigned integers in [0, 15], two per uint8."""
+
+  key = 'uint4'
 
   def encode(self, x, *, lead=0):
     return {self.key: pack(x.astype(jnp.uint8), 4)}
@@ -217,6 +222,8 @@ class Table4(Codec):
   """
 
   table: tuple[float, ...] = (0.0, 1.0)
+
+  key = 'table4'
 
   def __post_init__(self):
     if not 1 <= len(self.table) <= 16:
@@ -250,6 +257,8 @@ class E2M1(Codec):
 
   The sign of zero is kept; NaN is stored as +0.
   """
+
+  key = 'e2m1'
 
   def encode(self, x, *, lead=0):
     v = x.astype(jnp.float32)
@@ -348,18 +357,23 @@ def value_codec(numerics, shape: tuple[int, ...]) -> Codec:
   return c if c.applies(tuple(shape)) else Raw()
 
 
+# The stored key of each packed value codec -> how to decode it alone.
+_PACKED = ('int4', 'uint4', 'table4', 'e2m1')
+
+
 def encode_parts(parts: dict, numerics) -> dict:
   """A frozen operand's parts {'qvalue', 'scale', ...} -> stored parts.
 
-  The values go through `numerics.codec()` ('codes' when packed, else
-  'qvalue'); the other parts are kept.
+  The values go through `numerics.codec()` (packed: stored under the
+  codec's key, 'int4' / 'uint4' / 'table4' / 'e2m1'; else 'qvalue'); the
+  other parts are kept.
 
   Example:
     >>> import jax.numpy as jnp
     >>> from aqtr.numerics import Nf4
     >>> p = {'qvalue': jnp.array([[0.0, 1.0]]), 'scale': jnp.ones((1, 1))}
     >>> sorted(encode_parts(p, Nf4()))
-    ['codes', 'scale']
+    ['scale', 'table4']
   """
   if 'qvalue' not in parts:
     return dict(parts)
@@ -369,19 +383,46 @@ def encode_parts(parts: dict, numerics) -> dict:
   return out
 
 
-def decode_parts(stored: dict, numerics) -> dict:
+def packed_key(stored) -> str | None:
+  """The key of `stored`'s packed values, or None (raw 'qvalue')."""
+  found = [k for k in _PACKED if k in stored]
+  return found[0] if found else None
+
+
+def decode_parts(stored: dict, numerics=None) -> dict:
   """The inverse of `encode_parts`: parts with 'qvalue' in the numerics'
-  dtype (bit for bit what the quantizer gave; see the module doc)."""
-  if 'codes' not in stored:
+  dtype (bit for bit what the quantizer gave; see the module doc).
+
+  Without `numerics`, integer codes decode to int8 ('int4') / uint8
+  ('uint4'); table and E2M1 codes need the numerics.
+  """
+  key = packed_key(stored) if hasattr(stored, 'keys') else None
+  if key is None:
     return dict(stored)
-  out = {k: v for k, v in stored.items() if k != 'codes'}
-  out['qvalue'] = numerics.codec().decode(stored, dtype=numerics.dtype)
+  out = {k: v for k, v in stored.items() if k != key}
+  if numerics is None:
+    if key not in ('int4', 'uint4'):
+      raise ValueError(
+        f'decode_parts: {key!r} codes need the numerics that made them; '
+        'pass numerics=.'
+      )
+    c, dtype = get(key)(), jnp.int8 if key == 'int4' else jnp.uint8
+  else:
+    c, dtype = numerics.codec(), numerics.dtype
+    if c.key != key:
+      raise ValueError(
+        f'decode_parts: values stored as {key!r} codes, but '
+        f'{type(numerics).__name__} stores {c.key!r}; decode with the '
+        'numerics the values were frozen with.'
+      )
+  out['qvalue'] = c.decode(stored, dtype=dtype)
   return out
 
 
 def stored_shape(stored: dict) -> tuple[int, ...]:
   """The shape of the values `decode_parts` gives (packed: last axis x2)."""
-  if 'codes' in stored:
-    s = jnp.shape(stored['codes'])
+  key = packed_key(stored)
+  if key is not None:
+    s = jnp.shape(stored[key])
     return (*s[:-1], 2 * s[-1])
   return tuple(jnp.shape(stored['qvalue']))

@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, traverse_util
 
+from aqtr.core import codecs
 from aqtr.flax.frozen import FrozenBox, FrozenKernel, kernel_bytes
 from aqtr.freezers import configure, lifecycle
 from aqtr.lora import adapters as adapters_lib
@@ -59,8 +60,8 @@ def dequantized(holder, site: adapters_lib.Site, cfg) -> jax.Array:
   """The frozen base of `site` in float, shaped like its kernel."""
   entries = holder.entries()[f'{site.op_id}_{site.side}']
   (entry,) = entries.values()
-  parts = entry['rhs']
   wcfg = configure(cfg, rhs='weights')
+  parts = codecs.decode_parts(entry['rhs'], wcfg.fwd.rhs.numerics)
   ref = parts['qvalue']
   lead = ref.ndim - (
     holder.ref_ndim

@@ -117,7 +117,7 @@ def tree_put(tree, path, value) -> None:
 def qvalue_ndim(entries) -> int:
   """The rank of an op's frozen qvalue (the engine's tiled view)."""
   (entry,) = entries.values()
-  return jnp.ndim(entry['rhs']['qvalue'])
+  return jnp.ndim(entry['rhs']['scale'])  # The scale has the view's rank.
 
 
 def _convert(template, variables, args, kwargs):

@@ -35,6 +35,7 @@ from flax import nnx
 
 import aqtr.flax.linen as aqtr_linen
 from aqtr import rules as rules_lib
+from aqtr.core import codecs
 from aqtr.flax import common, quantized, serving
 from aqtr.flax.frozen import STORE, store_key
 from aqtr.freezers import Mode, lifecycle
@@ -268,8 +269,8 @@ def quantize(
     sol = jax.block_until_ready(meth.solve(site, grid, stats))
     secs = time.perf_counter() - t0 + (share if rewrites else 0.0)
     parts = grid.parts(sol.q, sol.scale, sol.zero)
-    if not isinstance(meth, methods.Rtn):
-      place(site, parts)
+    if not isinstance(meth, methods.Rtn):  # Stored as CONVERT stores.
+      place(site, codecs.encode_parts(parts, grid.numerics))
     w2 = grid.w2
     rtn = rtn0.get(path)
     if rtn is None:

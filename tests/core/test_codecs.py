@@ -62,8 +62,8 @@ def test_codec_round_trip(name):
   if c.lossless:
     np.testing.assert_array_equal(_bits(back), _bits(x))
     if c.bits == 4:  # Two codes per byte.
-      assert stored['codes'].dtype == jnp.uint8
-      assert stored['codes'].size * 2 == x.size
+      assert stored[c.key].dtype == jnp.uint8
+      assert stored[c.key].size * 2 == x.size
   else:  # Double quantization: within 1/2 step of the block's spread.
     spread = float(jnp.abs(x - x.mean(-1, keepdims=True)).max())
     step = spread / (127 if name == 'dq_int8' else 16)
@@ -132,9 +132,9 @@ def test_numerics_values_round_trip(numerics, kw):
   assert got['qvalue'].dtype == qt.qvalue.dtype
   assert got['qvalue'].shape == qt.qvalue.shape
   packs = numerics.codec().bits == 4
-  assert ('codes' in stored) == packs
+  assert (codecs.packed_key(stored) is not None) == packs
   if packs:
-    assert stored['codes'].nbytes * 2 == qt.qvalue.size
+    assert stored[numerics.codec().key].nbytes * 2 == qt.qvalue.size
   finite = np.broadcast_to(np.isfinite(np.asarray(qt.scale)), qt.qvalue.shape)
   q0 = _bits(qt.qvalue.astype(jnp.float32))
   q1 = _bits(got['qvalue'].astype(jnp.float32))
@@ -156,3 +156,11 @@ def test_odd_last_axis_stays_raw():
 def test_table4_rejects_large_tables():
   with pytest.raises(ValueError, match='Table4.table'):
     codecs.Table4(table=tuple(float(i) for i in range(17)))
+
+
+def test_integer_codes_decode_without_numerics():
+  q = jnp.array([[-3, 7]], jnp.int4)
+  stored = codecs.encode_parts({'qvalue': q}, IntSymmetric(bits=4))
+  assert codecs.decode_parts(stored)['qvalue'].tolist() == [[-3, 7]]
+  with pytest.raises(ValueError, match='stores'):
+    codecs.decode_parts(stored, Nf4())
