@@ -227,8 +227,7 @@ def from_stored(w: Stored, like: dict) -> dict:
   """`w` as holder parts shaped and typed like the skeleton's `like`
   (stored through the codec of `config_for(w)`'s numerics)."""
   numerics = config_for(w).fwd.rhs.numerics
-  like = codecs.decode_parts(like, numerics)
-  qs = like['qvalue']
+  qs = jax.ShapeDtypeStruct(codecs.stored_shape(like), numerics.dtype)
   n, t, d_out = qs.shape[1], qs.shape[2], qs.shape[3]
   if (n * t, d_out) != (w.d_in, w.d_out) or t != w.group:
     raise CheckpointError(
