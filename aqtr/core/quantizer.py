@@ -191,7 +191,7 @@ def quantize_view(
   if z is not None:
     z = jnp.broadcast_to(z, shape)
     v = v + z
-  q = n.quantize(v, noise)
+  q = n.quantize(v, noise)  # = quantize_scaled(x, s, n, z, noise)
   mask = n.grad_mask(v)
   learned = None
   if new_state is not None and cal.has_learned:
@@ -200,6 +200,57 @@ def quantize_view(
     # or row; a finite x / s that overflows is clipped like any other.
     mask = mask | ~(jnp.isfinite(x) & jnp.isfinite(s))
   return Quantized(q, s, z, mask, new_state, learned)
+
+
+def quantize_scaled(x, s, numerics, z=None, noise=None) -> jax.Array:
+  """The values `numerics.quantize(x / s (+ z))` of `x` with given scales.
+
+  The one rounding step every stored format goes through (`quantize_view`,
+  KV caches, quantized training, PTQ grids): `aqtr.core.scale.divide` in
+  float32, the zero point of affine numerics added, then the numerics.
+
+  Args:
+    x: a float array.
+    s: stored scales broadcastable to `x` (from `scale_from_bound`).
+    numerics: the number format.
+    z: the zero point (affine numerics), or None.
+    noise: stochastic-rounding noise shaped like `x`, or None.
+
+  Returns:
+    The values in `numerics.dtype`.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from aqtr.numerics import IntSymmetric
+    >>> quantize_scaled(jnp.array([1.0, -3.0]), 0.5, IntSymmetric()).tolist()
+    [2, -6]
+  """
+  v = divide(jnp.asarray(x, jnp.float32), s, numerics.unit)
+  if z is not None:
+    v = v + z
+  return numerics.quantize(v, noise)
+
+
+def quantize_bound(
+  x, bound, numerics, *, po2: bool = False, noise=None
+) -> tuple[jax.Array, jax.Array]:
+  """(q, S) of `x` whose groups have calibrated `bound` (broadcastable).
+
+  S is the core's scale (`aqtr.core.scale.scale_from_bound`: kept normal,
+  1 for an all-zero group, NaN for a NaN / inf bound, so the group's
+  dequantized values are NaN), `q = quantize_scaled(x, S, numerics)`.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from aqtr.numerics import IntSymmetric
+    >>> x = jnp.array([[0.5, -1.0], [0.0, 0.0]])
+    >>> q, s = quantize_bound(x, jnp.abs(x).max(-1, keepdims=True),
+    ...                       IntSymmetric())
+    >>> q.tolist(), s.ravel().tolist()
+    ([[64, -127], [0, 0]], [0.007874015718698502, 1.0])
+  """
+  s = scale_from_bound(jnp.asarray(bound, jnp.float32), numerics, po2)
+  return quantize_scaled(x, s, numerics, noise=noise), s
 
 
 def check_float(x, field: str) -> None:

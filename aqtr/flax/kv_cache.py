@@ -61,9 +61,11 @@ import jax.numpy as jnp
 from flax import linen as nn
 from flax import nnx
 from flax.typing import MISSING
+from jax import lax
 
 from aqtr import rules as rules_lib
 from aqtr.calibrations import AbsMax, Constant
+from aqtr.core import codecs
 from aqtr.core.config import TensorConfig
 from aqtr.core.quantizer import quantize
 from aqtr.numerics import Fp8, IntSymmetric
@@ -178,8 +180,12 @@ class StoredCache:
 
   def dequant(self) -> jax.Array:
     """`codes * scale` in the cache's layout and dtype."""
-    c = _unpack(self.codes) if self.numerics == 'int4' else self.codes
-    x = c.astype(jnp.float32) * self.scale[..., None]
+    if self.numerics == 'int4':  # The core's codec (bytes as int8).
+      packed = {_INT4.key: lax.bitcast_convert_type(self.codes, jnp.uint8)}
+      c = _INT4.decode(packed, dtype=jnp.float32)
+    else:
+      c = self.codes.astype(jnp.float32)
+    x = c * self.scale[..., None]
     return x.astype(self.dtype)
 
 
@@ -190,16 +196,7 @@ jax.tree_util.register_dataclass(
 )
 
 
-def _pack(c: jax.Array) -> jax.Array:
-  """int4 codes [..., 2k] -> int8 bytes [..., k] (low nibble first)."""
-  lo, hi = c[..., 0::2], c[..., 1::2]
-  return ((hi << 4) | (lo & 0xF)).astype(jnp.int8)
-
-
-def _unpack(p: jax.Array) -> jax.Array:
-  lo = (p << 4) >> 4  # Arithmetic shifts keep the sign.
-  hi = p >> 4
-  return jnp.stack([lo, hi], axis=-1).reshape(*p.shape[:-1], -1)
+_INT4 = codecs.Int4()  # int4 codes, two per byte, low nibble first.
 
 
 def store(rule: CacheRule, x: jax.Array, where: str) -> Any:
@@ -223,7 +220,8 @@ def store(rule: CacheRule, x: jax.Array, where: str) -> Any:
   qt = quantize(x.astype(jnp.float32), cfg, contracting_axes=(-1,))
   codes = qt.qvalue.reshape(x.shape)
   if rule.numerics == 'int4':
-    codes = _pack(codes)
+    codes = _INT4.encode(codes)[_INT4.key]
+    codes = lax.bitcast_convert_type(codes, jnp.int8)
   scale = qt.scale.reshape(x.shape[:-1])
   return StoredCache(codes, scale, rule.numerics, jnp.dtype(x.dtype).name)
 

@@ -38,6 +38,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from aqtr.core import codecs
+
 __all__ = ['LowBitTensor', 'StateCodec', 'dynamic_table', 'linear_table']
 
 
@@ -87,14 +89,6 @@ def _encode(
   p = (xn - tt[lo]) / jnp.asarray(np.diff(t))[lo]
   up = jax.random.uniform(key, xn.shape) < p
   return (lo + up).astype(jnp.uint8)
-
-
-def _pack(codes: jax.Array) -> jax.Array:
-  return codes[0::2] | (codes[1::2] << 4)
-
-
-def _unpack(p: jax.Array) -> jax.Array:
-  return jnp.stack([p & 0xF, p >> 4], axis=-1).reshape(-1)
 
 
 def _safe(n: jax.Array) -> jax.Array:
@@ -177,10 +171,8 @@ class LowBitTensor:
       norms = (m,)
       flat = (flat / _safe(m)[:, None]).reshape(-1)
     codes = _encode(flat, table, key)
-    if bits == 4:
-      if codes.shape[0] % 2:
-        codes = jnp.pad(codes, (0, 1))
-      codes = _pack(codes)
+    if bits == 4:  # Two per byte (the core's `codecs.pack`).
+      codes = codecs.pack(codes, 4)
     return cls(codes, norms, shape, bits, tuple(table), block)
 
   @classmethod
@@ -205,15 +197,16 @@ class LowBitTensor:
       nb = -(-size // block)
       norms = (jnp.zeros((nb,), jnp.float32),)
       n = nb * block
+    codes = jnp.full((n + (bits == 4) * (n % 2),), zero, jnp.uint8)
     if bits == 4:
-      n = -(-n // 2)
-      zero = zero | (zero << 4)
-    codes = jnp.full((n,), zero, jnp.uint8)
+      codes = codecs.pack(codes, 4)
     return cls(codes, norms, shape, bits, table, block)
 
   def decode(self) -> jax.Array:
     """The float32 tensor."""
-    codes = _unpack(self.codes) if self.bits == 4 else self.codes
+    codes = self.codes
+    if self.bits == 4:
+      codes = codecs.unpack(codes, 4, 2 * codes.shape[-1])
     vals = jnp.asarray(self.table, jnp.float32)[codes]
     size = math.prod(self.shape)
     if self.block == 0:
