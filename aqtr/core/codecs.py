@@ -84,18 +84,25 @@ __all__ = [
 def pack(codes: jax.Array, bits: int) -> jax.Array:
   """Unsigned codes < 2^bits [..., L] -> uint8 [..., ceil(L bits / 8)].
 
-  `8 // bits` codes per byte along the last axis, the first in the low
-  bits; the last byte is padded with zero codes.
+  A dense little-endian bit stream along the last axis: code j occupies
+  bits j * bits .. (j + 1) * bits - 1 (for 1, 2, 4, 8 bits: `8 // bits`
+  codes per byte, the first in the low bits); the last byte is padded
+  with zero bits.
 
   Example:
     >>> import jax.numpy as jnp
     >>> pack(jnp.array([1, 2, 3], jnp.uint8), 4).tolist()
     [33, 3]
   """
-  if bits not in (1, 2, 4, 8):
-    raise ValueError(f'pack: bits must be 1, 2, 4 or 8, got {bits!r}.')
+  if isinstance(bits, bool) or bits not in range(1, 9):
+    raise ValueError(f'pack: bits must be an int in 1..8, got {bits!r}.')
+  c = jnp.asarray(codes).astype(jnp.uint8)
+  if 8 % bits:  # A bit stream across byte boundaries.
+    shifts = jnp.arange(bits, dtype=jnp.uint8)
+    stream = (c[..., None] >> shifts) & jnp.uint8(1)
+    stream = stream.reshape(*c.shape[:-1], -1)
+    return jnp.packbits(stream, axis=-1, bitorder='little')
   per = 8 // bits
-  c = codes.astype(jnp.uint8)
   pad = -c.shape[-1] % per
   if pad:
     c = jnp.pad(c, [(0, 0)] * (c.ndim - 1) + [(0, pad)])
@@ -110,12 +117,18 @@ def pack(codes: jax.Array, bits: int) -> jax.Array:
 
 def unpack(packed: jax.Array, bits: int, length: int) -> jax.Array:
   """The inverse of `pack`: uint8 [..., P] -> uint8 codes [..., length]."""
+  p = jnp.asarray(packed)
+  if 8 % bits:
+    stream = jnp.unpackbits(p, axis=-1, bitorder='little')
+    stream = stream[..., : length * bits].reshape(*p.shape[:-1], length, bits)
+    shifts = jnp.arange(bits, dtype=jnp.uint8)
+    return jnp.sum(stream << shifts, axis=-1, dtype=jnp.uint8)
   per = 8 // bits
   if per == 1:
-    return packed[..., :length].astype(jnp.uint8)
+    return p[..., :length].astype(jnp.uint8)
   mask = jnp.uint8(2**bits - 1)
-  parts = [(packed >> jnp.uint8(i * bits)) & mask for i in range(per)]
-  c = jnp.stack(parts, axis=-1).reshape(*packed.shape[:-1], -1)
+  parts = [(p >> jnp.uint8(i * bits)) & mask for i in range(per)]
+  c = jnp.stack(parts, axis=-1).reshape(*p.shape[:-1], -1)
   return c[..., :length]
 
 

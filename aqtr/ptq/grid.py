@@ -40,8 +40,7 @@ import numpy as np
 from aqtr.core import slot_state
 from aqtr.core.config import TensorConfig
 from aqtr.core.qtensor import QTensor, to_view
-from aqtr.core.quantizer import quantize_view
-from aqtr.core.scale import divide
+from aqtr.core.quantizer import quantize_scaled, quantize_view
 from aqtr.freezers import configure, lifecycle
 from aqtr.numerics.nvfp4 import NvFp4
 from aqtr.tilings.per_channel import PerChannel
@@ -184,9 +183,9 @@ class Grid:
 
 @functools.partial(jax.jit, static_argnums=0)
 def quantize_fixed(numerics, w2, s, z) -> tuple[jax.Array, jax.Array]:
-  """(q, (q - z) s) of `w2` with the fixed scale `s` and zero point `z`."""
-  v = divide(w2.astype(jnp.float32), s, numerics.unit) + z
-  q = numerics.quantize(v, None).astype(jnp.float32)
+  """(q, (q - z) s) of `w2` with the fixed scale `s` and zero point `z`
+  (the core's rounding step, `aqtr.core.quantizer.quantize_scaled`)."""
+  q = quantize_scaled(w2, s, numerics, z).astype(jnp.float32)
   return q, (q - z) * s
 
 

@@ -164,3 +164,15 @@ def test_integer_codes_decode_without_numerics():
   assert codecs.decode_parts(stored)['qvalue'].tolist() == [[-3, 7]]
   with pytest.raises(ValueError, match='stores'):
     codecs.decode_parts(stored, Nf4())
+
+
+@pytest.mark.parametrize('bits', range(1, 9))
+def test_pack_is_a_dense_little_endian_bit_stream(bits):
+  rng = np.random.default_rng(bits)
+  c = rng.integers(0, 2**bits, (2, 11)).astype(np.uint8)
+  p = np.asarray(codecs.pack(jnp.asarray(c), bits))
+  assert p.shape == (2, -(-11 * bits // 8))
+  stream = np.unpackbits(p, axis=-1, bitorder='little')[:, : 11 * bits]
+  want = ((c[..., None] >> np.arange(bits)) & 1).reshape(2, -1)
+  np.testing.assert_array_equal(stream, want)
+  np.testing.assert_array_equal(codecs.unpack(p, bits, 11), c)
