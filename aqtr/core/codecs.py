@@ -98,7 +98,7 @@ def pack(codes: jax.Array, bits: int) -> jax.Array:
     raise ValueError(f'pack: bits must be an int in 1..8, got {bits!r}.')
   c = jnp.asarray(codes).astype(jnp.uint8)
   if 8 % bits:  # A bit stream across byte boundaries.
-    shifts = jnp.arange(bits, dtype=jnp.uint8)
+    shifts = jnp.arange(bits, dtype=jnp.uint8).reshape((1,) * c.ndim + (-1,))
     stream = (c[..., None] >> shifts) & jnp.uint8(1)
     stream = stream.reshape(*c.shape[:-1], -1)
     return jnp.packbits(stream, axis=-1, bitorder='little')
@@ -121,7 +121,7 @@ def unpack(packed: jax.Array, bits: int, length: int) -> jax.Array:
   if 8 % bits:
     stream = jnp.unpackbits(p, axis=-1, bitorder='little')
     stream = stream[..., : length * bits].reshape(*p.shape[:-1], length, bits)
-    shifts = jnp.arange(bits, dtype=jnp.uint8)
+    shifts = jnp.arange(bits, dtype=jnp.uint8).reshape((1,) * p.ndim + (-1,))
     return jnp.sum(stream << shifts, axis=-1, dtype=jnp.uint8)
   per = 8 // bits
   if per == 1:

@@ -31,6 +31,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from aqtr.core import prims
@@ -251,6 +252,35 @@ def quantize_bound(
   """
   s = scale_from_bound(jnp.asarray(bound, jnp.float32), numerics, po2)
   return quantize_scaled(x, s, numerics, noise=noise), s
+
+
+def table_codes(
+  x: jax.Array, table: Sequence[float], key: jax.Array | None = None
+) -> jax.Array:
+  """uint8 indices into the sorted `table` of the (normalised) values `x`.
+
+  Nearest (no key): the index of the nearest table value (ties to the
+  lower). Stochastic (a key): the lower neighbour `T[i] <= x`, moved up
+  with probability `(x - T[i]) / (T[i+1] - T[i])`, so `E[T[code]] = x`
+  inside [T_0, T_-1]. Used by the low-bit optimizer states (`aqtr.qt`).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> table_codes(jnp.array([-0.9, 0.2, 0.8]), (-1.0, 0.0, 1.0)).tolist()
+    [0, 1, 2]
+  """
+  t = np.asarray(table, np.float32)
+  if key is None:  # Nearest: compare with the midpoints.
+    mids = jnp.asarray((t[1:] + t[:-1]) / 2)
+    codes = jnp.searchsorted(mids, x, side='left', method='scan_unrolled')
+    return codes.astype(jnp.uint8)
+  inner = jnp.asarray(t[1:-1])
+  lo = jnp.searchsorted(inner, x, side='right', method='scan_unrolled')
+  lo = lo.astype(jnp.int32)
+  tt = jnp.asarray(t)
+  p = (x - tt[lo]) / jnp.asarray(np.diff(t))[lo]
+  up = jax.random.uniform(key, x.shape) < p
+  return (lo + up).astype(jnp.uint8)
 
 
 def check_float(x, field: str) -> None:

@@ -28,7 +28,7 @@ def index_bits(m: int) -> int:
 
 def _pack(idx: jax.Array, bits: int) -> jax.Array:
   """[..., L] integers < 2^bits -> [..., ceil(L * bits / 8)] uint8."""
-  return codecs.pack(idx.astype(jnp.uint8), bits)
+  return codecs.pack(idx, bits)
 
 
 def _unpack(packed: jax.Array, bits: int, length: int) -> jax.Array:

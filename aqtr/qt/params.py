@@ -91,7 +91,8 @@ class QTParam:
     """The stored values in the tiled view (int4 unpacked to jnp.int4)."""
     if self.fmt.kind != 'int4':
       return self.qvalue
-    return unpack_int4(self.qvalue, self.view_shape).astype(jnp.int4)
+    packed = {_INT4.key: self.qvalue}
+    return _INT4.decode(packed, dtype=jnp.int4).reshape(self.view_shape)
 
   @property
   def view_shape(self) -> tuple[int, ...]:
