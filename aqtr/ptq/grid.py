@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from aqtr.core import slot_state
+from aqtr.core import codecs, slot_state
 from aqtr.core.config import TensorConfig
 from aqtr.core.qtensor import QTensor, to_view
 from aqtr.core.quantizer import quantize_scaled, quantize_view
@@ -168,7 +168,9 @@ class Grid:
     return tuple(self.call.call.dimension_numbers[0][1])
 
   def dequant(self, parts: dict) -> jax.Array:
-    """The weight the frozen `parts` serve, as [d_in, d_out]."""
+    """The weight the frozen `parts` serve, as [d_in, d_out] (`parts`
+    as `parts()` gives them or as stored, `aqtr.core.codecs`)."""
+    parts = codecs.decode_parts(parts, self.numerics)
     qt = QTensor(
       parts['qvalue'],
       parts['scale'],
