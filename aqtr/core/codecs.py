@@ -218,12 +218,8 @@ class UInt4(Codec):
 
 
 def _lookup(idx: jax.Array, table: np.ndarray) -> jax.Array:
-  """`table[idx]` as float32, by elementwise selects (keeps sharding)."""
-  i = idx.astype(jnp.int32)
-  out = jnp.full(idx.shape, table[0], jnp.float32)
-  for j in range(1, len(table)):
-    out = prims.where(i == j, table[j], out)
-  return out
+  """`table[idx]` as float32 (a gather from a constant table)."""
+  return jnp.asarray(table, jnp.float32)[idx.astype(jnp.int32)]
 
 
 @register('table4')
@@ -285,9 +281,18 @@ class E2M1(Codec):
 
   def decode(self, stored, *, dtype, shape=None):
     p = stored[self.key]
-    idx = unpack(p, 4, 2 * p.shape[-1])
-    table = np.concatenate([_E2M1, -_E2M1])
-    return _lookup(idx, table).astype(dtype)
+    c = unpack(p, 4, 2 * p.shape[-1])  # The E2M1 bit pattern s e e m.
+    if jnp.dtype(dtype) != jnp.float8_e4m3fn:
+      table = np.concatenate([_E2M1, -_E2M1])
+      return _lookup(c, table).astype(dtype)
+    # Straight to e4m3fn bits (bias 7 vs 1): a normal value keeps its
+    # exponent + 6 and mantissa bit; the subnormal 0.5 is 2^-1.
+    e, m = (c >> 1) & 3, c & 1
+    normal = e > 0
+    exp = prims.where(normal, e + 6, m * 6)
+    man = prims.where(normal, m << 2, jnp.uint8(0))
+    bits = ((c & 8) << 4) | (exp << 3) | man
+    return lax.bitcast_convert_type(bits.astype(jnp.uint8), jnp.float8_e4m3fn)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

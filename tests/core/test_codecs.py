@@ -23,7 +23,8 @@ from aqtr.tilings import SubChannel
 
 # One sample of stored values per registered codec (a new codec must add
 # one): (values, dtype).
-_E2M1 = [0.0, -0.0, 0.5, -0.5, 1.0, 1.5, -2.0, 3.0, -4.0, 6.0, -6.0, 4.0]
+_E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+_E2M1 = _E2M1 + [-v for v in _E2M1]  # All 16 codes, -0 included.
 SAMPLES = {
   'raw': (np.arange(-6, 6), jnp.int8),
   'int4': (np.arange(-8, 8), jnp.int4),
@@ -49,6 +50,14 @@ def _bits(x):
 
 def test_every_codec_has_a_sample():
   assert set(SAMPLES) == set(codecs.names())
+
+
+def test_e2m1_decodes_to_any_float_dtype():
+  x = jnp.asarray(_E2M1, jnp.float32).reshape(2, 8)
+  c = codecs.E2M1()
+  for dtype in (jnp.float8_e4m3fn, jnp.float32, jnp.bfloat16):
+    back = c.decode(c.encode(x.astype(dtype)), dtype=dtype)
+    np.testing.assert_array_equal(_bits(back), _bits(x.astype(dtype)))
 
 
 @pytest.mark.parametrize('name', sorted(SAMPLES))
