@@ -218,8 +218,13 @@ class UInt4(Codec):
 
 
 def _lookup(idx: jax.Array, table: np.ndarray) -> jax.Array:
-  """`table[idx]` as float32 (a gather from a constant table)."""
-  return jnp.asarray(table, jnp.float32)[idx.astype(jnp.int32)]
+  """`table[idx]` as float32, by elementwise selects: they keep any
+  sharding of the codes (a gather from the constant table loses it)."""
+  i = idx.astype(jnp.int32)
+  out = jnp.full(idx.shape, table[0], jnp.float32)
+  for j in range(1, len(table)):
+    out = prims.where(i == j, table[j], out)
+  return out
 
 
 @register('table4')
