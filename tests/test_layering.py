@@ -55,6 +55,7 @@ ENGINE_THIRD_PARTY = {'jax', 'numpy', 'ml_dtypes'}
 # The core base types a quantizer family may import.
 CORE_BASE = {
   'aqtr.core.algorithms',
+  'aqtr.core.codecs',  # A numerics names its storage codec.
   'aqtr.core.markers',
   'aqtr.core.prims',
   'aqtr.core.registry',

@@ -30,7 +30,10 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
 import numpy as np
+
+from aqtr.core import codecs
 
 __all__ = ['CheckpointError', 'Stored', 'pack', 'unpack']
 
@@ -127,6 +130,9 @@ class Stored:
 def pack(values: np.ndarray, bits: int, axis: int = -1) -> np.ndarray:
   """Unsigned `bits`-bit values -> int32 words, densely along `axis`.
 
+  The bytes are the core's bit stream (`aqtr.core.codecs.pack`), padded
+  to whole little-endian int32 words.
+
   Args:
     values: integers in [0, 2^bits) (any int dtype), any rank.
     bits: 1..8.
@@ -135,15 +141,10 @@ def pack(values: np.ndarray, bits: int, axis: int = -1) -> np.ndarray:
   Returns:
     int32 words (little-endian bit order: value j at bit j * bits).
   """
-  v = np.moveaxis(np.asarray(values), axis, -1).astype(np.uint32)
-  n = v.shape[-1]
-  shifts = np.arange(bits, dtype=np.uint32)
-  stream = ((v[..., None] >> shifts) & 1).astype(np.uint8)
-  stream = stream.reshape(*v.shape[:-1], n * bits)
-  words = -(-n * bits // 32)
-  pad = words * 32 - n * bits
-  stream = np.pad(stream, [(0, 0)] * (stream.ndim - 1) + [(0, pad)])
-  by = np.packbits(stream, axis=-1, bitorder='little')
+  v = np.moveaxis(np.asarray(values), axis, -1)
+  by = np.asarray(codecs.pack(jnp.asarray(v.astype(np.uint8)), bits))
+  pad = -by.shape[-1] % 4
+  by = np.pad(by, [(0, 0)] * (by.ndim - 1) + [(0, pad)])
   out = np.ascontiguousarray(by).view('<u4').astype(np.uint32)
   return np.ascontiguousarray(np.moveaxis(out.view(np.int32), -1, axis))
 
@@ -152,12 +153,10 @@ def unpack(words: np.ndarray, bits: int, n: int, axis: int = -1) -> np.ndarray:
   """Inverse of `pack`: int32 words -> uint8 values, `n` along `axis`."""
   w = np.moveaxis(np.asarray(words), axis, -1)
   by = np.ascontiguousarray(w.astype('<i4')).view(np.uint8)
-  stream = np.unpackbits(by, axis=-1, bitorder='little')
-  if stream.shape[-1] < n * bits:
+  if by.shape[-1] * 8 < n * bits:
     raise CheckpointError(
-      f'packed words hold {stream.shape[-1] // bits} values of {bits} bits, '
+      f'packed words hold {by.shape[-1] * 8 // bits} values of {bits} bits, '
       f'{n} needed.'
     )
-  stream = stream[..., : n * bits].reshape(*w.shape[:-1], n, bits)
-  vals = (stream.astype(np.uint16) << np.arange(bits, dtype=np.uint16)).sum(-1)
-  return np.moveaxis(vals.astype(np.uint8), -1, axis)
+  vals = np.asarray(codecs.unpack(jnp.asarray(by), bits, n))
+  return np.moveaxis(vals, -1, axis)

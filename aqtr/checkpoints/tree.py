@@ -38,6 +38,7 @@ import numpy as np
 from aqtr import presets
 from aqtr.calibrations.minmax import MinMax
 from aqtr.checkpoints.stored import CheckpointError, Stored
+from aqtr.core import codecs
 from aqtr.flax import hosts, serving
 from aqtr.flax.frozen import holder_entries, kernel_shape
 from aqtr.flax.quantized import quantize
@@ -87,6 +88,12 @@ def _fewest_bits(lo: int, hi: int, unsigned: bool) -> int:
 
 def to_stored(parts: dict, shape: tuple, where: str, bits=None) -> Stored:
   """A holder's parts (the 'kf' view of a [d_in, d_out] kernel) as Stored."""
+  if codecs.packed_key(parts) in ('table4', 'e2m1'):
+    raise CheckpointError(
+      f'{where}: codes of a float format (nf4, NVFP4, MXFP4) have no int '
+      'layout here; export int weights.'
+    )
+  parts = codecs.decode_parts(parts)  # Packed int4 codes -> int8.
   q = parts['qvalue']
   if len(shape) != 2:
     raise CheckpointError(
@@ -181,8 +188,10 @@ def config_for(w: Stored):
 
 
 def from_stored(w: Stored, like: dict) -> dict:
-  """`w` as holder parts shaped and typed like the skeleton's `like`."""
-  qs = like['qvalue']
+  """`w` as holder parts shaped and typed like the skeleton's `like`
+  (stored through the codec of `config_for(w)`'s numerics)."""
+  numerics = config_for(w).fwd.rhs.numerics
+  qs = jax.ShapeDtypeStruct(codecs.stored_shape(like), numerics.dtype)
   n, t, d_out = qs.shape[1], qs.shape[2], qs.shape[3]
   if (n * t, d_out) != (w.d_in, w.d_out) or t != w.group:
     raise CheckpointError(
@@ -202,7 +211,7 @@ def from_stored(w: Stored, like: dict) -> dict:
   }
   if 'zero_point' in like:
     out['zero_point'] = jnp.asarray(zero.reshape(like['zero_point'].shape))
-  return out
+  return codecs.encode_parts(out, numerics)
 
 
 def _rules(weights: dict) -> list:

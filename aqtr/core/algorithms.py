@@ -32,7 +32,7 @@ from typing import Annotated, ClassVar
 import jax
 import jax.numpy as jnp
 
-from aqtr.core import markers
+from aqtr.core import codecs, markers
 from aqtr.core.rounding import Rounding
 
 # ------------------------------------------------------------- calibrations
@@ -207,6 +207,10 @@ class Numerics(abc.ABC):
   def dot_dtype(self) -> jnp.dtype:
     """The dtype `q` is given to the dot in (e.g. int4 is widened to int8)."""
     return self.dtype
+
+  def codec(self) -> codecs.Codec:
+    """How frozen values are stored (`aqtr.core.codecs`; default raw)."""
+    return codecs.Raw()
 
   @property
   def block_size(self) -> int | None:

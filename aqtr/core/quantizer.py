@@ -31,6 +31,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from aqtr.core import prims
@@ -191,7 +192,7 @@ def quantize_view(
   if z is not None:
     z = jnp.broadcast_to(z, shape)
     v = v + z
-  q = n.quantize(v, noise)
+  q = n.quantize(v, noise)  # = quantize_scaled(x, s, n, z, noise)
   mask = n.grad_mask(v)
   learned = None
   if new_state is not None and cal.has_learned:
@@ -200,6 +201,86 @@ def quantize_view(
     # or row; a finite x / s that overflows is clipped like any other.
     mask = mask | ~(jnp.isfinite(x) & jnp.isfinite(s))
   return Quantized(q, s, z, mask, new_state, learned)
+
+
+def quantize_scaled(x, s, numerics, z=None, noise=None) -> jax.Array:
+  """The values `numerics.quantize(x / s (+ z))` of `x` with given scales.
+
+  The one rounding step every stored format goes through (`quantize_view`,
+  KV caches, quantized training, PTQ grids): `aqtr.core.scale.divide` in
+  float32, the zero point of affine numerics added, then the numerics.
+
+  Args:
+    x: a float array.
+    s: stored scales broadcastable to `x` (from `scale_from_bound`).
+    numerics: the number format.
+    z: the zero point (affine numerics), or None.
+    noise: stochastic-rounding noise shaped like `x`, or None.
+
+  Returns:
+    The values in `numerics.dtype`.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from aqtr.numerics import IntSymmetric
+    >>> quantize_scaled(jnp.array([1.0, -3.0]), 0.5, IntSymmetric()).tolist()
+    [2, -6]
+  """
+  v = divide(jnp.asarray(x, jnp.float32), s, numerics.unit)
+  if z is not None:
+    v = v + z
+  return numerics.quantize(v, noise)
+
+
+def quantize_bound(
+  x, bound, numerics, *, po2: bool = False, noise=None
+) -> tuple[jax.Array, jax.Array]:
+  """(q, S) of `x` whose groups have calibrated `bound` (broadcastable).
+
+  S is the core's scale (`aqtr.core.scale.scale_from_bound`: kept normal,
+  1 for an all-zero group, NaN for a NaN / inf bound, so the group's
+  dequantized values are NaN), `q = quantize_scaled(x, S, numerics)`.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from aqtr.numerics import IntSymmetric
+    >>> x = jnp.array([[0.5, -1.0], [0.0, 0.0]])
+    >>> q, s = quantize_bound(x, jnp.abs(x).max(-1, keepdims=True),
+    ...                       IntSymmetric())
+    >>> q.tolist(), s.ravel().tolist()
+    ([[64, -127], [0, 0]], [0.007874015718698502, 1.0])
+  """
+  s = scale_from_bound(jnp.asarray(bound, jnp.float32), numerics, po2)
+  return quantize_scaled(x, s, numerics, noise=noise), s
+
+
+def table_codes(
+  x: jax.Array, table: Sequence[float], key: jax.Array | None = None
+) -> jax.Array:
+  """uint8 indices into the sorted `table` of the (normalised) values `x`.
+
+  Nearest (no key): the index of the nearest table value (ties to the
+  lower). Stochastic (a key): the lower neighbour `T[i] <= x`, moved up
+  with probability `(x - T[i]) / (T[i+1] - T[i])`, so `E[T[code]] = x`
+  inside [T_0, T_-1]. Used by the low-bit optimizer states (`aqtr.qt`).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> table_codes(jnp.array([-0.9, 0.2, 0.8]), (-1.0, 0.0, 1.0)).tolist()
+    [0, 1, 2]
+  """
+  t = np.asarray(table, np.float32)
+  if key is None:  # Nearest: compare with the midpoints.
+    mids = jnp.asarray((t[1:] + t[:-1]) / 2)
+    codes = jnp.searchsorted(mids, x, side='left', method='scan_unrolled')
+    return codes.astype(jnp.uint8)
+  inner = jnp.asarray(t[1:-1])
+  lo = jnp.searchsorted(inner, x, side='right', method='scan_unrolled')
+  lo = lo.astype(jnp.int32)
+  tt = jnp.asarray(t)
+  p = (x - tt[lo]) / jnp.asarray(np.diff(t))[lo]
+  up = jax.random.uniform(key, x.shape) < p
+  return (lo + up).astype(jnp.uint8)
 
 
 def check_float(x, field: str) -> None:

@@ -61,9 +61,11 @@ import jax.numpy as jnp
 from flax import linen as nn
 from flax import nnx
 from flax.typing import MISSING
+from jax import lax
 
 from aqtr import rules as rules_lib
 from aqtr.calibrations import AbsMax, Constant
+from aqtr.core import codecs
 from aqtr.core.config import TensorConfig
 from aqtr.core.quantizer import quantize
 from aqtr.numerics import Fp8, IntSymmetric
@@ -200,16 +202,18 @@ jax.tree_util.register_dataclass(
 )
 
 
-def _pack(c: jax.Array) -> jax.Array:
-  """int4 codes [..., 2k] -> int8 bytes [..., k] (low nibble first)."""
-  lo, hi = c[..., 0::2], c[..., 1::2]
-  return ((hi << 4) | (lo & 0xF)).astype(jnp.int8)
+_INT4 = codecs.Int4()  # int4 codes, two per byte, low nibble first.
 
 
-def _unpack(p: jax.Array) -> jax.Array:
-  lo = (p << 4) >> 4  # Arithmetic shifts keep the sign.
-  hi = p >> 4
-  return jnp.stack([lo, hi], axis=-1).reshape(*p.shape[:-1], -1)
+def _pack(codes: jax.Array) -> jax.Array:
+  """int4 codes -> two per byte (the core's codec), held as int8."""
+  return lax.bitcast_convert_type(_INT4.encode(codes)[_INT4.key], jnp.int8)
+
+
+def _unpack(packed: jax.Array) -> jax.Array:
+  """`_pack`'s bytes -> the int4 codes (as float32)."""
+  raw = {_INT4.key: lax.bitcast_convert_type(packed, jnp.uint8)}
+  return _INT4.decode(raw, dtype=jnp.float32)
 
 
 def store(rule: CacheRule, x: jax.Array, where: str) -> Any:

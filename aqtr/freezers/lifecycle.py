@@ -8,8 +8,10 @@ operands (each gets an `OperandCall` view of it):
   TRAIN      out = dot_general(lhs, rhs, config)        (on the fly)
   CALIBRATE  same output; each collecting operand updates its statistics
              (`Freezer.start_stats`, `Freezer.collect`)
-  CONVERT    the frozen entry {side: Freezer.freeze(..)}; returns the SERVE
-             output computed from it
+  CONVERT    the frozen entry {side: Freezer.freeze(..)}, its 'qvalue'
+             stored through the numerics' codec (`aqtr.core.codecs`:
+             packed 4-bit 'codes' for int4 / nf4 / e2m1, decoded bit for
+             bit in SERVE); returns the SERVE output computed from it
   SERVE      each freezer's `Freezer.serve(..)` gives the operand (a float
              array or a QTensor), optionally its TensorConfig and an output
              scale s: out = s * dot_general(operand, .., config').
@@ -38,7 +40,7 @@ from collections.abc import Mapping
 import jax
 import jax.numpy as jnp
 
-from aqtr.core import slot_state
+from aqtr.core import codecs, slot_state
 from aqtr.core.config import DotGeneralConfig
 from aqtr.core.dot_general import dot_general
 from aqtr.core.qtensor import QTensor
@@ -231,6 +233,8 @@ def _served_dot(call: DotCall, calls: dict, entry) -> jax.Array:
   for side, op in calls.items():
     f = op.tensor.freezer
     part = entry.get(side) if isinstance(entry, Mapping) else None
+    if isinstance(part, Mapping):  # Packed codes back to the values.
+      part = codecs.decode_parts(part, op.tensor.numerics)
     want = f.frozen_parts
     if part is None or any(p not in part for p in want):
       raise op.error(
@@ -370,8 +374,11 @@ def run(
       new[side] = old if initializing else f.collect(old, op)
     return Result(trained.out, stats=new, state=trained.state)
   if mode is Mode.CONVERT:
-    entry = {
-      side: _checked_parts(op, op.tensor.freezer.freeze(op, stats.get(side)))
+    entry = {  # Stored through the numerics' codec (`aqtr.core.codecs`).
+      side: codecs.encode_parts(
+        _checked_parts(op, op.tensor.freezer.freeze(op, stats.get(side))),
+        op.tensor.numerics,
+      )
       for side, op in calls.items()
     }
     out = _served_dot(call, calls, entry)

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from aqtr.core import codecs
 from aqtr.core.qtensor import from_view, to_view
 from aqtr.freezers.base import Freezer, Mode, Served, register
 from aqtr.sparsity.n_m import NM
@@ -27,25 +28,12 @@ def index_bits(m: int) -> int:
 
 def _pack(idx: jax.Array, bits: int) -> jax.Array:
   """[..., L] integers < 2^bits -> [..., ceil(L * bits / 8)] uint8."""
-  per = 8 // bits
-  pad = -idx.shape[-1] % per
-  idx = jnp.pad(idx.astype(jnp.uint8), [(0, 0)] * (idx.ndim - 1) + [(0, pad)])
-  idx = idx.reshape(*idx.shape[:-1], -1, per)
-  shifts = (jnp.arange(per, dtype=jnp.uint8) * bits).reshape(
-    (1,) * (idx.ndim - 1) + (per,)
-  )
-  return jnp.bitwise_or.reduce(idx << shifts, axis=-1).astype(jnp.uint8)
+  return codecs.pack(idx, bits)
 
 
 def _unpack(packed: jax.Array, bits: int, length: int) -> jax.Array:
   """The inverse of `_pack`: [..., P] uint8 -> [..., length] int32."""
-  per = 8 // bits
-  shifts = (jnp.arange(per, dtype=jnp.uint8) * bits).reshape(
-    (1,) * packed.ndim + (per,)
-  )
-  idx = (packed[..., None] >> shifts) & jnp.uint8(2**bits - 1)
-  idx = idx.reshape(*packed.shape[:-1], -1)
-  return idx[..., :length].astype(jnp.int32)
+  return codecs.unpack(packed, bits, length).astype(jnp.int32)
 
 
 def compress(

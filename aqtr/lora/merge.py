@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, traverse_util
 
+from aqtr.core import codecs
 from aqtr.flax import hosts
 from aqtr.flax.frozen import FrozenBox, holder_entries, kernel_bytes
 from aqtr.freezers import configure, lifecycle
@@ -57,8 +58,8 @@ def dequantized(holder, site: adapters_lib.Site, cfg) -> jax.Array:
   """The frozen base of `site` in float, shaped like its kernel."""
   entries = holder.entries()[f'{site.op_id}_{site.side}']
   (entry,) = entries.values()
-  parts = entry['rhs']
   wcfg = configure(cfg, rhs='weights')
+  parts = codecs.decode_parts(entry['rhs'], wcfg.fwd.rhs.numerics)
   ref = parts['qvalue']
   lead = ref.ndim - (
     holder.ref_ndim

@@ -44,6 +44,7 @@ import jax.numpy as jnp
 from fiddle import selectors
 
 import aqtr.flax.linen as aqtr_linen
+from aqtr.core import codecs
 from aqtr.freezers import Mode, configure
 from aqtr.lora import adapters as adapters_lib
 from aqtr.lora import storage
@@ -117,7 +118,8 @@ def tree_put(tree, path, value) -> None:
 def qvalue_ndim(entries) -> int:
   """The rank of an op's frozen qvalue (the engine's tiled view)."""
   (entry,) = entries.values()
-  return jnp.ndim(entry['rhs']['qvalue'])
+  parts = entry['rhs']
+  return jnp.ndim(parts[codecs.packed_key(parts) or 'qvalue'])
 
 
 def _convert(template, variables, args, kwargs):

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from aqtr.core import codecs
 from aqtr.numerics.base import Numerics
 
 
@@ -67,6 +68,12 @@ class Codebook(Numerics):
   @property
   def dtype(self) -> jnp.dtype:
     return jnp.dtype(jnp.float32)
+
+  def codec(self) -> codecs.Codec:
+    """4-bit table indices, two per byte (tables of <= 16 values)."""
+    if len(self.table) > 16:
+      return codecs.Raw()
+    return codecs.Table4(table=tuple(float(v) for v in self.table))
 
   def quantize(self, v: jax.Array, noise: jax.Array | None = None) -> jax.Array:
     if noise is not None:

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 
-from aqtr.core import markers
+from aqtr.core import codecs, markers
 from aqtr.numerics.base import Numerics, register, within_range
 
 ENCODINGS = ('auto', 'ieee', 'fn', 'finite', 'fnuz')
@@ -191,6 +191,13 @@ class Fp(Numerics):
       if FloatGrid.of_dtype(jnp.dtype(name)).holds(grid):
         return jnp.dtype(name)
     raise AssertionError(f'no container for {self}')  # f32 holds them all.
+
+  def codec(self) -> codecs.Codec:
+    """E2M1 as 4-bit codes, two per byte; other formats raw."""
+    e2m1 = (self.exponent_bits, self.mantissa_bits) == (2, 1)
+    if e2m1 and self.resolved_encoding == 'finite':
+      return codecs.E2M1()
+    return codecs.Raw()
 
   def quantize(self, v: jax.Array, noise: jax.Array | None = None) -> jax.Array:
     return self.grid.round(v, noise).astype(self.dtype)

@@ -8,7 +8,7 @@ from typing import Annotated
 import jax
 import jax.numpy as jnp
 
-from aqtr.core import markers
+from aqtr.core import codecs, markers
 from aqtr.numerics.base import Numerics, register
 
 _STORAGE = ('int8', 'uint8')
@@ -82,6 +82,12 @@ class IntAsymmetric(Numerics):
   @property
   def dtype(self) -> jnp.dtype:
     return jnp.dtype(self.storage)
+
+  def codec(self) -> codecs.Codec:
+    """4-bit codes two per byte for bits <= 4."""
+    if self.bits > 4:
+      return codecs.Raw()
+    return codecs.UInt4() if self.storage == 'uint8' else codecs.Int4()
 
   @property
   def dot_dtype(self) -> jnp.dtype:

@@ -8,7 +8,7 @@ from typing import Annotated
 import jax
 import jax.numpy as jnp
 
-from aqtr.core import markers, prims
+from aqtr.core import codecs, markers, prims
 from aqtr.core.rounding import Rounding
 from aqtr.numerics.base import Numerics, register, within_range
 
@@ -107,6 +107,10 @@ class IntSymmetric(Numerics):
   @property
   def dot_dtype(self) -> jnp.dtype:
     return jnp.dtype(jnp.int8) if self.storage == 'int4' else self.dtype
+
+  def codec(self) -> codecs.Codec:
+    """4-bit codes two per byte when the grid fits [-8, 7]."""
+    return codecs.Int4() if self.max_stored <= 7 else codecs.Raw()
 
   def check_rounding(self, rounding: Rounding) -> None:
     """Stochastic rounding needs preserve_max_val=True to be unbiased."""

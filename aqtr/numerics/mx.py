@@ -9,7 +9,7 @@ from typing import Annotated, ClassVar
 import jax
 import jax.numpy as jnp
 
-from aqtr.core import markers
+from aqtr.core import codecs, markers
 from aqtr.core.rounding import Rounding
 from aqtr.numerics.base import Numerics, register, within_range
 from aqtr.numerics.fp import Fp
@@ -164,6 +164,10 @@ class Mx(Numerics):
   @property
   def dtype(self) -> jnp.dtype:
     return jnp.dtype(jnp.int8) if self.fp is None else self.fp.dtype
+
+  def codec(self) -> codecs.Codec:
+    """The element format's codec (MXFP4: E2M1 codes); MXINT8 raw."""
+    return codecs.Raw() if self.fp is None else self.fp.codec()
 
   def check_rounding(self, rounding: Rounding) -> None:
     """Stochastic rounding needs a scale mode that never clamps."""

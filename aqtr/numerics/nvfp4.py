@@ -8,7 +8,7 @@ from typing import Annotated, ClassVar
 import jax
 import jax.numpy as jnp
 
-from aqtr.core import markers
+from aqtr.core import codecs, markers
 from aqtr.numerics.base import Numerics, register, within_range
 from aqtr.numerics.fp import FloatGrid, Fp
 
@@ -118,6 +118,10 @@ class NvFp4(Numerics):
   @property
   def dtype(self) -> jnp.dtype:
     return _E2M1.dtype
+
+  def codec(self) -> codecs.Codec:
+    """The E2M1 elements as 4-bit codes, two per byte."""
+    return _E2M1.codec()
 
   def scale_from_bound(self, bound: jax.Array) -> jax.Array:
     finite = jnp.isfinite(bound)

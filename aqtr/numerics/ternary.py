@@ -8,7 +8,7 @@ from typing import Annotated
 import jax
 import jax.numpy as jnp
 
-from aqtr.core import markers
+from aqtr.core import codecs, markers
 from aqtr.numerics.base import Numerics, register, within_range
 
 
@@ -56,6 +56,10 @@ class Ternary(Numerics):
   @property
   def dtype(self) -> jnp.dtype:
     return jnp.dtype(jnp.int8)
+
+  def codec(self) -> codecs.Codec:
+    """{-1, 0, 1} as 4-bit codes, two per byte."""
+    return codecs.Int4()
 
   def quantize(self, v: jax.Array, noise: jax.Array | None = None) -> jax.Array:
     v = jnp.clip(v, -1.0, 1.0)

@@ -53,6 +53,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from aqtr import numerics as numerics_lib
+from aqtr.core import codecs
+from aqtr.core.quantizer import quantize_bound, quantize_scaled
+from aqtr.core.scale import scale_from_bound
 from aqtr.pax import ops
 
 __all__ = [
@@ -231,34 +234,30 @@ def init_layer(
   return LayerCache(one, one)
 
 
-def _pack(c: jax.Array) -> jax.Array:
-  """int8 codes in [-8, 7] [..., h] -> two per byte [..., h/2]."""
-  c = c.reshape(*c.shape[:-1], -1, 2)
-  return (c[..., 0] & 0xF) | (c[..., 1] << 4)
-
-
-def _unpack(p: jax.Array) -> jax.Array:
-  """Inverse of `_pack` (arithmetic shifts restore the sign)."""
-  lo = (p << 4) >> 4
-  hi = p >> 4
-  return jnp.stack([lo, hi], -1).reshape(*p.shape[:-1], -1)
+_INT4 = codecs.Int4()  # int4 codes two per byte (stored bitcast to int8).
 
 
 def _codes(cfg: KVCacheConfig, x: jax.Array, scale: jax.Array) -> jax.Array:
-  """Codes of x [b, n, t, h] with per-(b, n, t) scales."""
-  q = cfg.numerics_of().quantize(x.astype(jnp.float32) / scale[..., None])
-  return _pack(q) if cfg.numerics == 'int4' else q
+  """Codes of x [b, n, t, h] with per-(b, n, t) scales (the core's
+  quantizer; int4 packed by the core's codec)."""
+  q = quantize_scaled(x, scale[..., None], cfg.numerics_of())
+  if cfg.numerics != 'int4':
+    return q
+  return lax.bitcast_convert_type(_INT4.encode(q)[_INT4.key], jnp.int8)
 
 
 def _values(cfg: KVCacheConfig, s: Stored) -> jax.Array:
   """Codes as float32 [b, n, S, h], not yet scaled."""
-  c = _unpack(s.codes) if cfg.numerics == 'int4' else s.codes
-  return c.astype(jnp.float32)
+  if cfg.numerics != 'int4':
+    return s.codes.astype(jnp.float32)
+  packed = lax.bitcast_convert_type(s.codes, jnp.uint8)
+  return _INT4.decode({_INT4.key: packed}, dtype=jnp.float32)
 
 
 def _scale_of(cfg: KVCacheConfig, bound: jax.Array) -> jax.Array:
-  s = bound / cfg.numerics_of().max_value
-  return jnp.where(s == 0, jnp.ones_like(s), s)
+  """The core's scale: bound / max_value, kept normal, 1 for a zero
+  group, NaN for a non-finite bound (`aqtr.core.scale`)."""
+  return scale_from_bound(bound.astype(jnp.float32), cfg.numerics_of())
 
 
 def _per_token(cfg: KVCacheConfig, scale: jax.Array) -> jax.Array:
@@ -346,11 +345,13 @@ def write(
   return LayerCache(one(layer.k, k), one(layer.v, v))
 
 
+_INT8 = numerics_lib.get('int_symmetric')(bits=8)
+
+
 def _int8_rows(x: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
   """int8 codes and absmax scales of x over `axis` (kept as size 1)."""
   bound = jnp.max(jnp.abs(x), axis=axis, keepdims=True)
-  scale = jnp.where(bound == 0, 1.0, bound / 127.0)
-  return jnp.round(x / scale).astype(jnp.int8), scale
+  return quantize_bound(x, bound, _INT8)
 
 
 def _int_dot(a: jax.Array, b: jax.Array, b_contract: int) -> jax.Array:

@@ -29,6 +29,7 @@ import warnings
 import jax
 
 from aqtr import rules as rules_lib
+from aqtr.core import codecs
 from aqtr.flax import hosts, quantized, serving
 from aqtr.freezers import lifecycle
 from aqtr.pax.inject import inject
@@ -198,7 +199,8 @@ def quantize(
     sol = jax.block_until_ready(meth.solve(site, grid, stats))
     secs = time.perf_counter() - t0 + (share if rewrites else 0.0)
     parts = grid.parts(sol.q, sol.scale, sol.zero)
-    if not isinstance(meth, methods.Rtn):
+    if not isinstance(meth, methods.Rtn):  # Stored as CONVERT stores.
+      parts = codecs.encode_parts(parts, grid.numerics)
       served.put_frozen(site.path, site.holder, _entry(site), parts)
     w2 = grid.w2
     rtn = rtn0.get(path)

@@ -37,11 +37,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from aqtr.core import slot_state
+from aqtr.core import codecs, slot_state
 from aqtr.core.config import TensorConfig
 from aqtr.core.qtensor import QTensor, to_view
-from aqtr.core.quantizer import quantize_view
-from aqtr.core.scale import divide
+from aqtr.core.quantizer import quantize_scaled, quantize_view
 from aqtr.freezers import configure, lifecycle
 from aqtr.numerics.nvfp4 import NvFp4
 from aqtr.tilings.per_channel import PerChannel
@@ -169,7 +168,9 @@ class Grid:
     return tuple(self.call.call.dimension_numbers[0][1])
 
   def dequant(self, parts: dict) -> jax.Array:
-    """The weight the frozen `parts` serve, as [d_in, d_out]."""
+    """The weight the frozen `parts` serve, as [d_in, d_out] (`parts`
+    as `parts()` gives them or as stored, `aqtr.core.codecs`)."""
+    parts = codecs.decode_parts(parts, self.numerics)
     qt = QTensor(
       parts['qvalue'],
       parts['scale'],
@@ -184,9 +185,9 @@ class Grid:
 
 @functools.partial(jax.jit, static_argnums=0)
 def quantize_fixed(numerics, w2, s, z) -> tuple[jax.Array, jax.Array]:
-  """(q, (q - z) s) of `w2` with the fixed scale `s` and zero point `z`."""
-  v = divide(w2.astype(jnp.float32), s, numerics.unit) + z
-  q = numerics.quantize(v, None).astype(jnp.float32)
+  """(q, (q - z) s) of `w2` with the fixed scale `s` and zero point `z`
+  (the core's rounding step, `aqtr.core.quantizer.quantize_scaled`)."""
+  q = quantize_scaled(w2, s, numerics, z).astype(jnp.float32)
   return q, (q - z) * s
 
 

@@ -38,6 +38,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from aqtr.core import codecs
+from aqtr.core.quantizer import table_codes
+
 __all__ = ['LowBitTensor', 'StateCodec', 'dynamic_table', 'linear_table']
 
 
@@ -68,33 +71,6 @@ def dynamic_table(
 def linear_table(bits: int) -> tuple[float, ...]:
   """Zero-point-free linear map: (i + 1) / 2^bits, i = 0 .. 2^bits - 1."""
   return tuple((i + 1) / 2**bits for i in range(2**bits))
-
-
-def _encode(
-  xn: jax.Array, table: tuple[float, ...], key: jax.Array | None
-) -> jax.Array:
-  t = np.asarray(table, np.float32)
-  if key is None:  # Nearest: compare with the midpoints.
-    mids = jnp.asarray((t[1:] + t[:-1]) / 2)
-    codes = jnp.searchsorted(mids, xn, side='left', method='scan_unrolled')
-    return codes.astype(jnp.uint8)
-  # Stochastic: the lower neighbour T[i] <= xn, then up with probability
-  # (xn - T[i]) / (T[i+1] - T[i]), so that E[T[code]] = xn inside [T0, T-1].
-  inner = jnp.asarray(t[1:-1])
-  lo = jnp.searchsorted(inner, xn, side='right', method='scan_unrolled')
-  lo = lo.astype(jnp.int32)
-  tt = jnp.asarray(t)
-  p = (xn - tt[lo]) / jnp.asarray(np.diff(t))[lo]
-  up = jax.random.uniform(key, xn.shape) < p
-  return (lo + up).astype(jnp.uint8)
-
-
-def _pack(codes: jax.Array) -> jax.Array:
-  return codes[0::2] | (codes[1::2] << 4)
-
-
-def _unpack(p: jax.Array) -> jax.Array:
-  return jnp.stack([p & 0xF, p >> 4], axis=-1).reshape(-1)
 
 
 def _safe(n: jax.Array) -> jax.Array:
@@ -176,11 +152,9 @@ class LowBitTensor:
       m = jnp.max(jnp.abs(flat), axis=1)
       norms = (m,)
       flat = (flat / _safe(m)[:, None]).reshape(-1)
-    codes = _encode(flat, table, key)
-    if bits == 4:
-      if codes.shape[0] % 2:
-        codes = jnp.pad(codes, (0, 1))
-      codes = _pack(codes)
+    codes = table_codes(flat, table, key)  # The core's table quantizer.
+    if bits == 4:  # Two per byte (the core's `codecs.pack`).
+      codes = codecs.pack(codes, 4)
     return cls(codes, norms, shape, bits, tuple(table), block)
 
   @classmethod
@@ -205,15 +179,16 @@ class LowBitTensor:
       nb = -(-size // block)
       norms = (jnp.zeros((nb,), jnp.float32),)
       n = nb * block
+    codes = jnp.full((n + (bits == 4) * (n % 2),), zero, jnp.uint8)
     if bits == 4:
-      n = -(-n // 2)
-      zero = zero | (zero << 4)
-    codes = jnp.full((n,), zero, jnp.uint8)
+      codes = codecs.pack(codes, 4)
     return cls(codes, norms, shape, bits, table, block)
 
   def decode(self) -> jax.Array:
     """The float32 tensor."""
-    codes = _unpack(self.codes) if self.bits == 4 else self.codes
+    codes = self.codes
+    if self.bits == 4:
+      codes = codecs.unpack(codes, 4, 2 * codes.shape[-1])
     vals = jnp.asarray(self.table, jnp.float32)[codes]
     size = math.prod(self.shape)
     if self.block == 0:

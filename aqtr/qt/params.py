@@ -27,11 +27,12 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
+from aqtr.core import codecs
 from aqtr.core.dimension_numbers import OperandLayout
 from aqtr.core.qtensor import ROLE_AXES, QTensor, from_view, to_view
-from aqtr.core.rounding import as_typed_key
-from aqtr.core.scale import divide
-from aqtr.qt.formats import WeightFormat, quantize_values, weight_scale
+from aqtr.core.quantizer import quantize_scaled
+from aqtr.core.rounding import as_typed_key, uniform_grid
+from aqtr.qt.formats import WeightFormat, weight_scale
 
 __all__ = [
   'PARAM',
@@ -90,7 +91,8 @@ class QTParam:
     """The stored values in the tiled view (int4 unpacked to jnp.int4)."""
     if self.fmt.kind != 'int4':
       return self.qvalue
-    return unpack_int4(self.qvalue, self.view_shape).astype(jnp.int4)
+    packed = {_INT4.key: self.qvalue}
+    return _INT4.decode(packed, dtype=jnp.int4).reshape(self.view_shape)
 
   @property
   def view_shape(self) -> tuple[int, ...]:
@@ -122,16 +124,18 @@ def view_shape(lay: OperandLayout, form: str, tile) -> tuple[int, ...]:
   return (lay.b, lay.k // t, t, lay.f)
 
 
+_INT4 = codecs.Int4()
+
+
 def pack_int4(q: jax.Array) -> jax.Array:
-  """int values in [-8, 7] -> uint8, two per byte (even size)."""
-  flat = q.reshape(-1).astype(jnp.int8).view(jnp.uint8) & 0xF
-  return flat[0::2] | (flat[1::2] << 4)
+  """int values in [-8, 7] -> uint8, two per byte (even size; the core's
+  'int4' codec over the flattened values)."""
+  return _INT4.encode(q.reshape(-1))[_INT4.key]
 
 
 def unpack_int4(p: jax.Array, shape: tuple[int, ...]) -> jax.Array:
   """Inverse of `pack_int4`: int8 values of `shape`."""
-  nib = jnp.stack([p & 0xF, p >> 4], axis=-1).reshape(-1).astype(jnp.int8)
-  return ((nib ^ 8) - 8).reshape(shape)
+  return _INT4.decode({_INT4.key: p}, dtype=jnp.int8).reshape(shape)
 
 
 def is_qt(x) -> bool:
@@ -146,15 +150,16 @@ def _quantize(w: jax.Array, lay: OperandLayout, fmt: WeightFormat, key):
   axes = (ROLE_AXES[form]['k'],)
   bound = fmt.tensor_config().calibration.bound_for(x4, axes, n)
   s = weight_scale(bound, fmt)
-  v = divide(x4, s, n.unit)  # The numerics clip v to +-qmax.
-  q = quantize_values(v, fmt, key)
+  # The core's rounding step (the numerics clip x / s to +-qmax).
+  noise = None if key is None else uniform_grid(key, x4.shape, bits=16)
+  q = quantize_scaled(x4, s, n, noise=noise)
   if key is not None:
     # Each group's largest |w| keeps the top code (nearest: its v lies
     # within 2^-16 of qmax, as `weight_scale` rounds s up). Stochastic
     # rounding could take it one code down, and then the engine's
     # re-calibration of the dequantized weight (max|q s| / qmax) would no
     # longer give back s: serving `qtensor()` would differ from training.
-    q = jnp.where(jnp.abs(x4) == bound, quantize_values(v, fmt, None), q)
+    q = jnp.where(jnp.abs(x4) == bound, quantize_scaled(x4, s, n), q)
   if fmt.kind == 'int4':
     q = pack_int4(q)
   return QTParam(q, s, lay, form, fmt)

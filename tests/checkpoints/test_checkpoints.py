@@ -79,7 +79,12 @@ def test_load_keeps_the_packed_size_no_float_kernel(tmp_path):
   back = ck.load(_abstract(), str(tmp_path), X)
   for m in (back.up, back.down):
     (entry,) = jax.tree.leaves(m.kernel.get_raw_value())[:1]
-    assert entry.dtype == jnp.int4  # codes, 4 bits each
+    assert entry.dtype == jnp.uint8  # codes, 4 bits each, two per byte
+    assert (
+      entry.size * 2
+      == m.kernel.get_metadata('kernel_shape')[0]
+      * (m.kernel.get_metadata('kernel_shape')[1])
+    )
   sizes = aqtr.flax.sizes(back)
   codes = (32 * 64 + 64 * 16) // 2
   assert sizes.frozen_kernel_bytes == codes + 4 * (64 + 16)  # + f32 scales

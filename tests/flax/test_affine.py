@@ -21,7 +21,8 @@ def test_int4_asym_weights_serve_bit_identically_with_their_zero_points():
   serving = ql.convert(LinenMLP(cfg, Mode.CONVERT), v, x)
   leaves = jax.tree_util.tree_leaves_with_path(serving[ql.FROZEN])
   names = {jax.tree_util.keystr(p).split("'")[-2]: a for p, a in leaves}
-  assert names['qvalue'].dtype == jnp.uint8
+  assert names['uint4'].dtype == jnp.uint8  # 4-bit codes, two per byte.
+  assert names['uint4'].shape[-1] * 2 == names['scale'].shape[-1]
   assert names['zero_point'].shape == names['scale'].shape
   served = jax.jit(LinenMLP(cfg, Mode.SERVE).apply)(serving, x)
   bitwise(served, trained)

@@ -14,9 +14,11 @@ import aqtr.flax.linen as ql
 import aqtr.flax.nnx as qn
 from aqtr.freezers import Mode
 
+# preset -> (config, stored values' key and dtype, kernel ratio): int4
+# values are stored as packed 4-bit codes (`aqtr.core.codecs`).
 PRESETS = {
-  'int8': (aqtr.presets.int8, jnp.int8, 0.3),
-  'int4': (aqtr.presets.int4_weight_only, jnp.int4, 0.16),
+  'int8': (aqtr.presets.int8, ('qvalue', jnp.int8), 0.3),
+  'int4': (aqtr.presets.int4_weight_only, ('int4', jnp.uint8), 0.16),
 }
 
 
@@ -43,10 +45,11 @@ def test_linen_serving_tree_holds_int_kernels_only(model_cls, preset):
     if jnp.issubdtype(a.dtype, jnp.floating)
   ]
   assert all(a.ndim == 1 for a in floats)  # biases only
+  key, dtype = dtype
   qvalues = [
     a
     for p, a in jax.tree_util.tree_leaves_with_path(serving[ql.FROZEN])
-    if 'qvalue' in jax.tree_util.keystr(p)
+    if f"'{key}'" in jax.tree_util.keystr(p)
   ]
   assert qvalues and all(a.dtype == dtype for a in qvalues)
   r = ql.report(serving)

@@ -19,6 +19,7 @@ from flax_cases import (
 
 import aqtr
 import aqtr.flax.linen as ql
+from aqtr.core import codecs
 from aqtr.freezers import Mode, lifecycle
 
 
@@ -102,7 +103,10 @@ def test_serving_kernels_are_int8_with_per_channel_scales():
 def test_int4_weights_are_stored_as_int4():
   cfg = weights_config(aqtr.presets.int4_weight_only)
   cfg, x, v, serving = _converted('conv', cfg)
-  rhs = _entry(serving)['rhs']
+  stored = _entry(serving)['rhs']
+  assert stored['int4'].dtype == jnp.uint8  # Two 4-bit codes per byte.
+  assert stored['int4'].shape == (1, 1, 27, 2)
+  rhs = codecs.decode_parts(stored, cfg.fwd.rhs.numerics)
   assert rhs['qvalue'].dtype == jnp.int4
   assert rhs['qvalue'].shape == (1, 1, 27, 4)
   assert int(jnp.abs(rhs['qvalue'].astype(jnp.int8)).max()) == 7

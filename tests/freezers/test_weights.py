@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 import aqtr
+from aqtr.core import codecs
 from aqtr.freezers import Mode, WeightsFreezer, lifecycle
 
 CASES = {  # lhs shape, rhs shape, dimension numbers
@@ -39,8 +40,14 @@ def test_serve_from_frozen_weights_equals_train(case, preset):
   cfg = aqtr.freezers.configure(PRESETS[preset](), rhs='weights')
   x, w = _data(0, ls), _data(1, rs)
   conv = lifecycle.run(lifecycle.DotCall(x, w, dn, cfg), Mode.CONVERT)
-  part = conv.frozen['rhs']
-  assert part['qvalue'].dtype == cfg.fwd.rhs.numerics.dtype
+  numerics = cfg.fwd.rhs.numerics
+  stored = conv.frozen['rhs']
+  if numerics.codec().bits == 4:  # Two 4-bit codes per byte.
+    key = numerics.codec().key
+    assert stored[key].dtype == jnp.uint8 and 'qvalue' not in stored
+    assert stored[key].size * 2 == w.size
+  part = codecs.decode_parts(stored, numerics)
+  assert part['qvalue'].dtype == numerics.dtype
   assert part['qvalue'].size == w.size
   train = lifecycle.run(lifecycle.DotCall(x, w, dn, cfg), Mode.TRAIN).out
   served = lifecycle.run(

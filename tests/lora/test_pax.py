@@ -70,7 +70,7 @@ def test_qlora_base_has_no_float_kernel_and_is_4_bit(lm):
   wi = lv['params']['layers_0']['ffn']['wi']
   assert isinstance(wi['kernel'], aqtr.flax.linen.Removed)
   (entry,) = lv['aqtr']['layers_0']['ffn']['wi']['einsum'].values()
-  assert entry['rhs']['qvalue'].dtype == jnp.uint4
+  assert entry['rhs']['table4'].dtype == jnp.uint8  # 4-bit codes, packed.
   assert entry['rhs']['scale8']['q'].dtype == jnp.int8
   plain = lora.attach(t, {LAYERS: lora.LoraConfig(base='nf4')}, X, variables=v)
   np.testing.assert_allclose(_apply(lt, lv), _apply(*plain), atol=0.02)

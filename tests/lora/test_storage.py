@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from aqtr.core import codecs
 from aqtr.lora import storage
 from aqtr.numerics import Nf4
 
@@ -19,9 +20,10 @@ def test_nf4_codes_round_trip_exactly_with_stacked_axes():
     'op': {'e': {'rhs': {'qvalue': q, 'scale': jnp.ones((3, 1, 2, 1, 8))}}}
   }
   stored, shapes = storage.encode(entries, t, False, ref_ndim=4)
-  assert stored['op']['e']['rhs']['qvalue'].dtype == jnp.uint4
-  back = storage.decode(stored, t, shapes)
-  np.testing.assert_array_equal(back['op']['e']['rhs']['qvalue'], q)
+  codes = stored['op']['e']['rhs']['table4']  # Two 4-bit codes per byte.
+  assert codes.dtype == jnp.uint8 and codes.shape == (3, 1, 2, 64, 4)
+  back = storage.decode(stored, t, shapes)['op']['e']['rhs']
+  np.testing.assert_array_equal(codecs.decode_parts(back, Nf4())['qvalue'], q)
 
 
 def test_double_quant_error_and_layout():

@@ -226,3 +226,14 @@ def test_int8_dots_of_one_query_equal_those_of_the_query_in_a_pair():
   text = f.lower(q[:, :1]).compile().as_text().splitlines()
   dots = [x for x in text if ' dot(' in x]  # [..., 2 queries, F]
   assert dots and all(re.search(r's32\[[\d,]*2,\d+\]', d) for d in dots)
+
+
+def test_tiny_keys_keep_the_core_s_smallest_normal_scale():
+  # bound / 127 below float32's smallest normal (bound < 1.5e-36) used to
+  # flush to 0 on XLA:CPU: the scale fell back to 1 and every key was
+  # stored as code 0. The core's scale stays normal (aqtr.core.scale).
+  x = 1e-37 * jax.random.normal(jax.random.key(3), (1, 4, 2, 8))
+  layer, back = _roundtrip(KVCacheConfig(numerics='int8'), x)
+  tiny = float(jnp.finfo(jnp.float32).tiny)
+  assert float(jnp.abs(back[:, :4] - x).max()) <= tiny
+  assert int(jnp.abs(layer.k.codes).max()) > 1

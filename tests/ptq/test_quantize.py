@@ -14,6 +14,7 @@ from flax import nnx
 
 import aqtr
 import aqtr.ptq as ptq
+from aqtr.core import codecs
 from aqtr.core.qtensor import QTensor
 from aqtr.rules import Rule
 from aqtr.tilings.subchannel import SubChannel
@@ -67,6 +68,7 @@ def test_nnx_serves_the_solution_bit_for_bit():
   # SERVE under jit is the engine's dot of the stored QTensor.
   site, g, _ = sol['b/dot_general0']
   parts = _entry(served.b.kernel.entries(), site)
+  parts = codecs.decode_parts(parts, g.numerics)  # Packed int4 codes.
   qt = QTensor(parts['qvalue'], parts['scale'], g.call.layout, g.call.form)
   h = jax.nn.gelu(served.a(xs[0]))
   want = jax.jit(
