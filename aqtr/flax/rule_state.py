@@ -128,7 +128,7 @@ def base_key(model, spec, explicit):
 
 def op_key(base, where: str):
   """The key of the op at path `where`: `base` with the path folded in."""
-  return jax.random.fold_in(_typed(base), zlib.crc32(where.encode()) >> 1)
+  return jax.random.fold_in(_typed(base), zlib.crc32(where.encode()) // 2)
 
 
 def missing_key(model, stream: str) -> str:
