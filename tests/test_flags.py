@@ -103,7 +103,8 @@ def test_errors():
       '--config=config:int8',
       "--config=fiddler:use_calibration('fwd.lhs', 'pct')",
     )
-  with pytest.raises(ValueError, match='available names: aqt_v4, float, fp8'):
+  names = 'available names: aqt_v4, deepseek_v3_fp8, float, fp8'
+  with pytest.raises(ValueError, match=names):
     _parse('--config=config:int9')
 
 

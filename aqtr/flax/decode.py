@@ -48,12 +48,10 @@ from aqtr.flax import kv_cache, stock_lm
 from aqtr.flax.kv_cache import CacheRule, StoredCache
 from aqtr.flax.sampling import Generation, Sampling, pad, sample
 
+# Sampling, Generation and pad are re-exported from aqtr.flax.sampling.
 __all__ = [
   'Decoder',
-  'Generation',
-  'Sampling',
   'load_tree',
-  'pad',
   'rules_of',
   'store_tree',
 ]

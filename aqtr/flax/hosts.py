@@ -32,18 +32,7 @@ from aqtr.flax.host import Host
 from aqtr.flax.host_linen import LinenHost
 from aqtr.flax.host_nnx import NnxHost
 
-__all__ = [
-  'Host',
-  'call_prefix',
-  'is_linen',
-  'of',
-  'own_params',
-  'path_in_stack',
-  'path_of',
-  'register',
-  'scope_root',
-  'served',
-]
+__all__ = ['Host', 'is_linen', 'of', 'register', 'served']
 
 # (predicate, host class, what to call such a model in errors) of the
 # kinds registered beside nnx and linen.

@@ -259,7 +259,10 @@ def fit(
   emit = on_record or (lambda r: None)
   mesh = trainee.mesh
   apply, frozen = trainee.apply, trainee.frozen
-  params, state = trainee.params, trainee.state
+  # The step donates its params: train on a copy, so the caller's arrays
+  # (shared with the model they came from) are never deleted under it.
+  params = jax.tree.map(jnp.copy, trainee.params)
+  state = trainee.state
   opt_state = tx.init(params)
   out_shardings = None  # One device: wherever jit puts them.
   if mesh is not None:
