@@ -65,6 +65,7 @@ def test_nnx_serves_the_solution_bit_for_bit():
     assert jax.tree.map(jnp.shape, parts) == jax.tree.map(jnp.shape, ref)
     np.testing.assert_array_equal(parts['scale'], ref['scale'])
     np.testing.assert_array_equal(g.dequant(parts), wq)
+
   # SERVE under jit is the engine's dots of the stored QTensors (a served
   # submodule called on its own refuses: it is the whole model that serves).
   def dot(name, x):
