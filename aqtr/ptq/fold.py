@@ -54,6 +54,7 @@ from aqtr.ptq.stats import LayerStats
 
 __all__ = [
   'Axis',
+  'Entry',
   'FoldGroup',
   'FoldMap',
   'along',
