@@ -237,6 +237,15 @@ class Host(abc.ABC):
     """The op store's content ({} when there is none)."""
 
   @abc.abstractmethod
+  def module_store(self, mpath: tuple, name: str) -> Any:
+    """The value a module keeps under `name` (rule ops' state), or None.
+
+    nnx: the module's Variable attribute `name`. linen: the module's part
+    of the collection `name` when the variables have one, else its
+    parameter `name` (learned calibration parameters live with 'params').
+    """
+
+  @abc.abstractmethod
   def state(self) -> Any:
     """Every array the model holds."""
 

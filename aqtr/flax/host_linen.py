@@ -250,6 +250,15 @@ class LinenHost(host.Host):
       return model.get_variable(STORE, 'ops')
     return {}
 
+  def module_store(self, mpath, name):
+    variables = self._variables()
+    node = variables.get(name, variables.get('params', {}))
+    for k in mpath:
+      node = node.get(k) if hasattr(node, 'get') else None
+    if name not in variables and hasattr(node, 'get'):
+      node = node.get(name)
+    return node
+
   def state(self):
     return self._variables()
 

@@ -195,6 +195,10 @@ class NnxHost(host.Host):
     v = getattr(self.model, STORE, None)
     return v.get_value() if isinstance(v, FrozenOps) else {}
 
+  def module_store(self, mpath, name):
+    var = getattr(_node(self.model, mpath), name, None)
+    return None if var is None else var.get_value()
+
   def state(self):
     return nnx.state(self.model)
 

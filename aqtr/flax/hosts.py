@@ -24,9 +24,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import flax.linen as nn
 from flax import nnx
 
+from aqtr.flax import kinds
 from aqtr.flax.frozen import FrozenKernel
 from aqtr.flax.host import Host
 from aqtr.flax.host_linen import LinenHost
@@ -45,9 +45,7 @@ def register(predicate: Callable[[Any], bool], cls: type, name: str) -> None:
   _KINDS.append((predicate, cls, name))
 
 
-def is_linen(model) -> bool:
-  """Whether `model` is a linen Module (interception's per-kind state)."""
-  return isinstance(model, nn.Module)
+is_linen = kinds.is_linen  # interception's per-kind state asks it
 
 
 def of(model, variables=None, *, who: str = 'aqtr', need_variables=True):
@@ -70,9 +68,9 @@ def of(model, variables=None, *, who: str = 'aqtr', need_variables=True):
   """
   if isinstance(model, Host):
     return model
-  if isinstance(model, nnx.Module):
+  if kinds.is_nnx(model):
     return NnxHost(model)
-  if isinstance(model, nn.Module):
+  if kinds.is_linen(model):
     if variables is None and need_variables and model.scope is None:
       raise TypeError(
         f'{who}: a linen model needs variables= (the variables to apply).'
@@ -98,7 +96,7 @@ def served(served_model, variables=None, *, who: str = 'aqtr'):
     and variables is None
   ):
     served_model, variables = served_model
-  if isinstance(served_model, nn.Module) and variables is None:
+  if kinds.is_linen(served_model) and variables is None:
     raise TypeError(
       f'{who}: a linen model needs variables= (the serving variables '
       'aqtr.flax.convert returned).'
@@ -108,7 +106,7 @@ def served(served_model, variables=None, *, who: str = 'aqtr'):
 
 def path_of(module) -> tuple:
   """The module's path (linen: its scope path; nnx: set by `quantize`)."""
-  if isinstance(module, nn.Module):
+  if kinds.is_linen(module):
     return tuple(module.path)
   return tuple(getattr(module, 'aqtr_path', ()))
 
@@ -124,10 +122,10 @@ def path_in_stack(stack: list) -> tuple:
     return ()
   inner = stack[0]
   own = path_of(inner)
-  if not isinstance(inner, nn.Module) or own:
+  if not kinds.is_linen(inner) or own:
     return own
   for i, outer in enumerate(stack[1:], 1):
-    if isinstance(outer, nn.Module) and outer.scope is not None:
+    if kinds.is_bound(outer):
       if outer.scope.root is inner.scope.root:
         continue
       base = path_in_stack(stack[i:])
@@ -140,19 +138,19 @@ def path_in_stack(stack: list) -> tuple:
 def call_prefix(model) -> tuple:
   """The path the ops of a call of `model` start from (linen: the bound
   module's scope path; nnx: the call's own root)."""
-  return path_of(model) if isinstance(model, nn.Module) else ()
+  return path_of(model) if kinds.is_linen(model) else ()
 
 
 def scope_root(module):
   """A bound linen module's root scope (None for nnx or unbound)."""
-  if isinstance(module, nn.Module) and module.scope is not None:
+  if kinds.is_bound(module):
     return module.scope.root
   return None
 
 
 def own_params(module) -> dict:
   """{name: value} of the module's own parameters (arrays or holders)."""
-  if isinstance(module, nn.Module):
+  if kinds.is_linen(module):
     params = module.variables.get('params', {})
     return {
       k: module.get_variable('params', k)

@@ -44,11 +44,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from flax import linen as nn
 from flax import nnx
 
 from aqtr.core import conv as conv_lib
-from aqtr.flax import common
+from aqtr.flax import common, kinds
 
 # name -> (kind, the original function).
 ORIGINALS = {
@@ -358,10 +357,7 @@ def modules() -> list[Any]:
   frame = inspect.currentframe().f_back
   while frame is not None:
     m = frame.f_locals.get('self')
-    if id(m) not in seen and (
-      isinstance(m, nnx.Module)
-      or (isinstance(m, nn.Module) and m.scope is not None)
-    ):
+    if id(m) not in seen and kinds.is_module(m):
       seen.add(id(m))
       found.append(m)
     frame = frame.f_back

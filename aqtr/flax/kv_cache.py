@@ -68,6 +68,7 @@ from aqtr.calibrations import AbsMax, Constant
 from aqtr.core import codecs
 from aqtr.core.config import TensorConfig
 from aqtr.core.quantizer import quantize
+from aqtr.flax import kinds
 from aqtr.numerics import Fp8, IntSymmetric
 from aqtr.tilings import PerChannel
 
@@ -353,7 +354,7 @@ class QuantizedCache(nnx.Cache):
 def _nnx(model: nnx.Module, rules) -> nnx.Module:
   used, seen, found = set(), [], []
   for path, node in nnx.iter_graph(model):
-    if not isinstance(node, nnx.Module):
+    if not kinds.is_nnx(node):
       continue
     module_path = '/'.join(str(p) for p in path)
     for name, var in list(vars(node).items()):
@@ -399,11 +400,11 @@ def quantize_cache(model: Any, rules: CacheRule | Sequence[CacheRule]):
     (dtype(float8_e4m3fn), 1)
   """
   rules = _as_rules(rules)
-  if isinstance(model, nn.Module):
+  if kinds.is_linen(model):
     return _linen(model, rules)
-  if isinstance(model, nnx.Module):
+  if kinds.is_nnx(model):
     return _nnx(model, rules)
-  if isinstance(getattr(model, 'module', None), nn.Module) and hasattr(
+  if kinds.is_linen(getattr(model, 'module', None)) and hasattr(
     model, '_module'
   ):  # A Hugging Face Flax model: `generate` calls its linen `module`.
     model._module = _linen(model.module, rules)

@@ -32,13 +32,12 @@ from __future__ import annotations
 
 import zlib
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from aqtr.core import slot_state
-from aqtr.flax import common
+from aqtr.flax import common, hosts, kinds
 from aqtr.flax.nnx import CalibState, Stats
 from aqtr.freezers import Mode, configure, lifecycle
 
@@ -118,7 +117,7 @@ def base_key(model, spec, explicit):
   if not any(key_need(c, spec.mode) == 'required' for c in spec.configs):
     return None
   stream = spec.rng_stream
-  if isinstance(model, nn.Module):
+  if kinds.is_linen(model):
     if model.scope is not None and model.has_rng(stream):
       return model.make_rng(stream)
     return None
@@ -133,7 +132,7 @@ def op_key(base, where: str):
 
 def missing_key(model, stream: str) -> str:
   """How to give a model's ops keys (the end of an error message)."""
-  if isinstance(model, nn.Module):
+  if kinds.is_linen(model):
     return (
       f"pass rngs={{'{stream}': key}} to apply (or aqtr_key=key to the call)."
     )
@@ -147,7 +146,7 @@ def missing_key(model, stream: str) -> str:
 def traced(model) -> bool:
   """Whether an nnx model's parameters are tracers (a call under jit or
   grad): parameters created then never reach an optimizer built before."""
-  if isinstance(model, nn.Module):
+  if kinds.is_linen(model):
     return False
   leaves = jax.tree.leaves(nnx.state(model, nnx.Param))
   return bool(leaves) and isinstance(leaves[0], jax.core.Tracer)
@@ -189,7 +188,7 @@ class RuleHost(common.OpHost):
     self.mpath = tuple(mpath)
     self.traced = traced
     self.config, self.mode = config, mode
-    self.linen = isinstance(module, nn.Module)
+    self.linen = kinds.is_linen(module)
 
   @property
   def initializing(self) -> bool:
@@ -393,23 +392,11 @@ def read(model, variables, at: tuple, what: str) -> dict:
     {operand path: {'stats': ..., 'learned': ...}}.
   """
   mpath, op = at
-  if isinstance(model, nn.Module):
-    stats = (variables or {}).get(STATE, {})
-    learned = (variables or {}).get('params', {})
-    for k in mpath:
-      stats = stats.get(k, {}) if hasattr(stats, 'get') else {}
-      learned = learned.get(k, {}) if hasattr(learned, 'get') else {}
-    stats = stats.get(op) if hasattr(stats, 'get') else None
-    learned = learned.get(LEARNED, {}).get(op, {})
-    if stats is None and learned:
-      stats = {p: {} for p in learned}  # Learned only: no stats kept.
-  else:
-    node = model
-    for k in mpath:
-      node = node[k] if isinstance(k, int) else getattr(node, k)
-    var, lvar = getattr(node, STATE, None), getattr(node, LEARNED, None)
-    stats = None if var is None else var.get_value().get(op)
-    learned = {} if lvar is None else lvar.get_value().get(op, {})
+  host = hosts.of(model, variables, who=what)
+  stats = _get(host.module_store(mpath, STATE), op)
+  learned = _get(host.module_store(mpath, LEARNED), op) or {}
+  if stats is None and learned:
+    stats = {p: {} for p in learned}  # Learned only: no stats kept.
   if stats is None:
     raise ValueError(
       f'{what}: the op keeps calibration state, but the model holds none for '
@@ -419,23 +406,20 @@ def read(model, variables, at: tuple, what: str) -> dict:
   return common.assemble(stats, learned)
 
 
+def _get(store, op):
+  """`store[op]`, or None when the store (a dict) has none."""
+  return store.get(op) if hasattr(store, 'get') else None
+
+
 def read_stats(model, variables, at: tuple, what: str) -> dict:
   """The CALIBRATE statistics ({side: stats}) of one op, concretely.
 
   Raises one line naming `what` (the op) when CALIBRATE never ran for it.
   """
   mpath, op = at
-  if isinstance(model, nn.Module):
-    node = (variables or {}).get(STATS, {})
-    for k in mpath:
-      node = node.get(k, {}) if hasattr(node, 'get') else {}
-    got = node.get(op) if hasattr(node, 'get') else None
-  else:
-    node = model
-    for k in mpath:
-      node = node[k] if isinstance(k, int) else getattr(node, k)
-    var = getattr(node, STATS, None)
-    got = None if var is None else var.get_value().get(op)
+  got = _get(
+    hosts.of(model, variables, who=what).module_store(mpath, STATS), op
+  )
   if got is None or not all(
     bool(jnp.all(jnp.asarray(v['count']) > 0)) for v in got.values()
   ):

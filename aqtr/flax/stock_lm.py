@@ -44,6 +44,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from aqtr.flax import kinds
+
 __all__ = ['StockLM', 'adapt', 'gemma', 'hf', 'linen', 'nnx_lm']
 
 
@@ -115,7 +117,7 @@ def hf(model: Any) -> StockLM:
     A StockLM.
   """
   module = getattr(model, 'module', model)
-  if not isinstance(module, nn.Module) or not _is_hf_module(module):
+  if not kinds.is_linen(module) or not _is_hf_module(module):
     raise TypeError(
       'stock_lm.hf: model must be a Hugging Face Flax LM or its linen '
       f'module, got {type(model).__name__}.'
@@ -234,7 +236,7 @@ def linen(
     A StockLM whose prompts in one batch have one length (the default
     call passes no padding mask).
   """
-  if not isinstance(model, nn.Module):
+  if not kinds.is_linen(model):
     raise TypeError(
       f'stock_lm.linen: model must be a linen Module, got {type(model)}.'
     )
@@ -308,7 +310,7 @@ def nnx_lm(
   Returns:
     A StockLM; its variables default to the model's state less caches.
   """
-  if not isinstance(model, nnx.Module):
+  if not kinds.is_nnx(model):
     raise TypeError(
       f'stock_lm.nnx_lm: model must be an nnx Module, got {type(model)}.'
     )
@@ -347,20 +349,20 @@ def adapt(model: Any, **kwargs) -> StockLM:
   if isinstance(model, StockLM):
     return model
   module = getattr(model, 'module', model)
-  if isinstance(module, nn.Module) and _is_hf_module(module):
+  if kinds.is_linen(module) and _is_hf_module(module):
     return hf(model)
   config = getattr(model, 'config', None)
-  if isinstance(model, nn.Module) and hasattr(config, 'num_embed'):
+  if kinds.is_linen(model) and hasattr(config, 'num_embed'):
     return gemma(model, **kwargs)
-  if 'vocab' not in kwargs and isinstance(model, nn.Module | nnx.Module):
+  if 'vocab' not in kwargs and kinds.name(model) is not None:
     raise TypeError(
       f'Decoder: a {type(model).__name__} is neither a Hugging Face Flax LM '
       'nor a gemma Transformer; give vocab= (and call= if it is not '
       'called as model(ids, positions)), or a stock_lm.StockLM.'
     )
-  if isinstance(model, nn.Module):
+  if kinds.is_linen(model):
     return linen(model, **kwargs)
-  if isinstance(model, nnx.Module):
+  if kinds.is_nnx(model):
     return nnx_lm(model, **kwargs)
   raise TypeError(
     'Decoder: model must be a Flax LM (linen or nnx, a Hugging Face Flax '

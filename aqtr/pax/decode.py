@@ -43,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from aqtr.flax import kinds
 from aqtr.flax import sampling as sampling_lib
 from aqtr.flax.sampling import Generation, Sampling, sample
 from aqtr.pax import kv_cache
@@ -93,7 +94,7 @@ class Decoder:
     kv: KVCacheConfig | None = None,
   ):
     if not (
-      isinstance(lm, nn.Module)
+      kinds.is_linen(lm)
       and hasattr(type(lm), 'extend')
       and 'max_len' in {f.name for f in dataclasses.fields(lm)}
     ):

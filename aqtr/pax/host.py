@@ -173,6 +173,9 @@ class TemplateHost(host.Host):
   def stored_ops(self) -> dict:
     return self.built.stored_ops()
 
+  def module_store(self, mpath, name):
+    return self.built.module_store(mpath, name)
+
   def state(self):
     return self.built.state()
 

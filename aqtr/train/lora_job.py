@@ -52,6 +52,7 @@ from flax import nnx
 import aqtr.flax.checkpoint as ckpt
 from aqtr import lora, ptq
 from aqtr.data import loader, stdlib
+from aqtr.flax import kinds
 from aqtr.train import loop, models, stock_lm
 from aqtr.train.tasks import evaluate_logits
 
@@ -106,7 +107,7 @@ def family_data(family: str) -> tuple[np.ndarray, np.ndarray]:
 def save_base(base: Any, run_dir: pathlib.Path) -> pathlib.Path:
   """Saves a float base for `init_from`: the stock LM or the Pax params."""
   path = pathlib.Path(run_dir).absolute() / BASE_DIR
-  ckpt.save(path, nnx.state(base) if isinstance(base, nnx.Module) else base)
+  ckpt.save(path, nnx.state(base) if kinds.is_nnx(base) else base)
   return path
 
 

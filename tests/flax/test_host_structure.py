@@ -7,6 +7,9 @@
   convert / report / sizes; the PTQ pass and solvers; checkpoints; LoRA)
   never ask which model kind they run: they ask the model's host
   (`aqtr.flax.hosts.of`), implemented once per kind.
+- Nothing outside the hosts and `aqtr.flax.kinds` tests for Flax's module
+  classes (Fiddle configs are walked as configs: `fdl.Buildable` checks
+  outside the features are config traversal).
 - The engine calls the contractions `aqtr.core.prims` captured at import.
 """
 
@@ -34,6 +37,7 @@ FEATURES = (
 )
 HOSTS = ('flax/host_nnx.py', 'flax/host_linen.py', 'pax/host.py')
 KIND = re.compile(r'isinstance\([^)]*(nn\.Module|nnx\.Module|fdl\.Buildable)')
+FLAX_KIND = re.compile(r'isinstance\([^)]*\b(nn\.Module|nnx\.Module)\b')
 
 
 def _sources():
@@ -55,6 +59,16 @@ def test_no_tracer_walks_or_caller_file_tests():
 def test_features_do_not_ask_the_model_kind():
   for f in FEATURES:
     assert not KIND.search((AQTR / f).read_text()), f
+
+
+def test_only_kinds_and_hosts_tell_flax_modules_apart():
+  """Everywhere else asks `aqtr.flax.kinds` (or the host) for the kind."""
+  found = [
+    f
+    for f, s in _sources()
+    if FLAX_KIND.search(s) and f not in (*HOSTS, 'flax/kinds.py')
+  ]
+  assert found == []
 
 
 def test_one_host_per_model_kind():
