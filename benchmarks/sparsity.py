@@ -6,7 +6,7 @@ with every weight op frozen as the main job does it: float32 kernels,
 dense int8 (`presets.int8`, 'weights' freezer) and 2:4 + int8
 (`presets.int8_sparse_2_4`, 'sparse_weights' freezer: kept int8 values +
 2-bit indices packed in uint8). Serving bytes of the weight ops' kernels
-(and scales) are reported from `aqtr.flax.linen.report`.
+(and scales) are reported by `aqtr.flax.sizes`.
 
 Part 2 (loss, minutes): from a short dense warm-up (`--warmup` steps of
 dense int8 from the job's init), train `--steps` more steps of dense int8
@@ -46,7 +46,8 @@ def serving_bytes(template, params, x, config) -> ql.Report:
   injected, _ = models.inject(template, config)
   conv = models.build(models.serving_template(injected, aqtr.Mode.CONVERT))
   variables = jax.jit(lambda p: ql.convert(conv, {'params': p}, x))(params)
-  return ql.report(variables)
+  serve = models.build(models.serving_template(injected, aqtr.Mode.SERVE))
+  return aqtr.flax.sizes((serve, variables))
 
 
 def bytes_table(template, task, params) -> list[str]:

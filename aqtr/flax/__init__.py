@@ -1,9 +1,9 @@
 """Flax adapters (optional extra `flax`): import a submodule explicitly.
 
   import aqtr.flax.linen       # ops DotGeneral, Einsum, ConvGeneralDilated;
-                               # EinsumDense; convert, report, Removed
+                               # EinsumDense; convert, Removed
   import aqtr.flax.nnx         # the same ops as nnx Modules; set_mode,
-                               # convert, report; Frozen, Stats, Removed
+                               # convert; Frozen, Stats, Removed
   import aqtr.flax.checkpoint  # orbax save / restore of serving trees
 
 Stock models (no aqtr ops in them) are quantized by rules:

@@ -53,6 +53,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from aqtr.flax.frozen import kernel_bytes
+
 __all__ = [
   'Host',
   'abstract',
@@ -235,6 +237,12 @@ class Host(abc.ABC):
   @abc.abstractmethod
   def stored_ops(self) -> dict:
     """The op store's content ({} when there is none)."""
+
+  def frozen_weights(self) -> list[tuple[int, Any]]:
+    """(bytes of the float kernel, its frozen arrays) per frozen weight:
+    the holders `convert` put in (and the kernels explicit aqtr ops
+    removed)."""
+    return [(kernel_bytes(h), h.entries()) for _, h in self.holders()]
 
   @abc.abstractmethod
   def module_store(self, mpath: tuple, name: str) -> Any:

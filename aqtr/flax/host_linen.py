@@ -24,7 +24,7 @@ import flax
 import flax.linen as nn
 import jax
 
-from aqtr.flax import host
+from aqtr.flax import host, linen_convert
 from aqtr.flax.common import STATE
 from aqtr.flax.frozen import STORE, FrozenBox, store_key
 
@@ -249,6 +249,10 @@ class LinenHost(host.Host):
     if model.scope is not None and model.has_variable(STORE, 'ops'):
       return model.get_variable(STORE, 'ops')
     return {}
+
+  def frozen_weights(self):
+    explicit = linen_convert.frozen_kernels(self._variables())
+    return super().frozen_weights() + explicit
 
   def module_store(self, mpath, name):
     variables = self._variables()

@@ -195,6 +195,9 @@ class NnxHost(host.Host):
     v = getattr(self.model, STORE, None)
     return v.get_value() if isinstance(v, FrozenOps) else {}
 
+  def frozen_weights(self):
+    return super().frozen_weights() + nnx_ops.frozen_kernels(self.model)
+
   def module_store(self, mpath, name):
     var = getattr(_node(self.model, mpath), name, None)
     return None if var is None else var.get_value()

@@ -46,7 +46,6 @@ from aqtr.flax.linen_convert import (
   STATS,
   Removed,
   convert,
-  report,
 )
 from aqtr.freezers import Mode, lifecycle
 
@@ -350,5 +349,4 @@ __all__ = [
   'Mode',
   'Removed',
   'convert',
-  'report',
 ]

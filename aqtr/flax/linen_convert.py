@@ -240,26 +240,26 @@ def _at(tree, path):
   return tree
 
 
-def report(serving) -> common.Report:
-  """Bytes of the removed float kernels, their frozen values, the tree.
+def frozen_kernels(serving) -> list[tuple[int, Any]]:
+  """(bytes of the removed float kernel, its frozen values) per layer
+  `convert` froze in the serving variables; `aqtr.flax.sizes` sums them.
 
   Example:
-    >>> report({'params': {'kernel': Removed(shape=(4, 3))}}).float_kernel_bytes
-    48
+    >>> frozen_kernels({'params': {'kernel': Removed(shape=(4, 3))}})
+    [(48, [])]
   """
-  removed, frozen_k = 0, 0
-  is_removed = lambda x: isinstance(x, Removed)  # noqa: E731
-  for x in jax.tree_util.tree_leaves(
-    serving.get('params', {}), is_leaf=is_removed
-  ):
-    if is_removed(x):
-      removed += common.removed_bytes(x.shape, x.dtype)
   params = _unfreeze(serving.get('params', {}))
+  parts: dict[tuple, list] = {}
   for path, part in _frozen_rhs(serving.get(FROZEN, {})):
-    parent = _at(params, path[:-1])
-    if isinstance(parent, dict) and isinstance(parent.get('kernel'), Removed):
-      frozen_k += common.nbytes(part)
-  return common.Report(removed, frozen_k, common.nbytes(serving))
+    parts.setdefault(tuple(path[:-1]), []).append(part)
+  out = []
+  is_removed = lambda x: isinstance(x, Removed)  # noqa: E731
+  flat = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_removed)[0]
+  for keys, x in flat:
+    if is_removed(x):
+      path = tuple(getattr(k, 'key', k) for k in keys)[:-1]
+      out.append((common.removed_bytes(x.shape, x.dtype), parts.get(path, [])))
+  return out
 
 
-__all__ = ['FROZEN', 'PLAN', 'STATS', 'Removed', 'convert', 'report']
+__all__ = ['FROZEN', 'PLAN', 'STATS', 'Removed', 'convert', 'frozen_kernels']

@@ -25,6 +25,7 @@ required only when the config rounds stochastically.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -408,19 +409,24 @@ def update_state(model: nnx.Module, grads) -> nnx.Module:
   return model
 
 
-def report(model: nnx.Module) -> common.Report:
-  """Bytes of the removed float kernels, their frozen values, the state."""
-  removed = frozen_k = 0
+def frozen_kernels(model: nnx.Module) -> list[tuple[int, Any]]:
+  """(bytes of the removed float kernel, its frozen values) per layer that
+  `convert` froze; `aqtr.flax.sizes` sums them."""
+  out = []
   for _, m in nnx.iter_modules(model):
     k = getattr(m, 'kernel', None)
-    if isinstance(k, Removed):
-      removed += common.removed_bytes(
-        k.get_metadata('kernel_shape'), k.get_metadata('kernel_dtype')
+    if not isinstance(k, Removed):
+      continue
+    parts = [_frozen_rhs(c)[0] for c in vars(m).values() if isinstance(c, _Op)]
+    out.append(
+      (
+        common.removed_bytes(
+          k.get_metadata('kernel_shape'), k.get_metadata('kernel_dtype')
+        ),
+        [p for p in parts if p is not None],
       )
-    if isinstance(m, _Op):
-      part, _ = _frozen_rhs(m)
-      frozen_k += 0 if part is None else common.nbytes(part)
-  return common.Report(removed, frozen_k, common.nbytes(nnx.state(model)))
+    )
+  return out
 
 
 __all__ = [
@@ -433,8 +439,8 @@ __all__ = [
   'Removed',
   'Stats',
   'convert',
+  'frozen_kernels',
   'ops',
-  'report',
   'set_mode',
   'update_state',
 ]

@@ -31,7 +31,7 @@ from aqtr import rules as rules_lib
 from aqtr.core.boundary import fusion_fenced
 from aqtr.core.ragged_dot import freeze_ragged
 from aqtr.flax import common, hosts, intercept, rule_state
-from aqtr.flax.frozen import kernel_bytes, store_key
+from aqtr.flax.frozen import store_key
 from aqtr.flax.quantized import set_mode, spec_of
 from aqtr.flax.session import (
   Session,
@@ -427,9 +427,9 @@ def sizes(served, variables=None) -> common.Report:
     variables: linen: the serving variables `convert` returned.
   """
   host = hosts.served(served, variables, who='aqtr.flax.sizes')
-  holders = [h for _, h in host.holders()]
-  removed = sum(kernel_bytes(h) for h in holders)
-  frozen = sum(common.nbytes(h.entries()) for h in holders)
+  weights = host.frozen_weights()
+  removed = sum(b for b, _ in weights)
+  frozen = common.nbytes([p for _, p in weights])
   frozen += common.nbytes(host.stored_ops())
   return common.Report(removed, frozen, common.nbytes(host.state()))
 

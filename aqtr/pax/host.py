@@ -173,6 +173,9 @@ class TemplateHost(host.Host):
   def stored_ops(self) -> dict:
     return self.built.stored_ops()
 
+  def frozen_weights(self):
+    return self.built.frozen_weights()
+
   def module_store(self, mpath, name):
     return self.built.module_store(mpath, name)
 

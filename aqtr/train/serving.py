@@ -157,7 +157,7 @@ def check(
     return aqtr_linen.convert(conv, {'params': p, **(collections or {})}, x0)
 
   variables = jax.jit(convert)(params)
-  report = aqtr_linen.report(variables)
+  report = aqtr.flax.sizes((serve, variables))
   path = save(out, variables, config, model, keep)
   restored = restore(path, jax.eval_shape(convert, params), config)
   serve_logits = jax.jit(serve.apply)

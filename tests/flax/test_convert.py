@@ -52,7 +52,7 @@ def test_linen_serving_tree_holds_int_kernels_only(model_cls, preset):
     if f"'{key}'" in jax.tree_util.keystr(p)
   ]
   assert qvalues and all(a.dtype == dtype for a in qvalues)
-  r = ql.report(serving)
+  r = aqtr.flax.sizes((model_cls(cfg, Mode.SERVE), serving))
   kernels = [
     a
     for p, a in jax.tree_util.tree_leaves_with_path(v['params'])
@@ -98,7 +98,7 @@ def test_nnx_serving_state_holds_int_kernels_only():
   forward = nnx.jit(lambda m, x: m(x))
   train = forward(m, x)
   qn.convert(m, x)
-  r = qn.report(m)
+  r = aqtr.flax.sizes(m)
   assert r.kernel_ratio <= 0.3, str(r)
   assert r.serving_bytes < 0.3 * float_bytes
   state = nnx.state(m)

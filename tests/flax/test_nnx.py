@@ -188,7 +188,7 @@ def test_float_and_none_configs_are_the_stock_layer():
 def test_report_counts_removed_and_frozen_bytes():
   m = nnx_layer('conv', weights_config())
   qn.convert(m, data('conv'))
-  r = qn.report(m)
+  r = aqtr.flax.sizes(m)
   assert r.float_kernel_bytes == 3 * 3 * 3 * 4 * 4
   assert r.frozen_kernel_bytes == 27 * 4 + 4 * 4
   assert 'kernels' in str(r)
