@@ -50,6 +50,7 @@ import abc
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import flax.core
 import jax
 import jax.numpy as jnp
 
@@ -209,10 +210,22 @@ class Host(abc.ABC):
   def set_holder(self, path: tuple, entries: Mapping) -> None:
     """Puts `entries` in the frozen holder at `path` (in place)."""
 
-  @abc.abstractmethod
   def abstract(self, fn: Callable[[Host], Host]) -> Host:
     """`fn(self)` run abstractly: the host it returns, arrays as shapes
-    (e.g. a serving tree to fill from a checkpoint, no compute)."""
+    (e.g. a serving tree to fill from a checkpoint, no compute).
+
+    This default serves hosts that keep (model, variables): the model `fn`
+    returns is kept aside, its variables traced by `jax.eval_shape`.
+    """
+    box = []
+
+    def run(v):
+      done = fn(type(self)(self.model, v))
+      box.append(done.model)
+      return done.variables
+
+    out = jax.eval_shape(run, self.variables)
+    return type(self)(box[0], flax.core.unfreeze(out))
 
   def freeze_ops(self, args: tuple, kwargs: Mapping) -> Host:
     """The served model of a model whose own ops freeze (injected Pax ops

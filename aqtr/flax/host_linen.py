@@ -231,17 +231,6 @@ class LinenHost(host.Host):
       node = node[k]
     node[path[-1]] = node[path[-1]].replace(frozen=entries)
 
-  def abstract(self, fn) -> LinenHost:
-    box = []
-
-    def run(v):
-      done = fn(LinenHost(self.model, v))
-      box.append(done.model)
-      return done.variables
-
-    out = jax.eval_shape(run, self.variables)
-    return LinenHost(box[0], flax.core.unfreeze(out))
-
   def stored_ops(self) -> dict:
     if self.variables is not None:
       return dict(self.variables.get(STORE, {})).get('ops', {})

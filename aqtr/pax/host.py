@@ -26,7 +26,6 @@ from typing import Any
 
 import fiddle as fdl
 import flax
-import jax
 from fiddle import selectors
 
 import aqtr.flax.linen as aqtr_linen
@@ -129,17 +128,6 @@ class TemplateHost(host.Host):
   def set_holder(self, path, entries) -> None:
     self.built.set_holder(path, entries)
     self.variables = self.built.variables
-
-  def abstract(self, fn) -> TemplateHost:
-    box = []
-
-    def run(v):
-      done = fn(TemplateHost(self.model, v))
-      box.append(done.model)
-      return done.variables
-
-    out = jax.eval_shape(run, self.variables)
-    return TemplateHost(box[0], flax.core.unfreeze(out))
 
   def param_tree(self) -> dict:
     return self.built.param_tree()
