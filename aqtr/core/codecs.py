@@ -280,7 +280,7 @@ class E2M1(Codec):
     code = jnp.zeros(v.shape, jnp.uint8)
     for j, m in enumerate(_E2M1[1:], start=1):
       code = prims.where(mag == m, jnp.uint8(j), code)
-    neg = jnp.signbit(v) & ~jnp.isnan(v)
+    neg = prims.negative(v)
     code = code | prims.where(neg, jnp.uint8(8), jnp.uint8(0))
     return {self.key: pack(code, 4)}
 

@@ -36,6 +36,21 @@ conv_general_dilated = lax.conv_general_dilated
 einsum = jnp.einsum
 
 
+def negative(v: jax.Array) -> jax.Array:
+  """Whether each float of `v` has its sign bit set (-0.0 too; NaN: False).
+
+  By comparisons (`1 / -0.0 = -inf`), not by bit casts: XLA:CPU's
+  constant folding got `jnp.signbit`'s cast wrong on transposed views of
+  closed-over arrays (jax 0.10.2), and the quantized codes with it.
+
+  Example:
+    >>> negative(jnp.array([-1.0, -0.0, 0.0, 2.0])).tolist()
+    [True, True, False, False]
+  """
+  zero = v == 0
+  return (v < 0) | (zero & (1 / jnp.where(zero, v, 1) < 0))
+
+
 def where(condition: jax.Array, x, y) -> jax.Array:
   """`jnp.where(condition, x, y)` for same-shaped arrays, either of x, y
   possibly a Python scalar (made like the other, sharding included).

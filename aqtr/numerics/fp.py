@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 
-from aqtr.core import codecs, markers
+from aqtr.core import codecs, markers, prims
 from aqtr.numerics.base import Numerics, register, within_range
 
 ENCODINGS = ('auto', 'ieee', 'fn', 'finite', 'fnuz')
@@ -80,7 +80,11 @@ class FloatGrid:
       r = jnp.round(mag / ulp)
     else:
       r = jnp.floor(mag / ulp + (noise + 0.5))
-    return jnp.copysign(jnp.minimum(r * ulp, m), a)
+    q = jnp.minimum(r * ulp, m)
+    # The sign of `a` (zeros too) by comparisons, not jnp.copysign's bit
+    # cast: XLA:CPU's constant folding got that cast's sign wrong for
+    # closed-over inputs (measured on jax 0.10.2).
+    return prims.where(prims.negative(a), -q, q)
 
 
 @register('fp')
