@@ -271,16 +271,22 @@ _FMA_CASES = (
 def test_serve_equals_train_under_default_xla_flags():
   """Bit for bit under jit with XLA's default flags (the test session runs
   LLVM at -O0, which never forms an FMA): one process, several cases."""
+  _under_default_flags(_DEFAULT_FLAGS, _FMA_CASES)
+
+
+def _under_default_flags(script: str, cases) -> None:
+  """Runs `script` on the 'model:case' items whose model is installed, in
+  a process with XLA's default flags; fails with its stderr."""
   cases = [
     c
-    for c in _FMA_CASES
+    for c in cases
     if next(z for z in zoo.MODELS if z.name == c.split(':')[0]).available()
   ]
   if not cases:
     pytest.skip('the models extra is not installed')
   root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
   got = subprocess.run(
-    [sys.executable, '-c', _DEFAULT_FLAGS, *cases],
+    [sys.executable, '-c', script, *cases],
     env=dict(os.environ, XLA_FLAGS='', JAX_PLATFORMS='cpu'),
     cwd=root,
     capture_output=True,
@@ -339,23 +345,7 @@ assert worst <= FUSION_ULP, worst
 
 @pytest.mark.slow
 def test_qlora_with_zero_b_under_default_xla_flags_is_within_ulps():
-  cases = ('hf_mistral:nf4', 'hf_llama_mqa:int8')
-  if not all(
-    z.available()
-    for z in zoo.MODELS
-    if z.name in ('hf_mistral', 'hf_llama_mqa')
-  ):
-    pytest.skip('the models extra is not installed')
-  root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
-  got = subprocess.run(
-    [sys.executable, '-c', _ZERO_B, *cases],
-    env=dict(os.environ, XLA_FLAGS='', JAX_PLATFORMS='cpu'),
-    cwd=root,
-    capture_output=True,
-    text=True,
-    timeout=900,
-  )
-  assert got.returncode == 0, got.stderr[-3000:]
+  _under_default_flags(_ZERO_B, ('hf_mistral:nf4', 'hf_llama_mqa:int8'))
 
 
 def _batches(z, n=2):
