@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import glob
 import os
+import warnings
 
 import numpy as np
 
@@ -32,6 +33,7 @@ from aqtr.checkpoints import files, naming, tree
 from aqtr.checkpoints.layouts import detect, layout
 from aqtr.checkpoints.stored import CheckpointError
 from aqtr.flax import hosts
+from aqtr.flax.quantized import spec_of
 
 __all__ = ['export', 'load', 'read']
 
@@ -69,6 +71,7 @@ def export(
   lay = layout(format, **layout_fields)
   fn = naming.mapper(names)
   frozen, floats = tree.read_frozen(served, variables, bits)
+  _warn_activations(served)
   weights, tensors = {}, {}
   for path, w in frozen.items():
     name = naming.module_name(naming.name_of(fn, path))
@@ -109,7 +112,9 @@ def read(folder: str) -> tuple[dict, dict, dict]:
   return weights, rest, config
 
 
-def load(model, folder: str, *args, variables=None, names='hf', **kwargs):
+def load(
+  model, folder: str, *args, variables=None, names='hf', rules=None, **kwargs
+):
   """A quantized checkpoint as aqtr frozen weights in a Flax model.
 
   Each quantized kernel of the checkpoint is put, as stored codes and
@@ -125,6 +130,11 @@ def load(model, folder: str, *args, variables=None, names='hf', **kwargs):
     *args, **kwargs: sample inputs of one call (shapes matter).
     variables: linen: the model's (abstract) variables.
     names: 'hf', a dict {Flax path: tensor name} or a callable.
+    rules: the rules the exported model was quantized by, when they
+      quantize more than the stored weights (ops without a weight, such
+      as attention under a rule without `weight=True`, or the weight ops'
+      inputs, as in 'int8'): the checkpoint holds weights only, and these
+      rules set the rest. None: only the stored weights are quantized.
 
   Returns:
     nnx: the serving model (Mode.SERVE). linen: (module, variables).
@@ -159,7 +169,29 @@ def load(model, folder: str, *args, variables=None, names='hf', **kwargs):
     raise CheckpointError(
       f'{left[0]}: no model parameter maps to this tensor (argument names).'
     )
-  return tree.build(model, weights, floats, args, kwargs, variables)
+  return tree.build(model, weights, floats, args, kwargs, variables, rules)
+
+
+def _warn_activations(served) -> None:
+  """Warns (one line) when the model's rules may quantize what a
+  checkpoint does not hold: ops without a weight, or a weight op's input."""
+  try:
+    spec = spec_of(served)
+  except ValueError:  # Not quantized by rules (Pax injection, aqtr ops).
+    return
+  for i, (r, cfg) in enumerate(zip(spec.rules, spec.configs, strict=True)):
+    if cfg is None or cfg.is_float:
+      continue
+    if cfg.fwd.lhs.quantized or r.weight is not True:
+      warnings.warn(
+        f'aqtr.checkpoints.export: rule {i} {r.label()} can quantize '
+        "activations (an op's input, or ops without a weight such as "
+        'attention); the checkpoint holds weights only: give load the '
+        'same rules (argument rules) to serve them as exported.',
+        UserWarning,
+        stacklevel=3,
+      )
+      return
 
 
 def _params(model, variables):

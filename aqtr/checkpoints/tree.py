@@ -48,7 +48,7 @@ from aqtr.rules import Rule
 from aqtr.tilings.per_channel import PerChannel
 from aqtr.tilings.subchannel import SubChannel
 
-__all__ = ['build', 'config_for', 'path_text', 'read_frozen']
+__all__ = ['build', 'config_for', 'path_text', 'read_frozen', 'with_weight']
 
 
 def path_text(path: tuple) -> str:
@@ -214,18 +214,66 @@ def from_stored(w: Stored, like: dict) -> dict:
   return codecs.encode_parts(out, numerics)
 
 
-def _rules(weights: dict) -> list:
+def with_weight(config, w: Stored):
+  """`config` (an op's, or None) serving the stored weight `w`: its
+  weight side (rhs) is `config_for(w)`'s, its input side (lhs) its own."""
+  base = config_for(w)
+  if config is None or config.is_float:
+    return base
+  rhs = base.fwd.rhs
+  return dataclasses.replace(
+    config,
+    fwd=dataclasses.replace(config.fwd, rhs=rhs),
+    dlhs=dataclasses.replace(config.dlhs, rhs=rhs),
+  )
+
+
+def _rules(weights: dict, model, rules, args, kwargs, variables) -> list:
+  """The rules of the rebuilt model: each stored weight's op (by module
+  path, `weight=True`) and, given `rules` (the rules the model was
+  quantized by), every other op as those rules set it (ops without a
+  weight, e.g. attention under a rule without `weight=True`; ops whose
+  weight the checkpoint holds float, e.g. a head tied to the embedding)
+  and the input side of the stored weights' ops. Ops of one module are
+  told apart by kind and weight only."""
+  by_module = {path_text(p[:-1]): w for p, w in weights.items()}
+  ops: dict = {}  # (module, kind or None, weight) -> config
+  if rules is not None:
+    with warnings.catch_warnings():
+      warnings.simplefilter('ignore', UserWarning)  # Rules that set no op.
+      rep = serving.report(
+        quantize(model, rules), *args, variables=variables, **kwargs
+      )
+    for e in rep.ops:
+      module = e.path.rsplit('/', 1)[0]
+      w = by_module.get(module) if e.weight else None
+      if w is not None:
+        key, cfg = (module, None, True), with_weight(e.config, w)
+      elif not e.quantized:
+        continue
+      else:  # No weight, or one derived from a float tensor (tied heads).
+        key, cfg = (module, e.kind, bool(e.weight)), e.config
+      if ops.setdefault(key, cfg) != cfg:
+        raise CheckpointError(
+          f'{e.path}: the rules quantize ops of one module differently '
+          '(argument rules); load tells them apart by op kind only.'
+        )
+  for module, w in by_module.items():
+    ops.setdefault((module, None, True), config_for(w))
   by_cfg: dict = {}
-  for path, w in weights.items():
-    cfg = config_for(w)
-    by_cfg.setdefault(cfg, []).append(path_text(path[:-1]))
+  for (module, kind, weight), cfg in ops.items():
+    by_cfg.setdefault((cfg, kind, weight), []).append(module)
   return [
-    Rule(cfg, path='|'.join(re.escape(p) for p in paths))
-    for cfg, paths in by_cfg.items()
+    Rule(
+      cfg, path='|'.join(re.escape(p) for p in paths), op=kind, weight=weight
+    )
+    for (cfg, kind, weight), paths in by_cfg.items()
   ]
 
 
-def build(model, weights: dict, floats: dict, args, kwargs, variables=None):
+def build(
+  model, weights: dict, floats: dict, args, kwargs, variables=None, rules=None
+):
   """The serving model holding `weights` and `floats`, no float kernel made.
 
   Args:
@@ -235,16 +283,24 @@ def build(model, weights: dict, floats: dict, args, kwargs, variables=None):
     floats: {param path: array} of every other parameter.
     args, kwargs: sample inputs of one call (shapes matter).
     variables: linen: the (abstract) variables.
+    rules: the rules the exported model was quantized by (None: only the
+      stored weights' ops are quantized): they set every other op (e.g.
+      attention quantized by a rule without `weight=True`) and the input
+      side of the weight ops, so the model serves what was exported.
 
   Returns:
     nnx: the serving model. linen: (module, serving variables).
   """
-  q = quantize(model, _rules(weights))
+  q = quantize(model, _rules(weights, model, rules, args, kwargs, variables))
   host = hosts.of(q, variables, who='aqtr.checkpoints')
+
+  # A weight the checkpoint holds float (a head tied to the embedding)
+  # stays a parameter; its op (given rules) quantizes it when serving.
+  keep = '|'.join(re.escape(path_text(p)) for p in floats) or None
 
   def conv(h):
     out = serving.convert(
-      h.model, *args, variables=h.variables, check=False, **kwargs
+      h.model, *args, variables=h.variables, check=False, keep=keep, **kwargs
     )
     return hosts.served(out)
 
