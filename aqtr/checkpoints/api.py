@@ -35,7 +35,7 @@ from aqtr.checkpoints.stored import CheckpointError
 from aqtr.flax import hosts
 from aqtr.flax.quantized import spec_of
 
-__all__ = ['export', 'load', 'read']
+__all__ = ['export', 'load', 'qlora', 'read']
 
 
 def export(
@@ -170,6 +170,71 @@ def load(
       f'{left[0]}: no model parameter maps to this tensor (argument names).'
     )
   return tree.build(model, weights, floats, args, kwargs, variables, rules)
+
+
+def qlora(
+  model,
+  folder: str,
+  lora,
+  *args,
+  variables=None,
+  names='hf',
+  rules=None,
+  seed: int = 0,
+  **kwargs,
+):
+  """A quantized checkpoint as the frozen base of LoRA adapters (QLoRA).
+
+  `load`s the checkpoint (codes and scales, no float copy of a quantized
+  weight at any point) and attaches adapters (`aqtr.lora.attach`) to every
+  stored quantized weight, each with its own format as
+  `LoraConfig.base`: train them with `aqtr.lora.optimizer` /
+  `nnx_optimizer`, then `aqtr.lora.merge` (requantize='base': each
+  weight back in its checkpoint format) and `export` again.
+
+  Args:
+    model: a float nnx or linen Module, best abstract (`nnx.eval_shape`).
+    folder: a checkpoint folder.
+    lora: an `aqtr.lora.LoraConfig` (rank, alpha, dropout; its `base` is
+      set per weight from the checkpoint).
+    *args, **kwargs: sample inputs of one call.
+    variables, names, rules: as for `load`.
+    seed: PRNG seed of the adapters' A matrices.
+
+  Returns:
+    nnx: the LoRA model. linen: (LoRA module, variables).
+  """
+  import dataclasses  # noqa: PLC0415
+
+  from aqtr import lora as lora_lib  # noqa: PLC0415 (lora builds on flax)
+  from aqtr.rules import Rule  # noqa: PLC0415
+
+  if not isinstance(lora, lora_lib.LoraConfig):
+    raise TypeError(
+      f'aqtr.checkpoints.qlora: lora must be an aqtr.lora.LoraConfig, got '
+      f'{lora!r} (argument lora).'
+    )
+  served = load(
+    model,
+    folder,
+    *args,
+    variables=variables,
+    names=names,
+    rules=rules,
+    **kwargs,
+  )
+  host = hosts.served(served, who='aqtr.checkpoints.qlora')
+  pairs = [
+    (
+      Rule(path=r.path, op=r.op, weight=True),
+      dataclasses.replace(lora, base=r.config),
+    )
+    for r in spec_of(host.model).rules
+    if r.weight is True and r.config is not None
+  ]
+  return lora_lib.attach(
+    host.model, pairs, *args, variables=host.variables, seed=seed, **kwargs
+  )
 
 
 def _warn_activations(served) -> None:

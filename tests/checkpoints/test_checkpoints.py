@@ -30,7 +30,7 @@ class Mlp(nnx.Module):
 
 
 def _served(cfg):
-  return convert(quantize(Mlp(nnx.Rngs(0)), [Rule(cfg)]), X)
+  return convert(quantize(Mlp(nnx.Rngs(0)), [Rule(cfg, weight=True)]), X)
 
 
 def _abstract():
@@ -265,3 +265,51 @@ def test_docs_page_runs():
   ns = {'__name__': 'docs_checkpoints'}
   for i, block in enumerate(re.findall(r'```python\n(.*?)```', text, re.S)):
     exec(compile(block, f'docs/checkpoints.md block {i}', 'exec'), ns)
+
+
+def test_qlora_on_a_loaded_4bit_checkpoint_no_float_copy(tmp_path):
+  import optax
+
+  from aqtr import lora
+
+  served = served_by('int4_g16_asym')
+  ck.export(served, str(tmp_path))
+  model = ck.qlora(_abstract(), str(tmp_path), lora.LoraConfig(rank=4), X)
+  np.testing.assert_array_equal(model(X), served(X))  # B = 0: the base
+  # The bases are the checkpoint's codes: no float kernel, anywhere.
+  for m in (model.up, model.down):
+    assert type(m.kernel).__name__ == 'LoraKernel'
+  kernels = {(32, 64), (64, 16), (64, 32), (16, 64)}
+  for a in jax.tree.leaves(nnx.state(model)):
+    if jnp.issubdtype(jnp.result_type(a), jnp.floating):
+      assert tuple(jnp.shape(a)) not in kernels, jnp.shape(a)
+  opt = lora.nnx_optimizer(model, optax.adam(1e-3))
+
+  @nnx.jit
+  def step(model, opt):
+    def loss(m):
+      return jnp.mean((m(X) - 1.0) ** 2)
+
+    value, grads = nnx.value_and_grad(
+      loss, argnums=nnx.DiffState(0, lora.Adapter)
+    )(model)
+    opt.update(model, grads)
+    return value
+
+  losses = [float(step(model, opt)) for _ in range(5)]
+  assert losses[-1] < losses[0]
+  # Folded in float: the trained model's function (to rounding).
+  flat = lora.merge(model, X, requantize=None)
+  np.testing.assert_allclose(flat(X), model(X), rtol=1e-5, atol=1e-5)
+  merged = lora.merge(model, X)  # Back in each weight's checkpoint format.
+  again = tmp_path / 'merged'
+  ck.export(merged, str(again))
+  np.testing.assert_array_equal(
+    ck.load(_abstract(), str(again), X)(X), merged(X)
+  )
+
+
+def test_export_warns_when_rules_can_quantize_activations(tmp_path):
+  q = quantize(Mlp(nnx.Rngs(0)), [Rule(aqtr.presets.int8())])
+  with pytest.warns(UserWarning, match=r'rule 0 .* \(argument rules\)'):
+    ck.export(convert(q, X, check=False), str(tmp_path))
