@@ -72,12 +72,23 @@ def export(
   fn = naming.mapper(names)
   frozen, floats = tree.read_frozen(served, variables, bits)
   _warn_activations(served)
+  prefix, n = _stack(frozen)
   weights, tensors = {}, {}
   for path, w in frozen.items():
-    name = naming.module_name(naming.name_of(fn, path))
-    weights[name] = w
+    if isinstance(w, list):  # Stacked layers: one weight per layer.
+      for i, x in enumerate(w):
+        name = naming.stacked_name(names, path, i, len(prefix))
+        weights[naming.module_name(name)] = x
+      continue
+    weights[naming.module_name(naming.name_of(fn, path))] = w
   for path, a in floats.items():
     a = np.asarray(a)
+    if n and path[: len(prefix)] == prefix and a.ndim and a.shape[0] == n:
+      for i in range(n):
+        b = a[i].T if naming.transposed(path, a.ndim - 1) else a[i]
+        name = naming.stacked_name(names, path, i, len(prefix))
+        tensors[name] = np.ascontiguousarray(b)
+      continue
     if naming.transposed(path, a.ndim):
       a = a.T
     tensors[naming.name_of(fn, path)] = np.ascontiguousarray(a)
@@ -96,6 +107,28 @@ def export(
     'bytes': os.path.getsize(path),
     'path': path,
   }
+
+
+def _stack(frozen: dict) -> tuple[tuple, int]:
+  """(the scanned module's path, the layer count) of the stacked kernels
+  (((), 0) when none): their modules' common prefix (one module: its
+  parent)."""
+  mods = [p[:-1] for p, w in frozen.items() if isinstance(w, list)]
+  counts = {len(w) for w in frozen.values() if isinstance(w, list)}
+  if not mods:
+    return (), 0
+  if len(counts) > 1:
+    raise CheckpointError(
+      f'{tree.path_text(mods[0])}: stacks of {sorted(counts)} layers; a '
+      'checkpoint splits one scan over layers.'
+    )
+  prefix = mods[0] if len(set(mods)) > 1 else mods[0][:-1]
+  for m in mods:
+    k = 0
+    while k < min(len(prefix), len(m)) and prefix[k] == m[k]:
+      k += 1
+    prefix = prefix[:k]
+  return tuple(prefix), counts.pop()
 
 
 def read(folder: str) -> tuple[dict, dict, dict]:
@@ -151,9 +184,26 @@ def load(
   for path, like in _params(model, variables):
     name = naming.name_of(fn, path)
     mod = naming.module_name(name)
-    if str(path[-1]) == 'kernel' and mod in stored:
+    kernel = str(path[-1]) == 'kernel'
+    if kernel and mod in stored:
       weights[path] = stored[mod]
       used.add(mod)
+      continue
+    layers = (
+      None if name in rest else _layers(names, path, like, kernel, stored, rest)
+    )
+    if layers is not None:  # Stacked layers: one tensor per layer.
+      used.update(layers)
+      if kernel and layers[0] in stored:
+        weights[path] = [stored[m] for m in layers]
+      else:
+        one = len(like.shape) - 1
+        floats[path] = np.stack(
+          [
+            rest[m].T if naming.transposed(path, one) else rest[m]
+            for m in layers
+          ]
+        )
       continue
     if name not in rest:
       raise CheckpointError(
@@ -257,6 +307,26 @@ def _warn_activations(served) -> None:
         stacklevel=3,
       )
       return
+
+
+def _layers(names, path, like, kernel, stored, rest):
+  """The per-layer tensor (or module) names of a stacked parameter, or
+  None when the checkpoint holds no such layers."""
+  if not like.shape:
+    return None
+  n = like.shape[0]
+  hf = names is None or names == 'hf'
+  for at in range(1, len(path)) if hf else (0,):
+    try:
+      got = [naming.stacked_name(names, path, i, at) for i in range(n)]
+    except CheckpointError:
+      return None
+    mods = [naming.module_name(g) for g in got]
+    if kernel and all(m in stored for m in mods):
+      return mods
+    if all(g in rest for g in got):
+      return got
+  return None
 
 
 def _params(model, variables):

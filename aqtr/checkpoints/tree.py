@@ -48,7 +48,15 @@ from aqtr.rules import Rule
 from aqtr.tilings.per_channel import PerChannel
 from aqtr.tilings.subchannel import SubChannel
 
-__all__ = ['build', 'config_for', 'path_text', 'read_frozen', 'with_weight']
+__all__ = [
+  'build',
+  'config_for',
+  'from_stored',
+  'layers_of',
+  'path_text',
+  'read_frozen',
+  'with_weight',
+]
 
 
 def path_text(path: tuple) -> str:
@@ -160,7 +168,28 @@ def read_frozen(served, variables=None, bits=None) -> tuple[dict, dict]:
   frozen = {}
   for path, holder, shape in _holders(host):
     where = path_text(path)
-    frozen[path] = to_stored(_parts(holder, where), shape, where, bits)
+    parts = _parts(holder, where)
+    if codecs.packed_key(parts) in ('int4', 'uint4'):
+      parts = codecs.decode_parts(parts)
+    lead = jnp.ndim(parts.get('qvalue', 0)) - 4
+    if lead == 1:  # Stacked layers (scan): one Stored per layer.
+      n = jnp.shape(parts['qvalue'])[0]
+      frozen[path] = [
+        to_stored(
+          {k: v[i] if jnp.ndim(v) == 5 else v for k, v in parts.items()},
+          shape,
+          f'{where}[{i}]',
+          bits,
+        )
+        for i in range(n)
+      ]
+    elif lead > 1:
+      raise CheckpointError(
+        f'{where}: frozen codes of shape {jnp.shape(parts["qvalue"])} have '
+        f'{lead} stacked axes; a checkpoint splits one layer axis only.'
+      )
+    else:
+      frozen[path] = to_stored(parts, shape, where, bits)
   return frozen, host.params()
 
 
@@ -187,7 +216,42 @@ def config_for(w: Stored):
   )
 
 
-def from_stored(w: Stored, like: dict) -> dict:
+def layers_of(w, where: str) -> list:
+  """`w` (a Stored, or a list of them: stacked layers) as a list, checked
+  to share one format (bits, group size, symmetry)."""
+  ws = w if isinstance(w, list) else [w]
+  first = ws[0]
+  for i, x in enumerate(ws[1:], 1):
+    if (x.bits, x.group, x.symmetric) != (
+      first.bits,
+      first.group,
+      first.symmetric,
+    ):
+      raise CheckpointError(
+        f'{where}[{i}]: bits={x.bits} group={x.group} symmetric='
+        f'{x.symmetric}, but layer 0 has bits={first.bits} group='
+        f'{first.group} symmetric={first.symmetric}; stacked layers share '
+        'one format (fields bits, group_size, sym).'
+      )
+  return ws
+
+
+def from_stored(w, like: dict) -> dict:
+  """`w` (a Stored, or a list of them: stacked layers, stacked on a
+  leading axis) as holder parts shaped and typed like `like`."""
+  if not isinstance(w, list):
+    return _from_one(w, like)
+  n = jax.tree.leaves(like)[0].shape[0]
+  if len(w) != n:
+    raise CheckpointError(
+      f'{len(w)} layers in the checkpoint, the model stacks {n}.'
+    )
+  one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), like)
+  layers = [_from_one(x, one) for x in w]
+  return jax.tree.map(lambda *a: jnp.stack(a), *layers)
+
+
+def _from_one(w: Stored, like: dict) -> dict:
   """`w` as holder parts shaped and typed like the skeleton's `like`
   (stored through the codec of `config_for(w)`'s numerics)."""
   numerics = config_for(w).fwd.rhs.numerics
@@ -236,7 +300,9 @@ def _rules(weights: dict, model, rules, args, kwargs, variables) -> list:
   weight the checkpoint holds float, e.g. a head tied to the embedding)
   and the input side of the stored weights' ops. Ops of one module are
   told apart by kind and weight only."""
-  by_module = {path_text(p[:-1]): w for p, w in weights.items()}
+  by_module = {
+    path_text(p[:-1]): layers_of(w, path_text(p))[0] for p, w in weights.items()
+  }
   ops: dict = {}  # (module, kind or None, weight) -> config
   if rules is not None:
     with warnings.catch_warnings():

@@ -1,5 +1,6 @@
 """aqtr.checkpoints without the reference packages: round trips, bad input."""
 
+import functools
 import json
 
 import flax.linen as nn
@@ -313,3 +314,71 @@ def test_export_warns_when_rules_can_quantize_activations(tmp_path):
   q = quantize(Mlp(nnx.Rngs(0)), [Rule(aqtr.presets.int8())])
   with pytest.warns(UserWarning, match=r'rule 0 .* \(argument rules\)'):
     ck.export(convert(q, X, check=False), str(tmp_path))
+
+
+class _Block(nn.Module):
+  @nn.compact
+  def __call__(self, x, _):
+    h = nn.Dense(64, name='up')(nn.LayerNorm(name='norm')(x))
+    return x + nn.Dense(32, name='down')(jax.nn.relu(h)), None
+
+
+class _Scanned(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    stack = nn.scan(
+      _Block,
+      variable_axes={'params': 0},
+      split_rngs={'params': True},
+      length=3,
+    )
+    x, _ = stack(name='layers')(x, None)
+    return nn.Dense(8, name='head')(x)
+
+
+@functools.cache
+def _scanned_served():
+  cfg = aqtr.presets.int4_asym_weight_only(group=16)
+  q = quantize(_Scanned(), [Rule(cfg, weight=True)])
+  v = q.init(jax.random.key(0), X)
+  module, sv = convert(q, X, variables=v, check=False)
+  abstract = jax.eval_shape(_Scanned().init, jax.random.key(0), X)
+  return module, sv, abstract
+
+
+def test_stacked_layers_split_per_layer_and_stack_back(tmp_path):
+  module, sv, abstract = _scanned_served()
+  info = ck.export(module, str(tmp_path), variables=sv, format='gptq')
+  assert info['quantized'] == 7  # 3 layers x (up, down) + head
+  t = files.read(str(tmp_path / files.WEIGHTS))
+  for i in range(3):
+    assert {f'layers.{i}.up.qweight', f'layers.{i}.norm.weight'} <= set(t)
+  assert t['layers.2.down.qweight'].shape == (64 // 8, 32)
+  m2, sv2 = ck.load(_Scanned(), str(tmp_path), X, variables=abstract)
+  np.testing.assert_array_equal(m2.apply(sv2, X), module.apply(sv, X))
+
+
+@pytest.mark.slow
+def test_stacked_layers_user_name_map(tmp_path):
+  module, sv, abstract = _scanned_served()
+  # A user map writes '{layer}' where the index goes.
+  names = {
+    'layers/up/kernel': 'model.layers.{layer}.fc1.weight',
+    'layers/up/bias': 'model.layers.{layer}.fc1.bias',
+    'layers/down/kernel': 'model.layers.{layer}.fc2.weight',
+    'layers/down/bias': 'model.layers.{layer}.fc2.bias',
+    'layers/norm/scale': 'model.layers.{layer}.ln.weight',
+    'layers/norm/bias': 'model.layers.{layer}.ln.bias',
+    'head/kernel': 'lm_head.weight',
+    'head/bias': 'lm_head.bias',
+  }
+  user = tmp_path
+  ck.export(module, str(user), variables=sv, names=names)
+  assert 'model.layers.1.fc2.weight_packed' in files.read(
+    str(user / files.WEIGHTS)
+  )
+  m3, sv3 = ck.load(_Scanned(), str(user), X, variables=abstract, names=names)
+  np.testing.assert_array_equal(m3.apply(sv3, X), module.apply(sv, X))
+  bad = dict(names, **{'layers/up/kernel': 'model.fc1.weight'})
+  with pytest.raises(ck.CheckpointError, match=r'^layers/up/kernel: a stac'):
+    ck.export(module, str(user), variables=sv, names=bad)
