@@ -382,3 +382,42 @@ def test_stacked_layers_user_name_map(tmp_path):
   bad = dict(names, **{'layers/up/kernel': 'model.fc1.weight'})
   with pytest.raises(ck.CheckpointError, match=r'^layers/up/kernel: a stac'):
     ck.export(module, str(user), variables=sv, names=bad)
+
+
+class _NnxBlock(nnx.Module):
+  def __init__(self, rngs):
+    self.up = nnx.Linear(32, 64, rngs=rngs)
+    self.down = nnx.Linear(64, 32, rngs=rngs)
+
+  def __call__(self, x):
+    return x + self.down(jax.nn.relu(self.up(x)))
+
+
+class _NnxScanned(nnx.Module):
+  def __init__(self, rngs):
+    @nnx.split_rngs(splits=3)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make(rngs):
+      return _NnxBlock(rngs)
+
+    self.layers = make(rngs)
+    self.head = nnx.Linear(32, 8, rngs=rngs)
+
+  def __call__(self, x):
+    @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+    def body(block, x):
+      return block(x)
+
+    return self.head(body(self.layers, x))
+
+
+def test_nnx_vmapped_layers_round_trip(tmp_path):
+  cfg = aqtr.presets.int4_weight_only()
+  q = quantize(_NnxScanned(nnx.Rngs(0)), [Rule(cfg, weight=True)])
+  served = convert(q, X, check=False)
+  assert ck.export(served, str(tmp_path))['quantized'] == 7
+  assert 'layers.2.up.weight_packed' in files.read(
+    str(tmp_path / files.WEIGHTS)
+  )
+  model = nnx.eval_shape(lambda: _NnxScanned(nnx.Rngs(0)))
+  np.testing.assert_array_equal(ck.load(model, str(tmp_path), X)(X), served(X))
