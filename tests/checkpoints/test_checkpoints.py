@@ -421,3 +421,50 @@ def test_nnx_vmapped_layers_round_trip(tmp_path):
   )
   model = nnx.eval_shape(lambda: _NnxScanned(nnx.Rngs(0)))
   np.testing.assert_array_equal(ck.load(model, str(tmp_path), X)(X), served(X))
+
+
+@pytest.fixture(scope='module')
+def gptq_folder(tmp_path_factory):
+  d = tmp_path_factory.mktemp('gptq')
+  ck.export(served_by('int4_g16_asym'), str(d), format='gptq')
+  return d
+
+
+BAD_GPTQ = {
+  'bits': (
+    lambda qc: qc.update(bits=8),
+    r'^(up|down)\.scales: shape \(\d+, \d+\), but group_size=16 and bits=8',
+  ),
+  'group size': (
+    lambda qc: qc.update(group_size=32),
+    r'^(up|down)\.scales: shape .* group_size=32',
+  ),
+  'symmetry': (
+    lambda qc: qc.update(sym=True),
+    r'^(up|down)\.qzeros: quantization_config\.sym=true',
+  ),
+  'bits unsupported': (
+    lambda qc: qc.update(bits=3),
+    r'^quantization_config: bits=3; the gptq layout',
+  ),
+}
+
+
+@pytest.mark.parametrize('case', sorted(BAD_GPTQ))
+def test_bad_gptq_config_one_line(gptq_folder, tmp_path, case):
+  edit, msg = BAD_GPTQ[case]
+  d = _broken(gptq_folder, tmp_path, None, edit)
+  with pytest.raises(ck.CheckpointError, match=msg) as e:
+    ck.load(_abstract(), d, X)
+  assert '\n' not in str(e.value)
+
+
+def test_load_name_map_leaving_a_parameter_unmapped(folder):
+  names = {
+    'up/kernel': 'up.weight',
+    'up/bias': 'up.bias',
+    'down/kernel': 'down.weight',
+    'norm/scale': 'norm.weight',
+  }
+  with pytest.raises(ck.CheckpointError, match=r'^norm/bias: the name map'):
+    ck.load(_abstract(), str(folder), X, names=names)
