@@ -9,7 +9,7 @@ Example:
   >>> from flax import nnx
   >>> from aqtr.flax import convert, quantize
   >>> q = quantize(nnx.Linear(32, 8, rngs=nnx.Rngs(0)),
-  ...              [aqtr.rules.Rule(aqtr.presets.int4_weight_only())])
+  ...     [aqtr.rules.Rule(aqtr.presets.int4_weight_only(), weight=True)])
   >>> x = jnp.ones((2, 32))
   >>> served = convert(q, x)
   >>> d = tempfile.mkdtemp()
