@@ -96,10 +96,12 @@ def _fewest_bits(lo: int, hi: int, unsigned: bool) -> int:
 
 def to_stored(parts: dict, shape: tuple, where: str, bits=None) -> Stored:
   """A holder's parts (the 'kf' view of a [d_in, d_out] kernel) as Stored."""
-  if codecs.packed_key(parts) in ('table4', 'e2m1'):
+  if codecs.packed_key(parts) == 'e2m1':
+    return _mx_stored(parts, shape, where)
+  if codecs.packed_key(parts) == 'table4':
     raise CheckpointError(
-      f'{where}: codes of a float format (nf4, NVFP4, MXFP4) have no int '
-      'layout here; export int weights.'
+      f'{where}: codes of a codebook (nf4) have no layout here; export '
+      'int or MXFP4 weights.'
     )
   parts = codecs.decode_parts(parts)  # Packed int4 codes -> int8.
   q = parts['qvalue']
@@ -154,6 +156,28 @@ def to_stored(parts: dict, shape: tuple, where: str, bits=None) -> Stored:
   )
 
 
+def _mx_stored(parts: dict, shape: tuple, where: str) -> Stored:
+  """E2M1 codes with power-of-two scales in groups of 32 (MXFP4)."""
+  packed = parts['e2m1']
+  q = np.asarray(codecs.unpack(packed, 4, 2 * jnp.shape(packed)[-1]))
+  d_in, d_out = shape
+  n = q.shape[1]
+  scale = np.broadcast_to(
+    np.asarray(parts['scale'], np.float32), (1, n, 1, d_out)
+  ).reshape(n, d_out)
+  m, _ = np.frexp(scale)
+  if not (m == 0.5).all() or q.shape[2] != 32:
+    raise CheckpointError(
+      f'{where}: E2M1 codes with scales that are not powers of two in '
+      f'groups of 32 (NVFP4: e4m3 x f32 scales in groups of 16) are not '
+      'exported yet; export MXFP4 (presets.mxfp4_weight_only) or int '
+      'weights.'
+    )
+  return Stored(
+    q=q.reshape(d_in, d_out), scale=scale, bits=4, group=32, kind='mxfp4'
+  )
+
+
 def read_frozen(served, variables=None, bits=None) -> tuple[dict, dict]:
   """({path: Stored} of the frozen kernels, {path: array} of the floats).
 
@@ -195,6 +219,8 @@ def read_frozen(served, variables=None, bits=None) -> tuple[dict, dict]:
 
 def config_for(w: Stored):
   """The weight-only DotGeneralConfig whose frozen values hold `w`."""
+  if w.kind == 'mxfp4':
+    return presets.mxfp4_weight_only()
   if w.zero is None:
     numerics = IntSymmetric(
       bits=w.bits, storage='int4' if w.bits <= 4 else 'int8'
@@ -222,7 +248,8 @@ def layers_of(w, where: str) -> list:
   ws = w if isinstance(w, list) else [w]
   first = ws[0]
   for i, x in enumerate(ws[1:], 1):
-    if (x.bits, x.group, x.symmetric) != (
+    if (x.kind, x.bits, x.group, x.symmetric) != (
+      first.kind,
       first.bits,
       first.group,
       first.symmetric,
@@ -262,6 +289,10 @@ def _from_one(w: Stored, like: dict) -> dict:
       f'codes [{w.d_in}, {w.d_out}] in groups of {w.group} do not fit the '
       f'model view {qs.shape}.'
     )
+  if w.kind == 'mxfp4':
+    scale = w.scale.astype(np.float32).reshape(like['scale'].shape)
+    codes = jnp.asarray(w.q.astype(np.uint8).reshape(qs.shape))
+    return {'e2m1': codecs.pack(codes, 4), 'scale': jnp.asarray(scale)}
   q = w.q.astype(np.int16)
   zero = None if w.zero is None else w.zero.astype(np.float32)
   if jnp.dtype(qs.dtype) == jnp.uint8:

@@ -468,3 +468,19 @@ def test_load_name_map_leaving_a_parameter_unmapped(folder):
   }
   with pytest.raises(ck.CheckpointError, match=r'^norm/bias: the name map'):
     ck.load(_abstract(), str(folder), X, names=names)
+
+
+def test_mxfp4_round_trip_and_int_layouts_refuse_it(tmp_path):
+  cfg = aqtr.presets.mxfp4_weight_only()
+  served = convert(
+    quantize(nnx.Linear(64, 32, rngs=nnx.Rngs(0)), [Rule(cfg, weight=True)]),
+    jnp.eye(64),
+    check=False,
+  )
+  ck.export(served, str(tmp_path))
+  model = nnx.eval_shape(lambda: nnx.Linear(64, 32, rngs=nnx.Rngs(0)))
+  x = jax.random.normal(jax.random.key(0), (2, 64))
+  np.testing.assert_array_equal(ck.load(model, str(tmp_path), x)(x), served(x))
+  for fmt in ('gptq', 'awq'):
+    with pytest.raises(ck.CheckpointError, match=rf'^weight: mxfp4 .* {fmt}'):
+      ck.export(served, str(tmp_path / fmt), format=fmt)
