@@ -34,10 +34,13 @@ from __future__ import annotations
 import dataclasses
 import re
 
+import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 
 from aqtr.checkpoints.layouts import Layout, modules, need, register, shape_is
 from aqtr.checkpoints.stored import CheckpointError, Stored, pack, unpack
+from aqtr.core import codecs
 
 __all__ = ['CompressedTensors']
 
@@ -229,13 +232,13 @@ def _decode_one(tensors: dict, m: str, args: dict) -> Stored:
 def _encode_mx(name: str, w: Stored) -> dict:
   """MXFP4 (`mxfp4-pack-quantized`): E2M1 codes two per uint8 along d_in
   (low nibble first) as `weight_packed` [d_out, d_in / 2], E8M0 scales
-  (uint8 exponent + 127) as `weight_scale` [d_out, d_in / 32]; no
+  (the biased exponent byte) as `weight_scale` [d_out, d_in / 32]; no
   `weight_shape` (compressed-tensors writes none for this format)."""
-  q = w.q.T.astype(np.uint8)  # [d_out, d_in]
-  exp = np.frexp(w.scale.astype(np.float32))[1] - 1  # scale = 2^exp
+  q = jnp.asarray(np.ascontiguousarray(w.q.T.astype(np.uint8)))
+  e8m0 = w.scale.astype(np.float32).T.astype(ml_dtypes.float8_e8m0fnu)
   return {
-    f'{name}.weight_packed': (q[:, 0::2] | (q[:, 1::2] << 4)).astype(np.uint8),
-    f'{name}.weight_scale': (exp.T + 127).astype(np.uint8),
+    f'{name}.weight_packed': np.asarray(codecs.pack(q, 4)),
+    f'{name}.weight_scale': np.ascontiguousarray(e8m0).view(np.uint8),
   }
 
 
@@ -267,9 +270,9 @@ def _decode_mx(tensors: dict, m: str, args: dict) -> Stored:
       f'{m}.weight_packed: MXFP4 codes and E8M0 scales are uint8, got '
       f'{p.dtype} and {np.asarray(scale).dtype} (field {where}.scale_dtype).'
     )
-  q = np.empty((d_out, d_in), np.uint8)
-  q[:, 0::2], q[:, 1::2] = p & 15, p >> 4
-  s = np.ldexp(np.float32(1), np.asarray(scale).astype(np.int32) - 127)
+  q = np.asarray(codecs.unpack(jnp.asarray(p), 4, d_in))
+  e8m0 = np.ascontiguousarray(scale).view(ml_dtypes.float8_e8m0fnu)
+  s = e8m0.astype(np.float32)
   return Stored(
     q=np.ascontiguousarray(q.T),
     scale=np.ascontiguousarray(s.astype(np.float32).T),
