@@ -77,6 +77,12 @@ def _parts(holder, where: str) -> dict:
     for e in op.values()
     if isinstance(e, dict) and 'rhs' in e
   ]
+  if not found:
+    raise CheckpointError(
+      f"{where}: read only through a derived weight (e.g. GPT-2's "
+      '`kernel.transpose()`), whose frozen values sit in the op store; a '
+      'checkpoint stores the parameter itself: not exportable yet.'
+    )
   if len(found) != 1:
     raise CheckpointError(
       f'{where}: read by {len(found)} quantized ops; a checkpoint stores '
