@@ -5,6 +5,8 @@
   load(model, folder, *sample)         such a checkpoint -> a serving
                                        model (frozen int codes, no float
                                        copy of a quantized weight)
+  qlora(model, folder, lora, *sample)  such a checkpoint as the frozen
+                                       base of LoRA adapters (QLoRA)
   read(folder)                         the stored weights, floats, config
   layouts                              'compressed_tensors' (pack-quantized),
                                        'gptq', 'awq' (`layouts.names()`)
@@ -27,7 +29,7 @@ except ImportError as e:
   raise extras.missing('flax', 'aqtr.checkpoints', e) from e
 
 from aqtr.checkpoints import awq, compressed, gptq  # noqa: E402, F401
-from aqtr.checkpoints.api import export, load, read  # noqa: E402
+from aqtr.checkpoints.api import export, load, qlora, read  # noqa: E402
 from aqtr.checkpoints.awq import Awq  # noqa: E402
 from aqtr.checkpoints.compressed import CompressedTensors  # noqa: E402
 from aqtr.checkpoints.gptq import Gptq  # noqa: E402
@@ -45,5 +47,6 @@ __all__ = [
   'layout',
   'load',
   'names',
+  'qlora',
   'read',
 ]

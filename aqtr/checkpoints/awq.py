@@ -61,6 +61,11 @@ class Awq(Layout):
   def encode(self, weights):
     tensors, kinds = {}, set()
     for name, w in weights.items():
+      if w.kind != 'int':
+        raise CheckpointError(
+          f'{name}: {w.kind} codes have no awq layout; export them with '
+          "format='compressed-tensors'."
+        )
       if w.bits != 4 or w.d_out % 8:
         raise CheckpointError(
           f'{name}: the awq layout holds 4-bit codes with d_out a multiple '

@@ -34,12 +34,18 @@ from __future__ import annotations
 import dataclasses
 import re
 
+import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 
 from aqtr.checkpoints.layouts import Layout, modules, need, register, shape_is
 from aqtr.checkpoints.stored import CheckpointError, Stored, pack, unpack
+from aqtr.core import codecs
 
 __all__ = ['CompressedTensors']
+
+# Stored.kind -> the compressed-tensors format of its config groups.
+FORMATS = {'int': 'pack-quantized', 'mxfp4': 'mxfp4-pack-quantized'}
 
 _SUFFIXES = (
   'weight_packed',
@@ -59,6 +65,10 @@ class CompressedTensors(Layout):
   def encode(self, weights):
     tensors, groups = {}, {}
     for name, w in weights.items():
+      if w.kind == 'mxfp4':
+        tensors.update(_encode_mx(name, w))
+        groups.setdefault(('mxfp4', 4, True, 32), []).append(name)
+        continue
       off = 2 ** (w.bits - 1)
       qt = (w.q.astype(np.int16) + off).T
       tensors[f'{name}.weight_packed'] = pack(qt, w.bits, axis=1)
@@ -67,15 +77,17 @@ class CompressedTensors(Layout):
       if w.zero is not None:
         zt = (w.zero.astype(np.int16) + off).T
         tensors[f'{name}.weight_zero_point'] = pack(zt, w.bits, axis=0)
-      key = (w.bits, w.symmetric, 0 if w.channelwise else w.group)
+      key = ('int', w.bits, w.symmetric, 0 if w.channelwise else w.group)
       groups.setdefault(key, []).append(name)
-    config_groups = {}
-    for i, ((bits, sym, g), targets) in enumerate(sorted(groups.items())):
+    config_groups, formats = {}, set()
+    for i, ((kind, bits, sym, g), targets) in enumerate(sorted(groups.items())):
+      fmt = FORMATS[kind]
+      formats.add(fmt)
       config_groups[f'group_{i}'] = {
         'targets': sorted(targets),
         'weights': {
           'num_bits': bits,
-          'type': 'int',
+          'type': 'float' if kind == 'mxfp4' else 'int',
           'symmetric': sym,
           'strategy': 'group' if g else 'channel',
           'group_size': g or None,
@@ -85,11 +97,11 @@ class CompressedTensors(Layout):
         },
         'input_activations': None,
         'output_activations': None,
-        'format': 'pack-quantized',
+        'format': fmt,
       }
     qc = {
       'quant_method': self.quant_method,
-      'format': 'pack-quantized',
+      'format': formats.pop() if len(formats) == 1 else 'mixed-precision',
       'quantization_status': 'compressed',
       'config_groups': config_groups,
       'ignore': [],
@@ -99,18 +111,28 @@ class CompressedTensors(Layout):
 
   def decode(self, tensors, config):
     tensors = dict(tensors)
-    fmt = config.get('format')
-    if fmt != 'pack-quantized':
+    top = config.get('format')
+    readable = (*FORMATS.values(), 'mixed-precision')
+    if top not in readable:
       raise CheckpointError(
-        f'quantization_config.format: {fmt!r} is not supported; aqtr reads '
-        "'pack-quantized'."
+        f'quantization_config.format: {top!r} is not supported; aqtr reads '
+        f'{readable}.'
       )
     groups = config.get('config_groups') or {}
     found = modules(tensors, '.weight_packed')
     out = {}
     for m in found:
       args = _scheme(groups, m)
-      out[m] = _decode_one(tensors, m, args)
+      fmt = args.get('_format') or top
+      if fmt == FORMATS['mxfp4']:
+        out[m] = _decode_mx(tensors, m, args)
+      elif fmt == FORMATS['int']:
+        out[m] = _decode_one(tensors, m, args)
+      else:
+        raise CheckpointError(
+          f'{m}.weight_packed: config_groups.{args["_group"]}.format='
+          f'{fmt!r} is not supported; aqtr reads {tuple(FORMATS.values())}.'
+        )
     return out, tensors
 
 
@@ -130,7 +152,7 @@ def _scheme(groups: dict, module: str) -> dict:
             f'{module}: config group {gname} has no weights args (field '
             f'config_groups.{gname}.weights).'
           )
-        return dict(w, _group=gname)
+        return dict(w, _group=gname, _format=g.get('format'))
   raise CheckpointError(
     f'{module}.weight_packed: no config group targets this module (field '
     'quantization_config.config_groups.*.targets).'
@@ -205,3 +227,56 @@ def _decode_one(tensors: dict, m: str, args: dict) -> Stored:
     group=group,
   )
   return w
+
+
+def _encode_mx(name: str, w: Stored) -> dict:
+  """MXFP4 (`mxfp4-pack-quantized`): E2M1 codes two per uint8 along d_in
+  (low nibble first) as `weight_packed` [d_out, d_in / 2], E8M0 scales
+  (the biased exponent byte) as `weight_scale` [d_out, d_in / 32]; no
+  `weight_shape` (compressed-tensors writes none for this format)."""
+  q = jnp.asarray(np.ascontiguousarray(w.q.T.astype(np.uint8)))
+  e8m0 = w.scale.astype(np.float32).T.astype(ml_dtypes.float8_e8m0fnu)
+  return {
+    f'{name}.weight_packed': np.asarray(codecs.pack(q, 4)),
+    f'{name}.weight_scale': np.ascontiguousarray(e8m0).view(np.uint8),
+  }
+
+
+def _decode_mx(tensors: dict, m: str, args: dict) -> Stored:
+  where = f'config_groups.{args["_group"]}.weights'
+  if (
+    args.get('type') != 'float'
+    or args.get('num_bits') != 4
+    or args.get('group_size') != 32
+  ):
+    raise CheckpointError(
+      f'{m}.weight_packed: {where} type={args.get("type")!r} num_bits='
+      f'{args.get("num_bits")!r} group_size={args.get("group_size")!r}; '
+      "MXFP4 is type='float', num_bits=4, group_size=32."
+    )
+  packed = need(tensors, f'{m}.weight_packed', 'the codes')
+  scale = need(tensors, f'{m}.weight_scale', 'the scales')
+  d_out, d_in = packed.shape[0], 2 * packed.shape[1]
+  shape = tensors.pop(f'{m}.weight_shape', None)  # compressed-tensors: none
+  if shape is not None:
+    d_out, d_in = (int(v) for v in np.asarray(shape).reshape(-1)[:2])
+    shape_is(packed, (d_out, d_in // 2), f'{m}.weight_packed', 'weight_shape')
+  shape_is(
+    scale, (d_out, d_in // 32), f'{m}.weight_scale', f'{where}.group_size=32'
+  )
+  p = np.asarray(packed)
+  if p.dtype != np.uint8 or np.asarray(scale).dtype != np.uint8:
+    raise CheckpointError(
+      f'{m}.weight_packed: MXFP4 codes and E8M0 scales are uint8, got '
+      f'{p.dtype} and {np.asarray(scale).dtype} (field {where}.scale_dtype).'
+    )
+  q = np.asarray(codecs.unpack(jnp.asarray(p), 4, d_in))
+  e8m0 = np.ascontiguousarray(scale).view(ml_dtypes.float8_e8m0fnu)
+  s = e8m0.astype(np.float32)
+  return Stored(
+    q=np.ascontiguousarray(q.T),
+    scale=np.ascontiguousarray(s.astype(np.float32).T),
+    bits=4,
+    group=32,
+    kind='mxfp4',
+  )

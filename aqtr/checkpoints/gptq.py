@@ -82,6 +82,11 @@ class Gptq(Layout):
   def encode(self, weights):
     tensors, kinds = {}, set()
     for name, w in weights.items():
+      if w.kind != 'int':
+        raise CheckpointError(
+          f'{name}: {w.kind} codes have no gptq layout; export them with '
+          "format='compressed-tensors'."
+        )
       _check_bits(w.bits, name, 'bits')
       p = 32 // w.bits
       if w.d_in % p or w.d_out % p:

@@ -14,6 +14,12 @@ weight [d_out, d_in]. A quantized kernel is stored under its module name
 map is a dict {Flax path ('a/b/kernel'): tensor name} or a callable
 (Flax path) -> tensor name or None (None: unmapped, an error).
 
+Stacked layers (a scan over layers: parameters with a leading layer axis)
+are stored one tensor per layer under the standard names: 'hf' puts the
+layer index after the scanned module (`layers/mlp/up/kernel`, layer 2 ->
+`layers.2.mlp.up.weight`); a user map writes `{layer}` where it goes
+(`'model.layers.{layer}.mlp.up_proj.weight'`).
+
 Example:
   >>> tensor_name(('model', 'layers', 0, 'q_proj', 'kernel'))
   'model.layers.0.q_proj.weight'
@@ -25,7 +31,14 @@ from __future__ import annotations
 
 from aqtr.checkpoints.stored import CheckpointError
 
-__all__ = ['mapper', 'module_name', 'tensor_name', 'transposed']
+__all__ = [
+  'mapper',
+  'module_name',
+  'name_of',
+  'stacked_name',
+  'tensor_name',
+  'transposed',
+]
 
 _LEAVES = {'kernel': 'weight', 'scale': 'weight', 'embedding': 'weight'}
 
@@ -68,3 +81,28 @@ def name_of(fn, path: tuple) -> str:
       "(argument names); add it, or use names='hf'."
     )
   return name
+
+
+def stacked_name(names, path: tuple, layer: int, at: int) -> str:
+  """The name of layer `layer` of the stacked parameter at `path`.
+
+  Args:
+    names: the name map ('hf', dict or callable).
+    path: the parameter's path.
+    layer: the layer index.
+    at: 'hf': the index goes after `path[:at]` (the scanned module).
+
+  Returns:
+    'hf': the HF name of `path` with the index inserted; a user map: its
+    name with '{layer}' replaced by the index.
+  """
+  if names is None or names == 'hf':
+    return tensor_name((*path[:at], layer, *path[at:]))
+  name = name_of(mapper(names), path)
+  if '{layer}' not in name:
+    raise CheckpointError(
+      f'{"/".join(str(k) for k in path)}: a stacked parameter (one tensor '
+      f"per layer), but its name {name!r} has no '{{layer}}' (argument "
+      'names); write where the layer index goes.'
+    )
+  return name.replace('{layer}', str(layer))

@@ -35,7 +35,15 @@ import numpy as np
 
 from aqtr.core import codecs
 
-__all__ = ['CheckpointError', 'Stored', 'pack', 'unpack']
+__all__ = ['E2M1', 'KINDS', 'CheckpointError', 'Stored', 'pack', 'unpack']
+
+
+KINDS = ('int', 'mxfp4')
+# The value of each fp4 E2M1 code (sign bit 3, then the magnitude code).
+E2M1 = np.array(
+  [0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6],
+  np.float32,
+)
 
 
 class CheckpointError(ValueError):
@@ -52,6 +60,10 @@ class Stored:
     zero: int8 [groups, d_out] signed zero points, or None (symmetric).
     bits: 1..8.
     group: input rows per scale group (d_in: one group per channel).
+    kind: 'int' (the codes above) or 'mxfp4': `q` holds fp4 E2M1 codes
+      (uint8 0..15: sign bit 3, then the 3-bit magnitude code of
+      0, 0.5, 1, 1.5, 2, 3, 4, 6), `scale` powers of two (E8M0), groups
+      of 32, no zero point: w = e2m1(q) * scale.
   """
 
   q: np.ndarray
@@ -59,6 +71,7 @@ class Stored:
   zero: np.ndarray | None = None
   bits: int = 4
   group: int = 0
+  kind: str = 'int'
 
   def __post_init__(self):
     self.check('weight')
@@ -85,6 +98,13 @@ class Stored:
 
   def check(self, name: str) -> None:
     """Raises CheckpointError (one line naming `name` and the field)."""
+    if self.kind not in KINDS:
+      raise CheckpointError(
+        f'{name}: kind must be one of {KINDS}, got {self.kind!r}.'
+      )
+    if self.kind == 'mxfp4':
+      self._check_mx(name)
+      return
     b = self.bits
     if isinstance(b, bool) or not isinstance(b, int) or not 1 <= b <= 8:
       raise CheckpointError(f'{name}: bits must be in 1..8, got {b!r}.')
@@ -118,8 +138,34 @@ class Stored:
           f'the signed {b}-bit range [{lo}, {hi}] (field bits={b}).'
         )
 
+  def _check_mx(self, name: str) -> None:
+    if self.q.ndim != 2 or self.group != 32 or self.d_in % 32:
+      raise CheckpointError(
+        f'{name}: MXFP4 holds [d_in, d_out] codes in groups of 32 along '
+        f'd_in; got shape {self.q.shape}, group size {self.group}.'
+      )
+    if tuple(self.scale.shape) != (self.groups, self.d_out):
+      raise CheckpointError(
+        f'{name}: scale has shape {tuple(self.scale.shape)}, but groups of '
+        f'32 give {(self.groups, self.d_out)}.'
+      )
+    if self.zero is not None or (self.q.size and int(self.q.max()) > 15):
+      raise CheckpointError(
+        f'{name}: MXFP4 codes are 4-bit E2M1 (0..15) with no zero point.'
+      )
+    m, _ = np.frexp(np.asarray(self.scale, np.float32))
+    if not (m == 0.5).all():
+      raise CheckpointError(
+        f'{name}: MXFP4 scales must be powers of two (E8M0; field '
+        'weight_scale).'
+      )
+
   def dequant(self) -> np.ndarray:
     """The float32 weight [d_in, d_out] the codes serve."""
+    if self.kind == 'mxfp4':
+      v = E2M1[self.q.astype(np.int64)]
+      s = np.repeat(self.scale.astype(np.float32), self.group, axis=0)
+      return v * s
     v = self.q.astype(np.float32)
     s = np.repeat(self.scale.astype(np.float32), self.group, axis=0)
     if self.zero is not None:

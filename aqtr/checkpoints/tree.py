@@ -48,7 +48,15 @@ from aqtr.rules import Rule
 from aqtr.tilings.per_channel import PerChannel
 from aqtr.tilings.subchannel import SubChannel
 
-__all__ = ['build', 'config_for', 'path_text', 'read_frozen']
+__all__ = [
+  'build',
+  'config_for',
+  'from_stored',
+  'layers_of',
+  'path_text',
+  'read_frozen',
+  'with_weight',
+]
 
 
 def path_text(path: tuple) -> str:
@@ -69,6 +77,12 @@ def _parts(holder, where: str) -> dict:
     for e in op.values()
     if isinstance(e, dict) and 'rhs' in e
   ]
+  if not found:
+    raise CheckpointError(
+      f"{where}: read only through a derived weight (e.g. GPT-2's "
+      '`kernel.transpose()`), whose frozen values sit in the op store; a '
+      'checkpoint stores the parameter itself: not exportable yet.'
+    )
   if len(found) != 1:
     raise CheckpointError(
       f'{where}: read by {len(found)} quantized ops; a checkpoint stores '
@@ -88,10 +102,12 @@ def _fewest_bits(lo: int, hi: int, unsigned: bool) -> int:
 
 def to_stored(parts: dict, shape: tuple, where: str, bits=None) -> Stored:
   """A holder's parts (the 'kf' view of a [d_in, d_out] kernel) as Stored."""
-  if codecs.packed_key(parts) in ('table4', 'e2m1'):
+  if codecs.packed_key(parts) == 'e2m1':
+    return _mx_stored(parts, shape, where)
+  if codecs.packed_key(parts) == 'table4':
     raise CheckpointError(
-      f'{where}: codes of a float format (nf4, NVFP4, MXFP4) have no int '
-      'layout here; export int weights.'
+      f'{where}: codes of a codebook (nf4) have no layout here; export '
+      'int or MXFP4 weights.'
     )
   parts = codecs.decode_parts(parts)  # Packed int4 codes -> int8.
   q = parts['qvalue']
@@ -146,6 +162,28 @@ def to_stored(parts: dict, shape: tuple, where: str, bits=None) -> Stored:
   )
 
 
+def _mx_stored(parts: dict, shape: tuple, where: str) -> Stored:
+  """E2M1 codes with power-of-two scales in groups of 32 (MXFP4)."""
+  packed = parts['e2m1']
+  q = np.asarray(codecs.unpack(packed, 4, 2 * jnp.shape(packed)[-1]))
+  d_in, d_out = shape
+  n = q.shape[1]
+  scale = np.broadcast_to(
+    np.asarray(parts['scale'], np.float32), (1, n, 1, d_out)
+  ).reshape(n, d_out)
+  m, _ = np.frexp(scale)
+  if not (m == 0.5).all() or q.shape[2] != 32:
+    raise CheckpointError(
+      f'{where}: E2M1 codes with scales that are not powers of two in '
+      f'groups of 32 (NVFP4: e4m3 x f32 scales in groups of 16) are not '
+      'exported yet; export MXFP4 (presets.mxfp4_weight_only) or int '
+      'weights.'
+    )
+  return Stored(
+    q=q.reshape(d_in, d_out), scale=scale, bits=4, group=32, kind='mxfp4'
+  )
+
+
 def read_frozen(served, variables=None, bits=None) -> tuple[dict, dict]:
   """({path: Stored} of the frozen kernels, {path: array} of the floats).
 
@@ -160,12 +198,35 @@ def read_frozen(served, variables=None, bits=None) -> tuple[dict, dict]:
   frozen = {}
   for path, holder, shape in _holders(host):
     where = path_text(path)
-    frozen[path] = to_stored(_parts(holder, where), shape, where, bits)
+    parts = _parts(holder, where)
+    if codecs.packed_key(parts) in ('int4', 'uint4'):
+      parts = codecs.decode_parts(parts)
+    lead = jnp.ndim(parts.get('qvalue', 0)) - 4
+    if lead == 1:  # Stacked layers (scan): one Stored per layer.
+      n = jnp.shape(parts['qvalue'])[0]
+      frozen[path] = [
+        to_stored(
+          {k: v[i] if jnp.ndim(v) == 5 else v for k, v in parts.items()},
+          shape,
+          f'{where}[{i}]',
+          bits,
+        )
+        for i in range(n)
+      ]
+    elif lead > 1:
+      raise CheckpointError(
+        f'{where}: frozen codes of shape {jnp.shape(parts["qvalue"])} have '
+        f'{lead} stacked axes; a checkpoint splits one layer axis only.'
+      )
+    else:
+      frozen[path] = to_stored(parts, shape, where, bits)
   return frozen, host.params()
 
 
 def config_for(w: Stored):
   """The weight-only DotGeneralConfig whose frozen values hold `w`."""
+  if w.kind == 'mxfp4':
+    return presets.mxfp4_weight_only()
   if w.zero is None:
     numerics = IntSymmetric(
       bits=w.bits, storage='int4' if w.bits <= 4 else 'int8'
@@ -187,7 +248,43 @@ def config_for(w: Stored):
   )
 
 
-def from_stored(w: Stored, like: dict) -> dict:
+def layers_of(w, where: str) -> list:
+  """`w` (a Stored, or a list of them: stacked layers) as a list, checked
+  to share one format (bits, group size, symmetry)."""
+  ws = w if isinstance(w, list) else [w]
+  first = ws[0]
+  for i, x in enumerate(ws[1:], 1):
+    if (x.kind, x.bits, x.group, x.symmetric) != (
+      first.kind,
+      first.bits,
+      first.group,
+      first.symmetric,
+    ):
+      raise CheckpointError(
+        f'{where}[{i}]: bits={x.bits} group={x.group} symmetric='
+        f'{x.symmetric}, but layer 0 has bits={first.bits} group='
+        f'{first.group} symmetric={first.symmetric}; stacked layers share '
+        'one format (fields bits, group_size, sym).'
+      )
+  return ws
+
+
+def from_stored(w, like: dict) -> dict:
+  """`w` (a Stored, or a list of them: stacked layers, stacked on a
+  leading axis) as holder parts shaped and typed like `like`."""
+  if not isinstance(w, list):
+    return _from_one(w, like)
+  n = jax.tree.leaves(like)[0].shape[0]
+  if len(w) != n:
+    raise CheckpointError(
+      f'{len(w)} layers in the checkpoint, the model stacks {n}.'
+    )
+  one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), like)
+  layers = [_from_one(x, one) for x in w]
+  return jax.tree.map(lambda *a: jnp.stack(a), *layers)
+
+
+def _from_one(w: Stored, like: dict) -> dict:
   """`w` as holder parts shaped and typed like the skeleton's `like`
   (stored through the codec of `config_for(w)`'s numerics)."""
   numerics = config_for(w).fwd.rhs.numerics
@@ -198,6 +295,10 @@ def from_stored(w: Stored, like: dict) -> dict:
       f'codes [{w.d_in}, {w.d_out}] in groups of {w.group} do not fit the '
       f'model view {qs.shape}.'
     )
+  if w.kind == 'mxfp4':
+    scale = w.scale.astype(np.float32).reshape(like['scale'].shape)
+    codes = jnp.asarray(w.q.astype(np.uint8).reshape(qs.shape))
+    return {'e2m1': codecs.pack(codes, 4), 'scale': jnp.asarray(scale)}
   q = w.q.astype(np.int16)
   zero = None if w.zero is None else w.zero.astype(np.float32)
   if jnp.dtype(qs.dtype) == jnp.uint8:
@@ -214,18 +315,68 @@ def from_stored(w: Stored, like: dict) -> dict:
   return codecs.encode_parts(out, numerics)
 
 
-def _rules(weights: dict) -> list:
+def with_weight(config, w: Stored):
+  """`config` (an op's, or None) serving the stored weight `w`: its
+  weight side (rhs) is `config_for(w)`'s, its input side (lhs) its own."""
+  base = config_for(w)
+  if config is None or config.is_float:
+    return base
+  rhs = base.fwd.rhs
+  return dataclasses.replace(
+    config,
+    fwd=dataclasses.replace(config.fwd, rhs=rhs),
+    dlhs=dataclasses.replace(config.dlhs, rhs=rhs),
+  )
+
+
+def _rules(weights: dict, model, rules, args, kwargs, variables) -> list:
+  """The rules of the rebuilt model: each stored weight's op (by module
+  path, `weight=True`) and, given `rules` (the rules the model was
+  quantized by), every other op as those rules set it (ops without a
+  weight, e.g. attention under a rule without `weight=True`; ops whose
+  weight the checkpoint holds float, e.g. a head tied to the embedding)
+  and the input side of the stored weights' ops. Ops of one module are
+  told apart by kind and weight only."""
+  by_module = {
+    path_text(p[:-1]): layers_of(w, path_text(p))[0] for p, w in weights.items()
+  }
+  ops: dict = {}  # (module, kind or None, weight) -> config
+  if rules is not None:
+    with warnings.catch_warnings():
+      warnings.simplefilter('ignore', UserWarning)  # Rules that set no op.
+      rep = serving.report(
+        quantize(model, rules), *args, variables=variables, **kwargs
+      )
+    for e in rep.ops:
+      module = e.path.rsplit('/', 1)[0]
+      w = by_module.get(module) if e.weight else None
+      if w is not None:
+        key, cfg = (module, None, True), with_weight(e.config, w)
+      elif not e.quantized:
+        continue
+      else:  # No weight, or one derived from a float tensor (tied heads).
+        key, cfg = (module, e.kind, bool(e.weight)), e.config
+      if ops.setdefault(key, cfg) != cfg:
+        raise CheckpointError(
+          f'{e.path}: the rules quantize ops of one module differently '
+          '(argument rules); load tells them apart by op kind only.'
+        )
+  for module, w in by_module.items():
+    ops.setdefault((module, None, True), config_for(w))
   by_cfg: dict = {}
-  for path, w in weights.items():
-    cfg = config_for(w)
-    by_cfg.setdefault(cfg, []).append(path_text(path[:-1]))
+  for (module, kind, weight), cfg in ops.items():
+    by_cfg.setdefault((cfg, kind, weight), []).append(module)
   return [
-    Rule(cfg, path='|'.join(re.escape(p) for p in paths))
-    for cfg, paths in by_cfg.items()
+    Rule(
+      cfg, path='|'.join(re.escape(p) for p in paths), op=kind, weight=weight
+    )
+    for (cfg, kind, weight), paths in by_cfg.items()
   ]
 
 
-def build(model, weights: dict, floats: dict, args, kwargs, variables=None):
+def build(
+  model, weights: dict, floats: dict, args, kwargs, variables=None, rules=None
+):
   """The serving model holding `weights` and `floats`, no float kernel made.
 
   Args:
@@ -235,16 +386,24 @@ def build(model, weights: dict, floats: dict, args, kwargs, variables=None):
     floats: {param path: array} of every other parameter.
     args, kwargs: sample inputs of one call (shapes matter).
     variables: linen: the (abstract) variables.
+    rules: the rules the exported model was quantized by (None: only the
+      stored weights' ops are quantized): they set every other op (e.g.
+      attention quantized by a rule without `weight=True`) and the input
+      side of the weight ops, so the model serves what was exported.
 
   Returns:
     nnx: the serving model. linen: (module, serving variables).
   """
-  q = quantize(model, _rules(weights))
+  q = quantize(model, _rules(weights, model, rules, args, kwargs, variables))
   host = hosts.of(q, variables, who='aqtr.checkpoints')
+
+  # A weight the checkpoint holds float (a head tied to the embedding)
+  # stays a parameter; its op (given rules) quantizes it when serving.
+  keep = '|'.join(re.escape(path_text(p)) for p in floats) or None
 
   def conv(h):
     out = serving.convert(
-      h.model, *args, variables=h.variables, check=False, **kwargs
+      h.model, *args, variables=h.variables, check=False, keep=keep, **kwargs
     )
     return hosts.served(out)
 

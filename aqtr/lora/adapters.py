@@ -285,7 +285,9 @@ def attach(model, rules, *args, variables=None, seed: int = 0, **kwargs):
 
   Args:
     model: a float linen Module (unbound) or nnx Module (not changed), or
-      the Fiddle template of an `aqtr.pax` model (`aqtr.lora.pax.attach`).
+      the Fiddle template of an `aqtr.pax` model (`aqtr.lora.pax.attach`),
+      or a served model whose frozen weights are the bases as they are
+      (`aqtr.checkpoints.load`; see `aqtr.checkpoints.qlora`).
     rules: a LoraConfig (every weight op), {path regex: LoraConfig}, or
       (Rule, LoraConfig) pairs, first match wins (`lora_rules`).
     *args, **kwargs: sample inputs of one call (shapes matter).
@@ -314,17 +316,25 @@ def attach(model, rules, *args, variables=None, seed: int = 0, **kwargs):
       'float model, or fold these in first with aqtr.lora.merge(model, '
       '..., requantize=None) and attach to the merged model.'
     )
-  q = quantize(model, _base_rules(pairs))
   lspec = LoraSpec(
     tuple(s for s, _ in pairs), tuple(c for _, c in pairs), False
   )
-  got = hosts.of(q, variables)
-  if any(base_config(c.base) is not None for _, c in pairs):
+  served = getattr(type(model), 'aqtr_spec', None)
+  ready = served is not None and served.converted
+  if ready:
+    # A served model (`aqtr.checkpoints.load`): its frozen weights are the
+    # bases as they are (no float copy); `LoraConfig.base` names their
+    # format (`aqtr.checkpoints.qlora` sets it per weight).
+    got = hosts.served(model, variables, who='aqtr.lora.attach')
+  else:
+    got = hosts.of(quantize(model, _base_rules(pairs)), variables)
+  if not ready and any(base_config(c.base) is not None for _, c in pairs):
     with warnings.catch_warnings():
       warnings.simplefilter('ignore', UserWarning)
-      got = hosts.served(
-        serving.convert(q, *args, variables=variables, check=False, **kwargs)
+      out = serving.convert(
+        got.model, *args, variables=variables, check=False, **kwargs
       )
+      got = hosts.served(out)
   lora = hosts.of(with_spec(got.model, lspec), got.variables)
   found = sites(lora.model, *args, variables=lora.variables, **kwargs)
   key = jax.random.key(seed)

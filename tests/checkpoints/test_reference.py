@@ -25,6 +25,7 @@ ct_awq = pytest.importorskip(
 )
 
 from aqtr import checkpoints as ck  # noqa: E402
+from aqtr import presets as aqtr_presets  # noqa: E402
 from aqtr.checkpoints import files  # noqa: E402
 from aqtr.flax import convert, quantize  # noqa: E402
 from aqtr.ptq import quantize as ptq_quantize  # noqa: E402
@@ -210,3 +211,71 @@ def test_reference_checkpoint_loads_and_serves(
   )
   for k in theirs:
     assert torch.equal(mine[k], theirs[k]), k
+
+
+def _mx_scheme(qc):
+  cfg = ct_quant.QuantizationConfig.model_validate(qc)
+  (scheme,) = cfg.config_groups.values()
+  return scheme
+
+
+def test_reference_decompresses_aqtr_mxfp4_export_bit_for_bit(tmp_path):
+  from compressed_tensors.compressors.mxfp4.base import MXFP4PackedCompressor
+
+  cfg = aqtr_presets.mxfp4_weight_only()
+  served = convert(quantize(_linear(), [Rule(cfg, weight=True)]), EYE)
+  ck.export(served, str(tmp_path), names=lambda p: 'fc.weight')
+  qc = json.load(open(tmp_path / files.CONFIG))['quantization_config']
+  assert qc['format'] == 'mxfp4-pack-quantized'
+  t = st.load_file(str(tmp_path / files.WEIGHTS))
+  sd = {k[len('fc.') :]: v for k, v in t.items()}
+  ref = MXFP4PackedCompressor.decompress(sd, _mx_scheme(qc))['weight']
+  np.testing.assert_array_equal(ref.float().numpy().T, _weights(served))
+  back = ck.load(
+    nnx.eval_shape(_linear), str(tmp_path), EYE, names=lambda p: 'fc.weight'
+  )
+  np.testing.assert_array_equal(_weights(back), _weights(served))
+
+
+def test_reference_mxfp4_checkpoint_loads_and_serves(tmp_path):
+  from compressed_tensors.compressors.mxfp4.base import MXFP4PackedCompressor
+
+  torch.manual_seed(0)
+  w = torch.randn(D_OUT, D_IN, dtype=torch.float32)
+  args = ct_quant.QuantizationArgs(
+    num_bits=4,
+    type='float',
+    strategy='group',
+    group_size=32,
+    symmetric=True,
+    scale_dtype=torch.uint8,
+    zp_dtype=torch.uint8,
+  )
+  g = w.reshape(D_OUT, -1, 32)
+  scale, _ = ct_quant.utils.helpers.calculate_qparams(
+    g.amin(-1), g.amax(-1), args
+  )
+  scheme = ct_quant.QuantizationScheme(targets=['Linear'], weights=args)
+  out = MXFP4PackedCompressor.compress(
+    {'weight': w, 'weight_scale': scale}, scheme
+  )
+  tensors = {f'fc.{k}': v.contiguous() for k, v in out.items()}
+  st.save_file(tensors, str(tmp_path / files.WEIGHTS))
+  qc = ct_quant.QuantizationConfig(
+    config_groups={'group_0': scheme},
+    format='mxfp4-pack-quantized',
+    quantization_status='compressed',
+  ).to_dict()
+  json.dump({'quantization_config': qc}, open(tmp_path / files.CONFIG, 'w'))
+  ref = MXFP4PackedCompressor.decompress(out, scheme)['weight']
+  served = ck.load(
+    nnx.eval_shape(_linear), str(tmp_path), EYE, names=lambda p: 'fc.weight'
+  )
+  np.testing.assert_array_equal(ref.float().numpy().T, _weights(served))
+  # Exported again by aqtr: the reference's tensors, byte for byte.
+  again = tmp_path / 'again'
+  ck.export(served, str(again), names=lambda p: 'fc.weight')
+  mine = st.load_file(str(again / files.WEIGHTS))
+  assert sorted(mine) == sorted(tensors)
+  for k in tensors:
+    assert torch.equal(mine[k], tensors[k]), k
