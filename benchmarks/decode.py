@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import sys
 import time
 
@@ -43,6 +44,7 @@ import host
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 import aqtr
 import aqtr.flax.linen as aqtr_linen
@@ -79,6 +81,57 @@ def bandwidth() -> float:
       jax.block_until_ready(f(a))
       best = min(best, time.perf_counter() - t)
   return x.nbytes / best
+
+
+def dot_limit(
+  d_model: int, layers: int, batch: int, vocab: int = 256, rounds: int = 5
+) -> dict[str, float]:
+  """Seconds per step of the step's weight dots alone, as XLA:CPU runs them.
+
+  One jitted chain of the model's weight-dot shapes (q, k, v, o: d x d;
+  MLP: d x 4d, 4d x d; logits: d x vocab, per layer), each dot's output
+  feeding the next input, on fresh weights of the same bytes as the
+  model's: 'float' float32 dots of `batch` rows; 'int8' int8 x int8 ->
+  int32 dots of max(batch, 2) rows (the engine runs a one-row integer
+  dot as two). No quantization, attention or cache: the step time a cell
+  could reach with XLA:CPU's own dot kernels (min of `rounds`).
+  """
+  rng = np.random.default_rng(0)
+  shapes = [(d_model, d_model)] * 4 + [(d_model, 4 * d_model)]
+  shapes = shapes + [(4 * d_model, d_model)]
+  shapes = shapes * layers + [(d_model, vocab)]
+  rows = {'float': batch, 'int8': max(batch, 2)}
+  dtypes = {'float': jnp.float32, 'int8': jnp.int8}
+
+  def chain(x, ws):
+    for w in ws:
+      if x.shape[1] != w.shape[0]:  # Feeds the output back (any K).
+        x = jnp.tile(x, (1, w.shape[0] // x.shape[1] + 1))[:, : w.shape[0]]
+      y = lax.dot_general(
+        x, w, (((1,), (0,)), ((), ())), preferred_element_type=y_dtype(x)
+      )
+      x = y.astype(x.dtype)
+    return x
+
+  def y_dtype(x):
+    return jnp.int32 if x.dtype == jnp.int8 else jnp.float32
+
+  best = {}
+  calls = {}
+  for kind, dt in dtypes.items():
+    ws = [jnp.asarray(rng.integers(-127, 128, s), dt) for s in shapes]
+    x = jnp.ones((rows[kind], d_model), dt)
+    calls[kind] = (jax.jit(chain).lower(x, ws).compile(), x, ws)
+    best[kind] = float('inf')
+  for _ in range(rounds):
+    for kind, (f, x, ws) in calls.items():
+      jax.block_until_ready(f(x, ws))
+      t = time.perf_counter()
+      for _ in range(10):
+        out = f(x, ws)
+      jax.block_until_ready(out)
+      best[kind] = min(best[kind], (time.perf_counter() - t) / 10)
+  return best
 
 
 def _frozen(template, params, config, x):
@@ -159,7 +212,9 @@ def main() -> None:
         best[cell] = (out, w)
     print(f'round {r + 1}/{args.rounds} done', flush=True)
   bw = bandwidth()
+  dots = {b: dot_limit(args.d_model, args.layers, b) for b in args.batches}
   print(f'memory bandwidth: {bw / 1e9:.1f} GB/s (256 MiB sum)')
+  print(f'load average (1, 5, 15 min): {os.getloadavg()}')
   print(
     f'\nd_model {args.d_model}, {args.layers} layers, {args.heads} heads; '
     f'{args.steps} decode steps per cell; min of {args.rounds} rounds\n'
@@ -183,6 +238,15 @@ def main() -> None:
           f'{out.kv_bytes / base.kv_bytes:.3f} | {limit:.0f} | '
           f'{out.tokens_per_s / limit:.2f} |'
         )
+  print(
+    "\nWeight dots alone (`dot_limit`: the step's weight-dot shapes "
+    'chained, no quantization, attention or cache):\n'
+  )
+  print('| batch | float dots ms | int8 dots ms | int8 dots x float |')
+  print('|---|---|---|---|')
+  for b in args.batches:
+    f, i = dots[b]['float'], dots[b]['int8']
+    print(f'| {b} | {1e3 * f:.2f} | {1e3 * i:.2f} | {f / i:.2f} |')
 
 
 if __name__ == '__main__':
