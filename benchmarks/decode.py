@@ -13,7 +13,9 @@ on them). Rows:
   int8 w + int8 kv dots  int8 cache, QK^T and PV as int8 x int8 dots
   int8 w + int4 kv     int4 cache (packed), dequantized
   int4 w + int8 kv     int4 weights (`presets.int4_weight_only`: float
-                       activations), int8 cache
+                       activations), int8 cache; XLA hoists the weights'
+                       decode to float32 out of the decode loop, so the
+                       loop runs float dots on a float32 copy it holds
 
 The bandwidth limit of a cell: the bytes a step must read (weights + the
 whole cache) over the memory bandwidth measured in the same process (the
@@ -22,6 +24,13 @@ faster of a jitted and a NumPy sum over 256 MiB of float32), as tokens/s;
 ask for >= 0.5). With a 32 MiB L3 cache the int8 weights (13 MiB) stay in
 cache between steps, so a cell may beat the DRAM limit.
 
+The dot limit (`dot_limit`, printed after the table): the step's weight
+dots alone, chained in one jitted call on fresh weights of the model's
+shapes and bytes (float32 dots of `batch` rows; int8 x int8 -> int32 dots
+of max(batch, 2) rows, as the engine runs them), no quantization,
+attention or cache. `int8 dots x float` is the most an int8-weight step
+could gain over float with XLA:CPU's own dot kernels.
+
 Each cell decodes `--steps` tokens per sequence after an 8-token prompt,
 with a cache of `context` slots: the cache has a fixed size and every step
 reads all of its slots (masked), so a step costs the same at any fill.
@@ -29,7 +38,8 @@ tokens/s counts all sequences of the batch; times are the decode loop
 only (`lax.while_loop` under jit, compiled ahead), minimum over
 `--rounds` interleaved rounds (every cell once per round, in turn).
 
-Run: python benchmarks/decode.py [--rounds 3] [--steps 32]
+Run: python benchmarks/decode.py [--rounds 3] [--steps 32] (the load
+average is printed: the host is shared, compare ratios of one run)
 """
 
 from __future__ import annotations
