@@ -346,11 +346,26 @@ def write(
   out = LayerCache(one(layer.k, k), one(layer.v, v))
   if cfg.quantized:
     return out
-  # XLA fuses a float cache's update into each of its readers (the next
-  # step's state and the attention's transposed read) and copies the whole
-  # cache for each (three copies of every array per decode step on CPU);
-  # behind a fusion boundary it is written once, in place.
-  return fusion_boundary(out)
+  return _written_once(out)
+
+
+@jax.custom_jvp
+def _written_once(tree: Any) -> Any:
+  """`tree` behind a fusion boundary; the identity to differentiation.
+
+  XLA fuses a float cache's update into each of its readers (the next
+  step's state and the attention's transposed read) and copies the whole
+  cache for each (three copies of every array per decode step on CPU);
+  behind a fusion boundary it is written once, in place. The boundary is
+  a while loop on CPU, which reverse mode cannot differentiate: the rule
+  below passes tangents straight through (the values are unchanged).
+  """
+  return fusion_boundary(tree)
+
+
+@_written_once.defjvp
+def _written_once_jvp(primals, tangents):
+  return _written_once(primals[0]), tangents[0]
 
 
 _INT8 = numerics_lib.get('int_symmetric')(bits=8)
