@@ -16,6 +16,9 @@ on them). Rows:
                        activations), int8 cache; XLA hoists the weights'
                        decode to float32 out of the decode loop, so the
                        loop runs float dots on a float32 copy it holds
+  w4a8 + int8 kv       int4 weights, int8 activations (`w4a8` below): an
+                       int8 dot on codes widened to int8 (hoisted out of
+                       the loop: the call holds an int8 copy)
 
 The bandwidth limit of a cell: the bytes a step must read (weights + the
 whole cache) over the memory bandwidth measured in the same process (the
@@ -45,6 +48,7 @@ average is printed: the host is shared, compare ratios of one run)
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import os
 import sys
@@ -167,7 +171,16 @@ def _models(max_len: int, d_model: int, layers: int, heads: int):
     'float': (float_lm, params),
     'int8': _frozen(template, params, aqtr.presets.int8(), x),
     'int4': _frozen(template, params, aqtr.presets.int4_weight_only(), x),
+    'w4a8': _frozen(template, params, w4a8(), x),
   }
+
+
+def w4a8() -> aqtr.DotGeneralConfig:
+  """int4 weights x int8 activations: `int4_weight_only` with the `int8`
+  preset's per-row activations (an int8 x int8 dot on widened codes)."""
+  w4 = aqtr.presets.int4_weight_only()
+  a8 = aqtr.presets.int8().fwd.lhs
+  return dataclasses.replace(w4, fwd=dataclasses.replace(w4.fwd, lhs=a8))
 
 
 ROWS = [
@@ -181,6 +194,7 @@ ROWS = [
   ),
   ('int8 w + int4 kv', 'int8', KVCacheConfig(numerics='int4')),
   ('int4 w + int8 kv', 'int4', KVCacheConfig(numerics='int8')),
+  ('w4a8 + int8 kv', 'w4a8', KVCacheConfig(numerics='int8')),
 ]
 
 
