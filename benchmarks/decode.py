@@ -13,7 +13,12 @@ on them). Rows:
   int8 w + int8 kv dots  int8 cache, QK^T and PV as int8 x int8 dots
   int8 w + int4 kv     int4 cache (packed), dequantized
   int4 w + int8 kv     int4 weights (`presets.int4_weight_only`: float
-                       activations), int8 cache
+                       activations), int8 cache; XLA hoists the weights'
+                       decode to float32 out of the decode loop, so the
+                       loop runs float dots on a float32 copy it holds
+  w4a8 + int8 kv       int4 weights, int8 activations (`w4a8` below): an
+                       int8 dot on codes widened to int8 (hoisted out of
+                       the loop: the call holds an int8 copy)
 
 The bandwidth limit of a cell: the bytes a step must read (weights + the
 whole cache) over the memory bandwidth measured in the same process (the
@@ -22,6 +27,13 @@ faster of a jitted and a NumPy sum over 256 MiB of float32), as tokens/s;
 ask for >= 0.5). With a 32 MiB L3 cache the int8 weights (13 MiB) stay in
 cache between steps, so a cell may beat the DRAM limit.
 
+The dot limit (`dot_limit`, printed after the table): the step's weight
+dots alone, chained in one jitted call on fresh weights of the model's
+shapes and bytes (float32 dots of `batch` rows; int8 x int8 -> int32 dots
+of max(batch, 2) rows, as the engine runs them), no quantization,
+attention or cache. `int8 dots x float` is the most an int8-weight step
+could gain over float with XLA:CPU's own dot kernels.
+
 Each cell decodes `--steps` tokens per sequence after an 8-token prompt,
 with a cache of `context` slots: the cache has a fixed size and every step
 reads all of its slots (masked), so a step costs the same at any fill.
@@ -29,13 +41,16 @@ tokens/s counts all sequences of the batch; times are the decode loop
 only (`lax.while_loop` under jit, compiled ahead), minimum over
 `--rounds` interleaved rounds (every cell once per round, in turn).
 
-Run: python benchmarks/decode.py [--rounds 3] [--steps 32]
+Run: python benchmarks/decode.py [--rounds 3] [--steps 32] (the load
+average is printed: the host is shared, compare ratios of one run)
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
+import os
 import sys
 import time
 
@@ -43,6 +58,7 @@ import host
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 import aqtr
 import aqtr.flax.linen as aqtr_linen
@@ -81,6 +97,57 @@ def bandwidth() -> float:
   return x.nbytes / best
 
 
+def dot_limit(
+  d_model: int, layers: int, batch: int, vocab: int = 256, rounds: int = 5
+) -> dict[str, float]:
+  """Seconds per step of the step's weight dots alone, as XLA:CPU runs them.
+
+  One jitted chain of the model's weight-dot shapes (q, k, v, o: d x d;
+  MLP: d x 4d, 4d x d; logits: d x vocab, per layer), each dot's output
+  feeding the next input, on fresh weights of the same bytes as the
+  model's: 'float' float32 dots of `batch` rows; 'int8' int8 x int8 ->
+  int32 dots of max(batch, 2) rows (the engine runs a one-row integer
+  dot as two). No quantization, attention or cache: the step time a cell
+  could reach with XLA:CPU's own dot kernels (min of `rounds`).
+  """
+  rng = np.random.default_rng(0)
+  shapes = [(d_model, d_model)] * 4 + [(d_model, 4 * d_model)]
+  shapes = shapes + [(4 * d_model, d_model)]
+  shapes = shapes * layers + [(d_model, vocab)]
+  rows = {'float': batch, 'int8': max(batch, 2)}
+  dtypes = {'float': jnp.float32, 'int8': jnp.int8}
+
+  def chain(x, ws):
+    for w in ws:
+      if x.shape[1] != w.shape[0]:  # Feeds the output back (any K).
+        x = jnp.tile(x, (1, w.shape[0] // x.shape[1] + 1))[:, : w.shape[0]]
+      y = lax.dot_general(
+        x, w, (((1,), (0,)), ((), ())), preferred_element_type=y_dtype(x)
+      )
+      x = y.astype(x.dtype)
+    return x
+
+  def y_dtype(x):
+    return jnp.int32 if x.dtype == jnp.int8 else jnp.float32
+
+  best = {}
+  calls = {}
+  for kind, dt in dtypes.items():
+    ws = [jnp.asarray(rng.integers(-127, 128, s), dt) for s in shapes]
+    x = jnp.ones((rows[kind], d_model), dt)
+    calls[kind] = (jax.jit(chain).lower(x, ws).compile(), x, ws)
+    best[kind] = float('inf')
+  for _ in range(rounds):
+    for kind, (f, x, ws) in calls.items():
+      jax.block_until_ready(f(x, ws))
+      t = time.perf_counter()
+      for _ in range(10):
+        out = f(x, ws)
+      jax.block_until_ready(out)
+      best[kind] = min(best[kind], (time.perf_counter() - t) / 10)
+  return best
+
+
 def _frozen(template, params, config, x):
   injected, _ = models.inject(template, config)
   conv = models.build(models.serving_template(injected, Mode.CONVERT))
@@ -104,7 +171,16 @@ def _models(max_len: int, d_model: int, layers: int, heads: int):
     'float': (float_lm, params),
     'int8': _frozen(template, params, aqtr.presets.int8(), x),
     'int4': _frozen(template, params, aqtr.presets.int4_weight_only(), x),
+    'w4a8': _frozen(template, params, w4a8(), x),
   }
+
+
+def w4a8() -> aqtr.DotGeneralConfig:
+  """int4 weights x int8 activations: `int4_weight_only` with the `int8`
+  preset's per-row activations (an int8 x int8 dot on widened codes)."""
+  w4 = aqtr.presets.int4_weight_only()
+  a8 = aqtr.presets.int8().fwd.lhs
+  return dataclasses.replace(w4, fwd=dataclasses.replace(w4.fwd, lhs=a8))
 
 
 ROWS = [
@@ -118,6 +194,7 @@ ROWS = [
   ),
   ('int8 w + int4 kv', 'int8', KVCacheConfig(numerics='int4')),
   ('int4 w + int8 kv', 'int4', KVCacheConfig(numerics='int8')),
+  ('w4a8 + int8 kv', 'w4a8', KVCacheConfig(numerics='int8')),
 ]
 
 
@@ -159,7 +236,9 @@ def main() -> None:
         best[cell] = (out, w)
     print(f'round {r + 1}/{args.rounds} done', flush=True)
   bw = bandwidth()
+  dots = {b: dot_limit(args.d_model, args.layers, b) for b in args.batches}
   print(f'memory bandwidth: {bw / 1e9:.1f} GB/s (256 MiB sum)')
+  print(f'load average (1, 5, 15 min): {os.getloadavg()}')
   print(
     f'\nd_model {args.d_model}, {args.layers} layers, {args.heads} heads; '
     f'{args.steps} decode steps per cell; min of {args.rounds} rounds\n'
@@ -183,6 +262,15 @@ def main() -> None:
           f'{out.kv_bytes / base.kv_bytes:.3f} | {limit:.0f} | '
           f'{out.tokens_per_s / limit:.2f} |'
         )
+  print(
+    "\nWeight dots alone (`dot_limit`: the step's weight-dot shapes "
+    'chained, no quantization, attention or cache):\n'
+  )
+  print('| batch | float dots ms | int8 dots ms | int8 dots x float |')
+  print('|---|---|---|---|')
+  for b in args.batches:
+    f, i = dots[b]['float'], dots[b]['int8']
+    print(f'| {b} | {1e3 * f:.2f} | {1e3 * i:.2f} | {f / i:.2f} |')
 
 
 if __name__ == '__main__':

@@ -14,8 +14,8 @@ reaches across. The forward puts each quantized operand's scales behind
 one in both programs, so everything after it is the same code on the same
 arrays: XLA fuses it alike, and the outputs are equal bit for bit.
 
-Internal API (for `forward.py` and `aqtr.flax.serving`): `fusion_boundary`,
-`fusion_fenced`.
+Internal API (for `forward.py`, `aqtr.flax.serving` and
+`aqtr.pax.kv_cache`): `fusion_boundary`, `fusion_fenced`.
 """
 
 from __future__ import annotations

@@ -403,7 +403,11 @@ def contract(
   if one_row:
     va = jnp.concatenate([va, jnp.zeros_like(va)], axis=2)
   if kind != 'float':
-    # Pinned as they lie (a reshape of a pinned array is a copy on CPU).
+    # Widened to the dot's type first (int4 codes -> int8: exact), so a
+    # stored weight's widening depends on the weight alone and XLA can
+    # hoist it out of a decode loop; then pinned as they lie (a reshape of
+    # a pinned array is a copy on CPU).
+    va, vb = va.astype(a.dot_dtype), vb.astype(b.dot_dtype)
     va, vb = lax.optimization_barrier((va, vb))
   qa = va.reshape(bsz * n, va.shape[2], t).astype(a.dot_dtype)
   qb = vb.reshape((bsz * n,) + vb.shape[2:]).astype(b.dot_dtype)

@@ -54,6 +54,7 @@ from jax import lax
 
 from aqtr import numerics as numerics_lib
 from aqtr.core import codecs
+from aqtr.core.boundary import fusion_boundary
 from aqtr.core.quantizer import quantize_bound, quantize_scaled
 from aqtr.core.scale import scale_from_bound
 from aqtr.pax import ops
@@ -342,7 +343,29 @@ def write(
       return _write_tokens(cfg, s, x, index)
     return _write_blocks(cfg, s, x, index)
 
-  return LayerCache(one(layer.k, k), one(layer.v, v))
+  out = LayerCache(one(layer.k, k), one(layer.v, v))
+  if cfg.quantized:
+    return out
+  return _written_once(out)
+
+
+@jax.custom_jvp
+def _written_once(tree: Any) -> Any:
+  """`tree` behind a fusion boundary; the identity to differentiation.
+
+  XLA fuses a float cache's update into each of its readers (the next
+  step's state and the attention's transposed read) and copies the whole
+  cache for each (three copies of every array per decode step on CPU);
+  behind a fusion boundary it is written once, in place. The boundary is
+  a while loop on CPU, which reverse mode cannot differentiate: the rule
+  below passes tangents straight through (the values are unchanged).
+  """
+  return fusion_boundary(tree)
+
+
+@_written_once.defjvp
+def _written_once_jvp(primals, tangents):
+  return _written_once(primals[0]), tangents[0]
 
 
 _INT8 = numerics_lib.get('int_symmetric')(bits=8)

@@ -181,3 +181,32 @@ def test_cache_bytes_match_the_config():
   cache = dec.init(3, np.zeros(3, np.int32))
   # 2 layers x (k, v) x 3 seqs x 16 slots x 2 heads x (4 code bytes + 4).
   assert kv_cache.nbytes(cache.layers) == 2 * 2 * 3 * 16 * 2 * 8
+
+
+def _cache_copies_in_loop(dec) -> int:
+  """Copies of a whole cache-shaped float32 array in the compiled decode
+  loop (the un-donated input cache is copied once outside the loop)."""
+  lm, params = _model()
+  dec.generate(params, [[1, 2, 3]], 2)
+  ((_, loop),) = dec._compiled.values()
+  att = lm.layers[0].attention
+  h = att.q_proj.features // att.num_heads
+  shape = f'f32[1,{att.num_heads},{dec.length},{h}]'
+  copies = [
+    line
+    for line in loop.as_text().splitlines()
+    if f'= {shape}' in line and ' copy(' in line
+  ]
+  return len(copies) - 2 * len(lm.layers)  # The input's own copies.
+
+
+def test_a_float_cache_is_not_copied_in_the_decode_loop():
+  # XLA fused the cache update into each reader and copied every cache
+  # array per step; behind a fusion boundary it is written in place.
+  assert _cache_copies_in_loop(decode.Decoder(_model()[0])) == 0
+
+
+@pytest.mark.slow
+def test_the_cache_copy_check_sees_copies_without_the_boundary(monkeypatch):
+  monkeypatch.setattr(kv_cache, 'fusion_boundary', lambda tree: tree)
+  assert _cache_copies_in_loop(decode.Decoder(_model()[0])) > 0

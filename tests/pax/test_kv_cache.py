@@ -237,3 +237,18 @@ def test_tiny_keys_keep_the_core_s_smallest_normal_scale():
   tiny = float(jnp.finfo(jnp.float32).tiny)
   assert float(jnp.abs(back[:, :4] - x).max()) <= tiny
   assert int(jnp.abs(layer.k.codes).max()) > 1
+
+
+def test_a_float_cache_write_is_differentiable():
+  # The write's fusion boundary (a while loop on CPU) is the identity to
+  # differentiation.
+  cfg = KVCacheConfig()
+  layer = kv_cache.init_layer(cfg, batch=1, length=4, num_heads=1, head_dim=2)
+
+  def f(x):
+    out = kv_cache.write(cfg, layer, 3 * x, x, jnp.int32(1))
+    return out.k.codes.sum() + 2 * out.v.codes.sum()
+
+  x = jnp.ones((1, 1, 1, 2))
+  np.testing.assert_array_equal(jax.grad(f)(x), np.full(x.shape, 5.0))
+  np.testing.assert_array_equal(jax.jit(jax.grad(f))(x), np.full(x.shape, 5.0))
