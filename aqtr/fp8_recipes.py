@@ -86,7 +86,7 @@ def maxtext_deepseek_fp8(bound: float | None = None) -> DotGeneralConfig:
   return cfg if bound is not None else configure(cfg, lhs='calibration')
 
 
-def deepseek_v3_fp8(tile: int = 128) -> DotGeneralConfig:
+def deepseek_v3_fp8(tile: int = 128, experts: bool = False) -> DotGeneralConfig:
   """The DeepSeek-V3 paper's FP8 framework (arXiv 2412.19437), per dot.
 
   e4m3 for every GEMM input, online scales (the current tensor's absmax
@@ -94,11 +94,15 @@ def deepseek_v3_fp8(tile: int = 128) -> DotGeneralConfig:
     fwd   x: 1 x `tile` tiles along K; w: `tile` x `tile` blocks.
     dlhs  dY: 1 x `tile` along N; w requantized in the same blocks (2-D
           blocks are transpose invariant: the forward's values).
-    drhs  X and dY: `tile` x 1 along the M tokens (requantized).
-  Every contraction (K, N, M) must be a multiple of `tile`.
+    drhs  X and dY: `tile` x 1 along the M tokens (requantized); with
+          `experts` (the grouped GEMM of `aqtr.ragged_dot`, whose drhs
+          contracts each expert's tokens: tiles along M would straddle
+          experts) one scale per column over all tokens instead.
+  Every contraction (K, N, and M for dots) must be a multiple of `tile`.
 
   Args:
     tile: the tile and block size (128 in the paper).
+    experts: the config of the MoE experts' ragged dots.
 
   Returns:
     The DotGeneralConfig.
@@ -107,10 +111,15 @@ def deepseek_v3_fp8(tile: int = 128) -> DotGeneralConfig:
     raise ValueError(
       f'presets.deepseek_v3_fp8: tile must be an int >= 1, got {tile!r}.'
     )
+  if not isinstance(experts, bool):
+    raise ValueError(
+      f'presets.deepseek_v3_fp8: experts must be a bool, got {experts!r}.'
+    )
   row = _fp8(E4M3, SubChannel(tile_size=tile))
   block = _fp8(E4M3, Block2d(tile_size=tile, free_size=tile))
+  col = _fp8(E4M3, PerChannel()) if experts else row
   return DotGeneralConfig(
     fwd=_raw(row, block, False),
     dlhs=_raw(row, block, False),
-    drhs=_raw(row, row, False),
+    drhs=_raw(col, col, False),
   )
