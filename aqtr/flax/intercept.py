@@ -207,7 +207,8 @@ def _dot_like(name, kind, original, args, kwargs) -> OpCall:
   def run(dot, lhs, rhs):
     return common.constrain(dot(lhs, rhs, dn, prec, pref), sharding)
 
-  return OpCall(name, kind, lhs, rhs, original, args, kwargs, run)
+  extra = {'out_sharding': sharding}
+  return OpCall(name, kind, lhs, rhs, original, args, kwargs, run, '', extra)
 
 
 def _einsum(name, kind, original, args, kwargs) -> OpCall:

@@ -338,8 +338,20 @@ class Session:
         init = common.CalibStateInit(lhs, rhs, dn, config)
         state = host.calib_state(init)
       sizes = op.extra['group_sizes'] if ragged else None
+      # The op's output sharding (explicit mesh axes), unless the operands
+      # were swapped (its axes permuted).
+      out_sharding = op.extra.get('out_sharding') if side != 'lhs' else None
       call = lifecycle.DotCall(
-        lhs, rhs, dn, config, key, precision, preferred, state, sizes
+        lhs,
+        rhs,
+        dn,
+        config,
+        key,
+        precision,
+        preferred,
+        state,
+        sizes,
+        out_sharding,
       )
       stats, run_mode = None, mode
       if mode is not Mode.SERVE and not host.initializing:

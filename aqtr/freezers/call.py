@@ -58,6 +58,8 @@ class DotCall:
     state: the call's calibration state tree (`aqtr.state`), or None.
     group_sizes: a ragged dot's [G] group sizes (`dimension_numbers` is
       `aqtr.RAGGED`: `aqtr.ragged_dot`'s [M, K] . [G, K, N]), else None.
+    out_sharding: the output's sharding (explicit mesh axes need it), or
+      None.
 
   Example:
     >>> import jax.numpy as jnp, aqtr
@@ -76,6 +78,7 @@ class DotCall:
   preferred_element_type: Any = None
   state: Mapping | None = None
   group_sizes: Any = None
+  out_sharding: Any = None
 
   @functools.cached_property
   def plan(self) -> Plan:
@@ -106,6 +109,7 @@ jax.tree_util.register_dataclass(
     'config',
     'precision',
     'preferred_element_type',
+    'out_sharding',
   ],
 )
 

@@ -206,6 +206,7 @@ def _dot(call: DotCall, **kw):
       key=c.key,
       precision=c.precision,
       preferred_element_type=c.preferred_element_type,
+      out_sharding=c.out_sharding,
       state=c.state,
     )
   return dot_general(
@@ -216,6 +217,7 @@ def _dot(call: DotCall, **kw):
     key=c.key,
     precision=c.precision,
     preferred_element_type=c.preferred_element_type,
+    out_sharding=c.out_sharding,
     state=c.state,
   )
 
