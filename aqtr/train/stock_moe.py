@@ -200,8 +200,9 @@ def rules(name: str, tile: int = 128) -> tuple[Rule, ...] | None:
   op (attention projections) its dot config.
 
   Example:
-    >>> [r.label() for r in rules('moe_fp8')][2:]
-    ["'fp8', op=ragged_dot", "'fp8', weight=True"]
+    >>> [r.label() for r in rules('moe_fp8')]  # doctest: +NORMALIZE_WHITESPACE
+    ['router float', 'embedding float', "Rule('fp8', op=ragged_dot)",
+     "Rule('fp8', weight=True)"]
   """
   if name not in NAMES:
     raise ValueError(f'stock_moe: unknown run {name!r}; runs: {NAMES}.')
