@@ -313,7 +313,8 @@ class Session:
     elif mode is Mode.SERVE and frozen is not None:
       frozen = _served(frozen, config, label)
       if ragged and not cycled:
-        return _ragged_served(op, frozen['ragged'], config)
+        key = self.key_of(config, mode, where, label, host.initializing)
+        return _ragged_served(op, frozen['ragged'], config, key)
     elif mode is Mode.SERVE and side is not None and config.fwd.rhs.quantized:
       if self.spec.converted:
         mode = Mode.TRAIN  # kept float by convert(keep=...): on the fly
@@ -406,13 +407,14 @@ class Session:
     return op.run(run, op.lhs, op.rhs)
 
 
-def _ragged_served(op, frozen, config):
+def _ragged_served(op, frozen, config, key=None):
   a = op.extra
   out = served_ragged_dot(
     a['lhs'],
     frozen,
     a['group_sizes'],
     config,
+    key=key,
     precision=a['precision'],
     preferred_element_type=a['preferred_element_type'],
   )

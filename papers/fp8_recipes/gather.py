@@ -115,13 +115,9 @@ def main() -> None:
   from aqtr.train import report  # noqa: PLC0415
 
   print(f'{platform.processor() or platform.machine()}, jax {jax.__version__}')
-  print(
-    report.table(
-      table(),
-      ('recipe', 'all-gathers', 'bytes by dtype', 'bytes', 'x float'),
-      {'x float': '.3f'},
-    )
-  )
+  cols = ('recipe', 'all-gathers', 'gathered by dtype', 'gathered')
+  cols += ('all-reduced', 'total', 'x float')
+  print(report.table(table(), cols, {'x float': '.3f'}))
 
 
 if __name__ == '__main__':
