@@ -44,7 +44,6 @@ def test_readme_has_the_table():
   assert [r['run'] for r in table] == list(recipes.RUNS)
 
 
-@pytest.mark.slow  # Two 8-device compiles: ~6 s quiet, ~20 s on a busy CPU.
 @pytest.mark.skipif(jax.device_count() < 8, reason='needs 8 host devices')
 def test_fsdp_all_gather_moves_fp8_not_float_weights():
   weight = gather.D * gather.H * 4  # one f32 kernel
