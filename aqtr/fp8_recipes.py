@@ -19,6 +19,7 @@ Example:
 from __future__ import annotations
 
 import builtins
+import dataclasses
 
 from aqtr.calibrations.absmax import AbsMax
 from aqtr.calibrations.constant import Constant
@@ -35,11 +36,12 @@ __all__ = ['deepseek_v3_fp8', 'maxtext_deepseek_fp8']
 E4M3, E5M2 = 'float8_e4m3fn', 'float8_e5m2'
 
 
-def _fp8(dtype_name: str, tiling, calibration=None) -> TensorConfig:
+def _fp8(dtype_name: str, tiling, calibration=None, gather=False):
   return TensorConfig(
     numerics=Fp8(dtype_name=dtype_name, clip_gradient=False),
     calibration=calibration or AbsMax(clip_scale=1.0, po2_scale=False),
     tiling=tiling,
+    quantized_gather=gather,
   )
 
 
@@ -49,7 +51,9 @@ def _raw(lhs, rhs, fwd_quant: bool) -> DotGeneralRaw:
   )
 
 
-def maxtext_deepseek_fp8(bound: float | None = None) -> DotGeneralConfig:
+def maxtext_deepseek_fp8(
+  bound: float | None = None, quantized_gather: bool = True
+) -> DotGeneralConfig:
   """MaxText's DeepSeek-V3 FP8 fine-tuning recipe (w8a8g8), per dot.
 
     fwd   activations e4m3 per tensor, static: the fixed range +-`bound`
@@ -61,9 +65,14 @@ def maxtext_deepseek_fp8(bound: float | None = None) -> DotGeneralConfig:
           codes reused.
     drhs  gradients e5m2, dynamic per column; the activations' forward
           fp8 codes reused.
+  With `quantized_gather`, weights sharded over the devices that need
+  them whole (FSDP, explicit mesh axes) are quantized on their shards:
+  the all-gather moves fp8 values + f32 scales
+  (`TensorConfig.quantized_gather`).
 
   Args:
     bound: the activations' fixed range (> 0), or None to calibrate it.
+    quantized_gather: gather FSDP weights in fp8.
 
   Returns:
     The DotGeneralConfig.
@@ -79,14 +88,16 @@ def maxtext_deepseek_fp8(bound: float | None = None) -> DotGeneralConfig:
   acts = _fp8(E4M3, PerTensor(), cal)
   grads = _fp8(E5M2, PerChannel())
   cfg = DotGeneralConfig(
-    fwd=_raw(acts, _fp8(E4M3, PerChannel()), False),
+    fwd=_raw(acts, _fp8(E4M3, PerChannel(), gather=quantized_gather), False),
     dlhs=_raw(grads, _fp8(E4M3, PerChannel()), True),
     drhs=_raw(grads, _fp8(E4M3, PerChannel()), True),
   )
   return cfg if bound is not None else configure(cfg, lhs='calibration')
 
 
-def deepseek_v3_fp8(tile: int = 128) -> DotGeneralConfig:
+def deepseek_v3_fp8(
+  tile: int = 128, experts: bool = False, quantized_gather: bool = True
+) -> DotGeneralConfig:
   """The DeepSeek-V3 paper's FP8 framework (arXiv 2412.19437), per dot.
 
   e4m3 for every GEMM input, online scales (the current tensor's absmax
@@ -94,11 +105,18 @@ def deepseek_v3_fp8(tile: int = 128) -> DotGeneralConfig:
     fwd   x: 1 x `tile` tiles along K; w: `tile` x `tile` blocks.
     dlhs  dY: 1 x `tile` along N; w requantized in the same blocks (2-D
           blocks are transpose invariant: the forward's values).
-    drhs  X and dY: `tile` x 1 along the M tokens (requantized).
-  Every contraction (K, N, M) must be a multiple of `tile`.
+    drhs  X and dY: `tile` x 1 along the M tokens (requantized); with
+          `experts` (the grouped GEMM of `aqtr.ragged_dot`, whose drhs
+          contracts each expert's tokens: tiles along M would straddle
+          experts) one scale per column over all tokens instead.
+  With `quantized_gather` the forward weight blocks are quantized on
+  their shards (FSDP): the all-gather moves fp8 values + scales.
+  Every contraction (K, N, and M for dots) must be a multiple of `tile`.
 
   Args:
     tile: the tile and block size (128 in the paper).
+    experts: the config of the MoE experts' ragged dots.
+    quantized_gather: gather FSDP weights in fp8.
 
   Returns:
     The DotGeneralConfig.
@@ -107,10 +125,16 @@ def deepseek_v3_fp8(tile: int = 128) -> DotGeneralConfig:
     raise ValueError(
       f'presets.deepseek_v3_fp8: tile must be an int >= 1, got {tile!r}.'
     )
+  if not isinstance(experts, bool):
+    raise ValueError(
+      f'presets.deepseek_v3_fp8: experts must be a bool, got {experts!r}.'
+    )
   row = _fp8(E4M3, SubChannel(tile_size=tile))
   block = _fp8(E4M3, Block2d(tile_size=tile, free_size=tile))
+  gathered = dataclasses.replace(block, quantized_gather=quantized_gather)
+  col = _fp8(E4M3, PerChannel()) if experts else row
   return DotGeneralConfig(
-    fwd=_raw(row, block, False),
+    fwd=_raw(row, gathered, False),
     dlhs=_raw(row, block, False),
-    drhs=_raw(row, row, False),
+    drhs=_raw(col, col, False),
   )

@@ -274,6 +274,7 @@ def served_ragged_dot(
   group_sizes: jax.Array,
   config: DotGeneralConfig,
   *,
+  key: jax.Array | None = None,
   precision=None,
   preferred_element_type=None,
 ) -> jax.Array:
@@ -288,6 +289,8 @@ def served_ragged_dot(
     frozen: the stored weights.
     group_sizes: [G] integers.
     config: the config the weights were frozen with.
+    key: a PRNG key when the config rounds stochastically (its gradients:
+      any key; serving runs no backward pass).
     precision, preferred_element_type: as in `lax.ragged_dot`.
 
   Returns:
@@ -303,6 +306,7 @@ def served_ragged_dot(
     rhs,
     group_sizes,
     config,
+    key=key,
     precision=precision,
     preferred_element_type=preferred_element_type,
   )

@@ -47,6 +47,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from aqtr.core import conv as conv_lib
+from aqtr.core.dimension_numbers import RAGGED
 from aqtr.flax import common, kinds
 
 # name -> (kind, the original function).
@@ -206,7 +207,8 @@ def _dot_like(name, kind, original, args, kwargs) -> OpCall:
   def run(dot, lhs, rhs):
     return common.constrain(dot(lhs, rhs, dn, prec, pref), sharding)
 
-  return OpCall(name, kind, lhs, rhs, original, args, kwargs, run)
+  extra = {'out_sharding': sharding}
+  return OpCall(name, kind, lhs, rhs, original, args, kwargs, run, '', extra)
 
 
 def _einsum(name, kind, original, args, kwargs) -> OpCall:
@@ -262,6 +264,12 @@ def _ragged(name, kind, original, args, kwargs) -> OpCall:
   if a['group_offset'] is not None:
     call.why = 'ragged_dot with group_offset'
   call.extra = a
+
+  def run(dot, lhs, rhs):
+    out = dot(lhs, rhs, RAGGED, a['precision'], a['preferred_element_type'])
+    return common.constrain(out, a['out_sharding'])
+
+  call.run = run
   return call
 
 

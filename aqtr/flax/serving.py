@@ -29,6 +29,7 @@ import numpy as np
 
 from aqtr import rules as rules_lib
 from aqtr.core.boundary import fusion_fenced
+from aqtr.core.dimension_numbers import RAGGED
 from aqtr.core.ragged_dot import freeze_ragged
 from aqtr.flax import common, hosts, intercept, rule_state
 from aqtr.flax.frozen import store_key
@@ -112,7 +113,8 @@ def _freeze_fn(use: WeightUse):
   """w (one op's weight) -> the holder entry of `use`'s op."""
 
   def freeze(w, kept=None):
-    if use.call.kind == 'ragged_dot':
+    ragged = use.call.kind == 'ragged_dot'
+    if ragged and not rule_state.keeps(use.config):
       parts = freeze_ragged(w, use.config, use.other.shape[-1])
       return frozen_entry(use.config, {'ragged': parts})
     store = []
@@ -120,6 +122,21 @@ def _freeze_fn(use: WeightUse):
     # Stochastic gradients only: CONVERT runs no backward pass, any key.
     need = rule_state.key_need(use.config, Mode.CONVERT)
     key = None if need is None else jax.random.key(0)
+    if ragged:  # Per-expert state or static ranges: the life cycle's entry.
+      groups = jnp.zeros(use.weight.shape[:1], jnp.int32)
+      call = lifecycle.DotCall(
+        jnp.zeros(use.other.shape, use.other.dtype),
+        w,
+        RAGGED,
+        use.config,
+        key,
+        use.call.extra['precision'],
+        use.call.extra['preferred_element_type'],
+        kept.get('state'),
+        groups,
+      )
+      r = engine_run(call, Mode.CONVERT, None, '', stats=kept.get('stats'))
+      return frozen_entry(use.config, r.frozen)
 
     def dot(lhs, rhs, dn, precision, preferred):
       call = lifecycle.DotCall(

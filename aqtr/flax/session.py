@@ -301,15 +301,20 @@ class Session:
     param = None if weight is None else '/'.join(map(str, weight.path))
     mode = self.spec.mode
     ragged = op.kind == 'ragged_dot'
-    if side is not None and not ragged:
+    # A ragged_dot with state or static ranges runs the freezers' life
+    # cycle like a dot (its group sizes in the DotCall: per-expert scales);
+    # a stateless one keeps its own stored form (`freeze_ragged`).
+    cycled = ragged and rule_state.keeps(config)
+    if side is not None and (cycled or not ragged):
       config = _weight_config(config)
     collect = self.freeze is not None and where in self.freeze
     if collect and side is not None and config.fwd.rhs.quantized:
       mode = Mode.CONVERT
     elif mode is Mode.SERVE and frozen is not None:
       frozen = _served(frozen, config, label)
-      if ragged:
-        return _ragged_served(op, frozen['ragged'], config)
+      if ragged and not cycled:
+        key = self.key_of(config, mode, where, label, host.initializing)
+        return _ragged_served(op, frozen['ragged'], config, key)
     elif mode is Mode.SERVE and side is not None and config.fwd.rhs.quantized:
       if self.spec.converted:
         mode = Mode.TRAIN  # kept float by convert(keep=...): on the fly
@@ -333,8 +338,21 @@ class Session:
       if rule_state.needs_state(config):
         init = common.CalibStateInit(lhs, rhs, dn, config)
         state = host.calib_state(init)
+      sizes = op.extra['group_sizes'] if ragged else None
+      # The op's output sharding (explicit mesh axes), unless the operands
+      # were swapped (its axes permuted).
+      out_sharding = op.extra.get('out_sharding') if side != 'lhs' else None
       call = lifecycle.DotCall(
-        lhs, rhs, dn, config, key, precision, preferred, state
+        lhs,
+        rhs,
+        dn,
+        config,
+        key,
+        precision,
+        preferred,
+        state,
+        sizes,
+        out_sharding,
       )
       stats, run_mode = None, mode
       if mode is not Mode.SERVE and not host.initializing:
@@ -359,7 +377,7 @@ class Session:
       return out
 
     run = swapped(dot) if side == 'lhs' else dot
-    if ragged and mode is Mode.CONVERT:
+    if ragged and not cycled and mode is Mode.CONVERT:
       parts = freeze_ragged(op.extra['rhs'], config)
       entry = frozen_entry(config, {'ragged': parts})
       self.collected[where] = {f'{op_id}_{side}': entry}
@@ -383,25 +401,20 @@ class Session:
       self.uses.append(use)
       if self.tap is not None and not ragged:
         return self.tap(use)
-    if ragged:
-      if rule_state.needs_state(config):
-        raise ValueError(
-          f'{label}: lax.ragged_dot through rules keeps no calibration state '
-          'or sparsity schedule yet; give this op (Rule(..., op='
-          "'ragged_dot')) a stateless config."
-        )
+    if ragged and not cycled:
       key = self.key_of(config, mode, where, label, host.initializing)
       return _ragged(op, config, key)
     return op.run(run, op.lhs, op.rhs)
 
 
-def _ragged_served(op, frozen, config):
+def _ragged_served(op, frozen, config, key=None):
   a = op.extra
   out = served_ragged_dot(
     a['lhs'],
     frozen,
     a['group_sizes'],
     config,
+    key=key,
     precision=a['precision'],
     preferred_element_type=a['preferred_element_type'],
   )

@@ -56,6 +56,10 @@ class DotCall:
     key: PRNG key (stochastic rounding), or None.
     precision, preferred_element_type: as in `lax.dot_general`.
     state: the call's calibration state tree (`aqtr.state`), or None.
+    group_sizes: a ragged dot's [G] group sizes (`dimension_numbers` is
+      `aqtr.RAGGED`: `aqtr.ragged_dot`'s [M, K] . [G, K, N]), else None.
+    out_sharding: the output's sharding (explicit mesh axes need it), or
+      None.
 
   Example:
     >>> import jax.numpy as jnp, aqtr
@@ -73,6 +77,8 @@ class DotCall:
   precision: Any = None
   preferred_element_type: Any = None
   state: Mapping | None = None
+  group_sizes: Any = None
+  out_sharding: Any = None
 
   @functools.cached_property
   def plan(self) -> Plan:
@@ -97,12 +103,13 @@ class DotCall:
 # takes a DotCall.
 jax.tree_util.register_dataclass(
   DotCall,
-  data_fields=['lhs', 'rhs', 'key', 'state'],
+  data_fields=['lhs', 'rhs', 'key', 'state', 'group_sizes'],
   meta_fields=[
     'dimension_numbers',
     'config',
     'precision',
     'preferred_element_type',
+    'out_sharding',
   ],
 )
 

@@ -44,6 +44,7 @@ from aqtr.core import codecs, slot_state
 from aqtr.core.config import DotGeneralConfig
 from aqtr.core.dot_general import dot_general
 from aqtr.core.qtensor import QTensor
+from aqtr.core.ragged_dot import ragged_dot
 from aqtr.freezers.base import Mode, NoFreezer
 from aqtr.freezers.call import DotCall, FreezerError, OperandCall
 
@@ -193,8 +194,21 @@ def _calls(call: DotCall) -> dict:
 
 
 def _dot(call: DotCall, **kw):
-  """`dot_general` of the call (`kw` overrides its fields)."""
+  """`dot_general` (`ragged_dot` with group sizes) of the call (`kw`
+  overrides its fields)."""
   c = call.replace(**kw)
+  if c.group_sizes is not None:
+    return ragged_dot(
+      c.lhs,
+      c.rhs,
+      c.group_sizes,
+      c.config,
+      key=c.key,
+      precision=c.precision,
+      preferred_element_type=c.preferred_element_type,
+      out_sharding=c.out_sharding,
+      state=c.state,
+    )
   return dot_general(
     c.lhs,
     c.rhs,
@@ -203,6 +217,7 @@ def _dot(call: DotCall, **kw):
     key=c.key,
     precision=c.precision,
     preferred_element_type=c.preferred_element_type,
+    out_sharding=c.out_sharding,
     state=c.state,
   )
 

@@ -19,7 +19,8 @@ a frozen dataclass saying
 and `execute(ctx)` trains it with the job's loop (`aqtr.train.loop.fit`,
 through `pax_run`, `stock_lm` or `lora_job`). Classes: `PaxRun` (the job's
 template quantized by one config: presets, QT, recipes), `CustomRun`
-(`Experiment.custom`), `StockRun` (the stock nnx LM by rules), `LoraRun`.
+(`Experiment.custom`), `StockRun` (the stock nnx LM by rules), `MoeRun`
+(the stock MoE decoder by DeepSeek's FP8 recipes), `LoraRun`.
 Register another run with `register(name, cls, **defaults)`.
 
 Example:
@@ -43,7 +44,15 @@ import aqtr
 from aqtr.core.registry import Registry
 from aqtr.flax import common
 from aqtr.lora import config as lora_config
-from aqtr.train import lora_job, models, pax_run, ptq_stage, qt_runs, serving
+from aqtr.train import (
+  lora_job,
+  models,
+  pax_run,
+  ptq_stage,
+  qt_runs,
+  serving,
+  stock_moe,
+)
 from aqtr.train import stock_lm as stock
 from aqtr.train.high_precision import RECIPE_CONFIGS, RECIPE_KEEP, HighPrecision
 from aqtr.train.loop import RunResult
@@ -54,6 +63,7 @@ __all__ = [
   'Context',
   'CustomRun',
   'LoraRun',
+  'MoeRun',
   'Outcome',
   'PaxRun',
   'Run',
@@ -286,6 +296,29 @@ class StockRun(Run):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class MoeRun(Run):
+  """The stock MoE decoder by a recipe's rules (`aqtr.train.stock_moe`)."""
+
+  lm_only: bool = True
+
+  def execute(self, ctx: Context) -> Outcome:
+    r = stock_moe.train(
+      self.name,
+      ctx.exp,
+      ctx.task,
+      ctx.template,
+      on_record=ctx.on_record,
+      show_progress=ctx.show_progress,
+    )
+    return Outcome(result=r, float_bytes=stock.float_bytes(r))
+
+  def serve(self, ctx: Context, r: RunResult) -> dict | None:
+    if self.name == 'moe_float':
+      return None
+    return stock.serve(r, ctx.task)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class LoraRun(Run):
   """LoRA / QLoRA fine-tune of a float run's model (`lora_job`).
 
@@ -443,5 +476,7 @@ for _name, _stock, _fmt in (
     base_format=_fmt,
     init_from='stock_float' if _stock else 'float',
   )
+for _name in stock_moe.NAMES:  # DeepSeek's FP8 recipes on a stock MoE.
+  register(_name, MoeRun)
 register('stock_custom', StockRun, custom=True)
 register('custom', CustomRun)

@@ -107,10 +107,11 @@ def learns(entries) -> bool:
   return any(e.split(':')[1] in ('lsq', 'pact') for e in entries)
 
 
-def nnx_contract(model, entries, paths, x):
-  """Rules per path, state, a train step, convert, serve == train."""
+def nnx_contract(model, entries, paths, x, rules=None):
+  """Rules per path (or `rules`), state, a train step, convert, serve ==
+  train."""
   pairs = zip(entries, paths[: len(entries)], strict=True)
-  rules = [Rule(config(e), path=p) for e, p in pairs]
+  rules = rules or [Rule(config(e), path=p) for e, p in pairs]
   q = aqtr.flax.quantize(model, rules, rngs=nnx.Rngs(aqtr=0))
   # Inputs are jit arguments: closed over, XLA folds the quantization of
   # constants (differently from the compiled code for some formats).
