@@ -6,9 +6,11 @@ entry per op path); each run makes the state, takes a jitted train step
 (forward and backward stats, learned parameters' gradients), converts
 (the calibration state and the weights frozen) and checks serve == train
 bit for bit under jit. Model kinds: an nnx stack of `nnx.Linear`, a linen
-stack of `nn.Dense`, the stock nnx Llama (scan over layers) and a real
-third-party model (`tests/models/zoo.py`). The default suite runs three
-entries of three families on the two stacks; the whole matrix is slow.
+stack of `nn.Dense`, the stock nnx Llama (scan over layers), a real
+third-party model (Hugging Face's Flax Mistral, `tests/models/zoo.py`)
+and the stock MoE (`test_catalogue_moe.py`). The default suite runs
+three entries of three families on the nnx stack; the whole matrix is
+slow.
 """
 
 import os
@@ -23,6 +25,9 @@ from flax import nnx
 sys.path.insert(0, os.path.dirname(__file__))
 import catalogue_cases as cc  # noqa: E402
 import stock_models as sm  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), '..', 'models'))
+import zoo  # noqa: E402
 
 W = 32  # divisible by the block formats' 32
 X = jax.random.normal(jax.random.key(0), (4, W))
@@ -119,3 +124,29 @@ def llama_order(chunk):
     chunk[i], chunk[j] = chunk[j], chunk[i]
   pairs = [(e, p) for e, p in zip(chunk, LLAMA_OPS, strict=False) if e]
   return [e for e, _ in pairs], [p for _, p in pairs]
+
+
+# A real third-party model: the weight ops of one Hugging Face Mistral
+# layer (the other layer and the head stay float).
+MISTRAL_OPS = tuple(
+  f'inner/model/layers/0/{m}'
+  for m in (
+    'self_attn/q_proj',
+    'self_attn/k_proj',
+    'self_attn/v_proj',
+    'self_attn/o_proj',
+    'mlp/up_proj',
+    'mlp/gate_proj',
+    'mlp/down_proj',
+  )
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('chunk', cc.chunks(7), ids=lambda c: c[0])
+def test_catalogue_real_model(chunk):
+  z = next(z for z in zoo.MODELS if z.name == 'hf_mistral')
+  if not z.available():
+    pytest.skip('the models extra is not installed')
+  with jax.numpy_rank_promotion('allow'):
+    cc.linen_contract(z.build(), list(chunk), MISTRAL_OPS, z.sample())
