@@ -262,9 +262,16 @@ class RuleHost(common.OpHost):
       self._check(stats, lambda: make()[0], f'{STATE!r} stats')
     elif not jax.tree.leaves(jax.eval_shape(lambda: make()[0])):
       stats = make()[0]  # Only learned parameters: no stats to keep.
-    elif self.initializing or scope.is_mutable_collection(STATE):
+    elif scope.is_mutable_collection(STATE):
       stats = make()[0]
       scope.put_variable(STATE, op, stats)
+    elif self.initializing:
+      raise ValueError(
+        f'{self.where}: the config keeps calibration state in the '
+        f'collection {STATE!r}, which a linen transform around this module '
+        '(nn.scan / nn.vmap) does not carry: add it to the transform, e.g. '
+        f"variable_axes={{'params': 0, {STATE!r}: 0}}."
+      )
     else:
       raise ValueError(
         f'{self.where}: the config has stateful calibrations; their state '

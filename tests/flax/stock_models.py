@@ -90,15 +90,24 @@ class LinenBlock(nn.Module):
 
 
 class Transformer(nn.Module):
-  """Per layer: 6 weight ops and 2 attention einsums; plus the head."""
+  """Per layer: 6 weight ops and 2 attention einsums; plus the head.
+
+  `state`: the scan also carries aqtr's state collection per layer and
+  splits its rng stream (what a stateful or stochastic rule needs).
+  """
+
+  state: bool = False
 
   @nn.compact
   def __call__(self, ids):
     x = nn.Embed(VOCAB, D)(ids)
+    axes, rngs = {'params': 0}, {'params': True}
+    if self.state:
+      axes, rngs = {**axes, 'aqtr_state': 0}, {**rngs, 'aqtr': True}
     stack = nn.scan(
       nn.remat(LinenBlock),
-      variable_axes={'params': 0},
-      split_rngs={'params': True},
+      variable_axes=axes,
+      split_rngs=rngs,
       length=LAYERS,
     )
     x, _ = stack(name='layers')(x, None)

@@ -22,6 +22,9 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
+import aqtr.flax
+from aqtr.rules import Rule
+
 sys.path.insert(0, os.path.dirname(__file__))
 import catalogue_cases as cc  # noqa: E402
 import stock_models as sm  # noqa: E402
@@ -115,15 +118,44 @@ def test_catalogue_stock_llama(chunk):
   cc.nnx_contract(sm.Llama(nnx.Rngs(0)), entries, paths, ids)
 
 
-def llama_order(chunk):
+def llama_order(chunk, ops=LLAMA_OPS):
   """(entries, op paths): mx (32-blocks) on the op contracting 32."""
   chunk = list(chunk)
   if 'numerics:mx' in chunk:
-    i, j = chunk.index('numerics:mx'), LLAMA_OPS.index('layers/down')
+    i, j = chunk.index('numerics:mx'), ops.index('layers/down')
     chunk += [''] * (j + 1 - len(chunk))
     chunk[i], chunk[j] = chunk[j], chunk[i]
-  pairs = [(e, p) for e, p in zip(chunk, LLAMA_OPS, strict=False) if e]
+  pairs = [(e, p) for e, p in zip(chunk, ops, strict=False) if e]
   return [e for e, _ in pairs], [p for _, p in pairs]
+
+
+# The linen Transformer's weight ops (scan over remat'ed layers).
+TRANSFORMER_OPS = (
+  'layers/q',
+  'layers/k',
+  'layers/v',
+  'layers/o',
+  'layers/up',
+  'layers/down',
+  'head',
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('chunk', cc.chunks(7), ids=lambda c: c[0])
+def test_catalogue_linen_transformer(chunk):
+  ids = jax.random.randint(jax.random.key(0), (2, sm.T), 0, sm.VOCAB)
+  entries, paths = llama_order(chunk, TRANSFORMER_OPS)
+  cc.linen_contract(sm.Transformer(state=True), entries, paths, ids)
+
+
+def test_linen_scan_without_the_state_collection_is_one_line():
+  q = aqtr.flax.quantize(
+    sm.Transformer(), [Rule(cc.config('calibrations:delayed_scaling'))]
+  )
+  ids = jnp.zeros((2, sm.T), jnp.int32)
+  with pytest.raises(ValueError, match="variable_axes=.*'aqtr_state': 0"):
+    q.init(jax.random.key(0), ids)
 
 
 # A real third-party model: the weight ops of one Hugging Face Mistral
