@@ -50,7 +50,29 @@ def _trips(first: jax.Array) -> jax.Array:
   return jnp.minimum(1, jnp.abs(first.astype(jnp.int32)) + 1)
 
 
-def fusion_boundary(tree):
+def copy_trips(values: jax.Array) -> jax.Array | None:
+  """1 from the first value's bits, a count XLA cannot fold (never 0: a
+  loop that writes a copy must run), or None for values no loop copies
+  (empty, or wider than 2 bytes and not integer)."""
+  if values.size == 0:
+    return None
+  first = values.reshape(-1)[0]
+  if jnp.issubdtype(values.dtype, jnp.integer):  # int4, int8, int16
+    as_int = first.astype(jnp.int32)
+  elif values.dtype.itemsize in (1, 2):  # fp8, bf16, f16: their bits
+    unsigned = jnp.uint8 if values.dtype.itemsize == 1 else jnp.uint16
+    as_int = lax.bitcast_convert_type(first, unsigned).astype(jnp.int32)
+  else:
+    return None
+  return jnp.minimum(1, jnp.abs(as_int) + 1)  # Always 1.
+
+
+def swap_last(x: jax.Array | None) -> jax.Array | None:
+  """[B, T, X, Y] -> [B, T, Y, X] (None stays None)."""
+  return None if x is None else x.transpose(0, 1, 3, 2)
+
+
+def fusion_boundary(tree, transposed: jax.Array | None = None):
   """`tree`'s arrays as buffers of their own that no fusion reaches across.
 
   Where `fusion_fenced`, a one-trip while loop whose trip count XLA
@@ -58,28 +80,52 @@ def fusion_boundary(tree):
   keeps a loop); elsewhere an `optimization_barrier`. The values are
   unchanged.
 
+  `transposed` (fenced, and `copy_trips` not None): an array [B, T, X, Y]
+  that the same loop also makes a buffer of its own and writes a second
+  time as [B, T, Y, X] by a plain copy, the job of
+  `passes.with_transposed_copy` without a loop of its own (each loop costs
+  compile time).
+
   Args:
     tree: a pytree of arrays (None leaves allowed).
+    transposed: an array to copy transposed in the loop, or None.
 
   Returns:
-    The same tree, same values.
+    The same tree, same values; with `transposed`, `(tree, values,
+    values_t)` (`values_t` None where no loop copies it).
 
   Example:
     >>> s = jnp.array([0.5, 2.0])
     >>> fusion_boundary((s, None))[0].tolist()
     [0.5, 2.0]
   """
+  copies = transposed is not None
   leaves = [x for x in jax.tree.leaves(tree) if x.size]
-  if not leaves:
-    return tree
-  if not fusion_fenced():
-    return lax.optimization_barrier(tree)
-  trips = _trips(leaves[0].reshape(-1)[0])
+  trips = None
+  if copies and fusion_fenced():
+    trips = copy_trips(transposed)
+  if trips is None:
+    if leaves:
+      tree = (
+        lax.optimization_barrier(tree)
+        if not fusion_fenced()
+        else _loop(tree, None, _trips(leaves[0].reshape(-1)[0]))[0]
+      )
+    return (tree, transposed, None) if copies else tree
+  return _loop(tree, transposed, trips)
+
+
+def _loop(tree, values, trips):
+  """(tree, values, values transposed or None) through a `trips`-trip loop."""
 
   def body(carry):
-    i, t = carry
-    # The barrier keeps `t` a loop output (JAX hoists an unchanged carry
-    # out of the loop, and XLA would then fuse across it again).
-    return i + 1, lax.optimization_barrier(t)
+    i, t, v, _ = carry
+    # The barrier keeps `t`, `v` loop outputs (JAX hoists an unchanged
+    # carry out of the loop, and XLA would then fuse across it again).
+    t, v = lax.optimization_barrier((t, v))
+    return i + 1, t, v, swap_last(v)
 
-  return lax.while_loop(lambda c: c[0] < trips, body, (0, tree))[1]
+  zeros = None if values is None else swap_last(jnp.zeros_like(values))
+  init = (0, tree, values, zeros)
+  _, tree, values, values_t = lax.while_loop(lambda c: c[0] < trips, body, init)
+  return (tree, values, values_t) if values is not None else (tree,)
