@@ -26,7 +26,12 @@ from jax import lax
 from jax.sharding import get_abstract_mesh
 
 from aqtr.core import prims
-from aqtr.core.boundary import copy_trips, swap_last
+from aqtr.core.boundary import (
+  copy_trips,
+  copyable,
+  one_trip_loop,
+  swap_last,
+)
 from aqtr.core.config import DotGeneralRaw, TensorConfig
 from aqtr.core.dimension_numbers import OperandLayout
 from aqtr.core.qtensor import from_view, to_view
@@ -86,21 +91,10 @@ def with_transposed_copy(values: jax.Array) -> tuple[jax.Array, jax.Array]:
   The forward pass writes its copy in its fusion boundary's loop instead
   (`boundary.fusion_boundary`).
   """
-  trips = copy_trips(values)
-  if trips is None:
+  if not copyable(values):
     return values, swap_last(values)
-
-  def body(carry):
-    i, v, _ = carry
-    # The barrier keeps `v` a loop output (JAX hoists an unchanged carry
-    # out of the loop, and XLA then recomputes the quantization for the
-    # consumers that read it outside).
-    v = lax.optimization_barrier(v)
-    return i + 1, v, swap_last(v)
-
-  init = (0, values, swap_last(jnp.zeros_like(values)))
-  _, values, values_t = lax.while_loop(lambda c: c[0] < trips, body, init)
-  return values, values_t
+  values = one_trip_loop(values, copy_trips)
+  return values, swap_last(values)
 
 
 @dataclasses.dataclass(frozen=True)
