@@ -26,7 +26,7 @@ compiles after `jax.clear_caches()`).
 
 Run: python benchmarks/dot_general.py [--rounds 7] [--shapes 256x1024x1024]
   [--impls 'lax f32' 'aqtr int8'] [--modes fwd+vjp] [--graph [--json]]
-(`--graph --json` prints one JSON row per line, for before_after.py.)
+(`--json` prints one JSON row per line, for benchmarks/before_after.py.)
 """
 
 from __future__ import annotations
@@ -283,7 +283,7 @@ def main(argv=None) -> None:
   )
   p.add_argument('--graph', action='store_true', help='graph sizes, not times')
   p.add_argument(
-    '--json', action='store_true', help='with --graph: JSON rows, no table'
+    '--json', action='store_true', help='JSON rows (for before_after.py)'
   )
   a = p.parse_args(argv)
   if a.graph:
@@ -305,6 +305,12 @@ def main(argv=None) -> None:
           f'{r["compile_ms"]:.0f} |',
           flush=True,
         )
+    return
+  if a.json:
+    for s in a.shapes:
+      shape = tuple(int(v) for v in s.split('x'))
+      for r in bench(shape, a.rounds, a.modes, a.impls):
+        print(json.dumps(r), flush=True)
     return
   print(
     f'jax {jax.__version__}, {jax.devices()[0].device_kind}, '
