@@ -15,7 +15,9 @@ Graph size: `jaxpr eqns` counts the equations of the step's jaxpr,
 recursively through every sub-jaxpr (jit calls, custom_jvp / custom_vjp
 calls, control flow), which is what tracing and lowering walk; `hlo ops`
 counts the instructions of the optimized HLO module (every computation,
-fusions included), which is what XLA's code generation walks. `int8 dots`
+fusions included), which is what XLA's code generation walks; `kernels`
+counts its fusions (each one kernel XLA:CPU compiles, or a library call it
+builds). `int8 dots`
 counts the jaxpr's dot_generals with an int8 operand (a check that each
 library quantized the contractions it was asked to).
 
@@ -37,12 +39,14 @@ AQT and Qwix rows appear when those packages are installed
 and skipped.
 
 Run: python benchmarks/compile_time.py [--rows mlp lm pax] [--rounds 3]
-  [--impls float 'aqtr int8']
+  [--impls float 'aqtr int8'] [--json]
+(`--json`: one JSON row per line, for benchmarks/before_after.py.)
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from collections.abc import Callable
 
@@ -105,6 +109,12 @@ def count_hlo(compiled) -> int:
     if eq and head and ' ' not in head and not s.startswith('//'):
       n += 1
   return n
+
+
+def count_kernels(compiled) -> int:
+  """Fusions of the optimized HLO (each one kernel XLA:CPU compiles with
+  LLVM, or a library call it builds): the unit compile time grows with."""
+  return compiled.as_text().count(' fusion(')
 
 
 def _qwix_pax(module):
@@ -217,11 +227,12 @@ def measure(row: str, rounds: int, only=None, adam=False) -> list[dict]:
           count_eqns(jaxpr),
           count_hlo(compiled),
           count_int8_dots(jaxpr),
+          count_kernels(compiled),
         )
   rows = []
   for name in impls:
     lower_s, compile_s, total_s, cpu_s = best[name]
-    eqns, hlo, int8_dots = size[name]
+    eqns, hlo, int8_dots, kernels = size[name]
     rows.append(
       dict(
         row=row,
@@ -236,6 +247,7 @@ def measure(row: str, rounds: int, only=None, adam=False) -> list[dict]:
         eqns_x=eqns / size['float'][0],
         hlo=hlo,
         hlo_x=hlo / size['float'][1],
+        kernels=kernels,
         int8_dots=int8_dots,
       )
     )
@@ -255,6 +267,7 @@ COLUMNS = (
   ('eqns_x', 'x float', '>7', '.2f'),
   ('hlo', 'hlo ops', '>7', 'd'),
   ('hlo_x', 'x float', '>7', '.2f'),
+  ('kernels', 'kernels', '>7', 'd'),
   ('int8_dots', 'int8 dots', '>9', 'd'),
 )
 
@@ -288,12 +301,25 @@ def main(argv=None) -> None:
   p.add_argument(
     '--adam', action='store_true', help='time the Adam update as well'
   )
+  p.add_argument(
+    '--json',
+    action='store_true',
+    help='one JSON row per line (for before_after.py), no table',
+  )
   a = p.parse_args(argv)
   rows = [r for arg in a.rows for r in arg.split(',') if r]
   bad = sorted(set(rows) - set(ROWS))
   if bad:
     p.error(f'--rows: unknown {bad}; choose from {list(ROWS)}')
   step = 'loss + gradient' + (' + Adam update' if a.adam else '')
+  if a.json:
+    for row in rows:
+      for r in measure(row, a.rounds, a.impls, a.adam):
+        keep = ('lower_s', 'compile_s', 'total_s', 'cpu_s', 'eqns', 'hlo')
+        keep += ('kernels', 'int8_dots')
+        out = {'row': r['row'], 'impl': r['impl']}
+        print(json.dumps(out | {k: r[k] for k in keep}), flush=True)
+    return
   print(
     f'jax {jax.__version__}, {jax.devices()[0].device_kind}, host CPU: '
     f'{host.cpu_model()}; step: {step}; min of {a.rounds} rounds, fresh step '

@@ -18,17 +18,21 @@ when those packages are installed (`pip install -e '.[bench]'`).
 `--graph` prints, instead of times, the graph each implementation gives
 XLA for one dot (per shape and mode): `jaxpr eqns` (recursively, as
 benchmarks/compile_time.py counts them), `hlo ops` (instructions of the
-optimized HLO module, fusions' bodies included), `int8 dots` and
+optimized HLO module, fusions' bodies included), `kernels` (the fusions
+XLA:CPU compiles or hands to a library, as compile_time.py counts them),
+`int8 dots` and
 `compile ms` (process CPU time of lower + compile, minimum of 3 fresh
 compiles after `jax.clear_caches()`).
 
 Run: python benchmarks/dot_general.py [--rounds 7] [--shapes 256x1024x1024]
-  [--impls 'lax f32' 'aqtr int8'] [--modes fwd+vjp] [--graph]
+  [--impls 'lax f32' 'aqtr int8'] [--modes fwd+vjp] [--graph [--json]]
+(`--json` prints one JSON row per line, for benchmarks/before_after.py.)
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 from collections.abc import Callable
@@ -162,9 +166,14 @@ def _compile(f: Callable, mode: str, args):
   return g, time.perf_counter() - t
 
 
-def graph(shape, modes=('fwd', 'fwd+vjp'), only=None) -> list[str]:
-  """Table rows: the graph size and compile CPU time of one dot."""
-  from compile_time import count_eqns, count_hlo, count_int8_dots
+def graph(shape, modes=('fwd', 'fwd+vjp'), only=None) -> list[dict]:
+  """Rows: the graph size and compile CPU time of one dot."""
+  from compile_time import (
+    count_eqns,
+    count_hlo,
+    count_int8_dots,
+    count_kernels,
+  )
 
   m, k, n = shape
   x, w, ct = jnp.ones((m, k)), jnp.ones((k, n)), jnp.ones((m, n))
@@ -189,9 +198,16 @@ def graph(shape, modes=('fwd', 'fwd+vjp'), only=None) -> list[str]:
         compiled = jax.jit(g).lower(*args).compile()
         best = min(best, time.process_time() - c)
       rows.append(
-        f'| {"x".join(map(str, shape))} | {mode} | {name} | '
-        f'{count_eqns(jaxpr)} | {count_hlo(compiled)} | '
-        f'{count_int8_dots(jaxpr)} | {best * 1e3:.0f} |'
+        dict(
+          shape='x'.join(map(str, shape)),
+          mode=mode,
+          impl=name,
+          eqns=count_eqns(jaxpr),
+          hlo=count_hlo(compiled),
+          kernels=count_kernels(compiled),
+          int8_dots=count_int8_dots(jaxpr),
+          compile_ms=best * 1e3,
+        )
       )
   return rows
 
@@ -266,17 +282,35 @@ def main(argv=None) -> None:
     '--impls', nargs='*', default=None, help='names to run (default: all)'
   )
   p.add_argument('--graph', action='store_true', help='graph sizes, not times')
+  p.add_argument(
+    '--json', action='store_true', help='JSON rows (for before_after.py)'
+  )
   a = p.parse_args(argv)
   if a.graph:
-    print(f'jax {jax.__version__}, host CPU: {host.cpu_model()}')
-    print(
-      '| M x K x N | mode | impl | jaxpr eqns | hlo ops | int8 dots | '
-      'compile ms |'
-    )
-    print('|---|---|---|---:|---:|---:|---:|')
+    if not a.json:
+      print(f'jax {jax.__version__}, host CPU: {host.cpu_model()}')
+      print(
+        '| M x K x N | mode | impl | jaxpr eqns | hlo ops | kernels | '
+        'int8 dots | compile ms |'
+      )
+      print('|---|---|---|---:|---:|---:|---:|---:|')
     for s in a.shapes:
       shape = tuple(int(v) for v in s.split('x'))
-      print('\n'.join(graph(shape, a.modes, a.impls)))
+      for r in graph(shape, a.modes, a.impls):
+        print(
+          json.dumps(r)
+          if a.json
+          else f'| {r["shape"]} | {r["mode"]} | {r["impl"]} | {r["eqns"]} | '
+          f'{r["hlo"]} | {r["kernels"]} | {r["int8_dots"]} | '
+          f'{r["compile_ms"]:.0f} |',
+          flush=True,
+        )
+    return
+  if a.json:
+    for s in a.shapes:
+      shape = tuple(int(v) for v in s.split('x'))
+      for r in bench(shape, a.rounds, a.modes, a.impls):
+        print(json.dumps(r), flush=True)
     return
   print(
     f'jax {jax.__version__}, {jax.devices()[0].device_kind}, '

@@ -42,7 +42,11 @@ class AbsMax(Calibration):
       raise ValueError(f'AbsMax.clip_scale must be finite and > 0, got {c}.')
 
   def calibrate(self, x: jax.Array, axes: Sequence[int]) -> jax.Array:
-    a = jnp.abs(x)
-    a = prims.where(jnp.isnan(a), float('inf'), a)
-    b = jnp.max(a, axis=tuple(axes), keepdims=True)
+    axes = tuple(axes)
+    b = jnp.max(jnp.abs(x), axis=axes, keepdims=True)
+    # 0 where the group is finite, NaN where it holds a NaN or inf: two
+    # plain reductions XLA:CPU runs in one library kernel each (a select
+    # before the max would be a pass of its own, writing |x| back).
+    flag = jnp.sum(x - x, axis=axes, keepdims=True)
+    b = prims.where(flag == flag, b, float('inf'))
     return b if self.clip_scale == 1.0 else b * self.clip_scale

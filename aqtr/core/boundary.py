@@ -50,31 +50,38 @@ def _trips(first: jax.Array) -> jax.Array:
   return jnp.minimum(1, jnp.abs(first.astype(jnp.int32)) + 1)
 
 
-def fusion_boundary(tree):
-  """`tree`'s arrays as buffers of their own that no fusion reaches across.
+def copyable(values: jax.Array) -> bool:
+  """Whether a loop writes `values`' buffer (`copy_trips` reads its first
+  value's bits): non-empty, integer or 1-2 byte float."""
+  return values.size > 0 and (
+    jnp.issubdtype(values.dtype, jnp.integer) or values.dtype.itemsize <= 2
+  )
 
-  Where `fusion_fenced`, a one-trip while loop whose trip count XLA
-  cannot fold (XLA:CPU drops `optimization_barrier`s before fusion, but
-  keeps a loop); elsewhere an `optimization_barrier`. The values are
-  unchanged.
 
-  Args:
-    tree: a pytree of arrays (None leaves allowed).
+def copy_trips(values: jax.Array) -> jax.Array:
+  """1 from the first value's bits, a count XLA cannot fold (`copyable`
+  values)."""
+  first = values.reshape(-1)[0]
+  if jnp.issubdtype(values.dtype, jnp.integer):  # int4, int8, int16
+    as_int = first.astype(jnp.int32)
+  else:  # fp8, bf16, f16: their bits
+    unsigned = jnp.uint8 if values.dtype.itemsize == 1 else jnp.uint16
+    as_int = lax.bitcast_convert_type(first, unsigned).astype(jnp.int32)
+  return jnp.minimum(1, jnp.abs(as_int) + 1)  # Always 1.
 
-  Returns:
-    The same tree, same values.
 
-  Example:
-    >>> s = jnp.array([0.5, 2.0])
-    >>> fusion_boundary((s, None))[0].tolist()
-    [0.5, 2.0]
+def swap_last(x: jax.Array | None) -> jax.Array | None:
+  """[B, T, X, Y] -> [B, T, Y, X] (None stays None)."""
+  return None if x is None else x.transpose(0, 1, 3, 2)
+
+
+def one_trip_loop(tree, count):
+  """`tree` through a while loop of `count(tree)` trips (an int32 XLA
+  cannot fold, 1 or, where the loop is the identity anyway, 0).
+
+  The count is computed in the loop's condition, from the carried arrays:
+  no kernel of its own before the loop.
   """
-  leaves = [x for x in jax.tree.leaves(tree) if x.size]
-  if not leaves:
-    return tree
-  if not fusion_fenced():
-    return lax.optimization_barrier(tree)
-  trips = _trips(leaves[0].reshape(-1)[0])
 
   def body(carry):
     i, t = carry
@@ -82,4 +89,48 @@ def fusion_boundary(tree):
     # out of the loop, and XLA would then fuse across it again).
     return i + 1, lax.optimization_barrier(t)
 
-  return lax.while_loop(lambda c: c[0] < trips, body, (0, tree))[1]
+  return lax.while_loop(lambda c: c[0] < count(c[1]), body, (0, tree))[1]
+
+
+def fusion_boundary(tree, transposed: jax.Array | None = None):
+  """`tree`'s arrays as buffers of their own that no fusion reaches across.
+
+  Where `fusion_fenced`, a one-trip while loop whose trip count XLA
+  cannot fold (XLA:CPU drops `optimization_barrier`s before fusion, but
+  keeps a loop); elsewhere an `optimization_barrier`. The values are
+  unchanged.
+
+  `transposed` (fenced, and `copyable`): an array [B, T, X, Y]
+  that the same loop also makes a buffer of its own, then copied as
+  [B, T, Y, X] (the job of `passes.with_transposed_copy` without a loop
+  of its own: each loop costs compile time).
+
+  Args:
+    tree: a pytree of arrays (None leaves allowed).
+    transposed: an array to copy transposed after the loop, or None.
+
+  Returns:
+    The same tree, same values; with `transposed`, `(tree, values,
+    values_t)` (`values_t` None where no loop makes its buffer).
+
+  Example:
+    >>> s = jnp.array([0.5, 2.0])
+    >>> fusion_boundary((s, None))[0].tolist()
+    [0.5, 2.0]
+  """
+  copies = transposed is not None
+  fenced = fusion_fenced()
+  if copies and fenced and copyable(transposed):
+    tree, values = one_trip_loop((tree, transposed), lambda t: copy_trips(t[1]))
+    return tree, values, swap_last(values)
+  if any(x.size for x in jax.tree.leaves(tree)):
+    if not fenced:
+      tree = lax.optimization_barrier(tree)
+    else:
+      tree = one_trip_loop(tree, _first_trips)
+  return (tree, transposed, None) if copies else tree
+
+
+def _first_trips(tree) -> jax.Array:
+  first = [x for x in jax.tree.leaves(tree) if x.size][0]
+  return _trips(first.reshape(-1)[0])

@@ -106,20 +106,28 @@ def forward_operand(plan: Plan, side: Side, x, key, st: SlotState | None):
   return quantize_tiled(operand, plan.fwd_tile)
 
 
-def _pinned(q: dict) -> dict:
-  """{side: q} with the scales and zero points behind a fusion boundary.
+def _pinned(q: dict, transpose_lhs: bool) -> tuple[dict, tuple | None]:
+  """({side: q} with the scales and zero points behind a fusion boundary,
+  (q_L's values, q_L^T) written by it or None).
 
   Training computes them from the float operands, serving loads them:
   from here on both programs run the same code on the same arrays (the
   contraction's rescale and tile sum), which XLA then fuses alike. One
-  boundary for both sides (each one costs compile time).
+  boundary for both sides (each one costs compile time), which also
+  writes q_L^T for the weight gradient when `transpose_lhs`.
   """
   sides = [s for s in SIDES if q[s].scale is not None]
-  parts = fusion_boundary([(q[s].scale, q[s].zero_point) for s in sides])
+  parts = [(q[s].scale, q[s].zero_point) for s in sides]
+  copied = None
+  if transpose_lhs:
+    parts, values, values_t = fusion_boundary(parts, q[Side.LHS].values)
+    copied = None if values_t is None else (values, values_t)
+  else:
+    parts = fusion_boundary(parts)
   out = dict(q)
   for s, (scale, zero_point) in zip(sides, parts, strict=True):
     out[s] = dataclasses.replace(q[s], scale=scale, zero_point=zero_point)
-  return out
+  return out, copied
 
 
 def _residual(plan: Plan, side: Side, x, q, kept, key, decay):
@@ -171,10 +179,11 @@ def forward(
     )
     for s in SIDES
   }
-  q = _pinned(keep_on_shards(q, plan))
+  transpose_lhs = plan.transposed_lhs and residuals
+  q, copied = _pinned(keep_on_shards(q, plan), transpose_lhs)
   kept = dict(q)
-  if plan.transposed_lhs and residuals:
-    q[Side.LHS], kept[Side.LHS] = q[Side.LHS].with_transposed()
+  if transpose_lhs:
+    q[Side.LHS], kept[Side.LHS] = q[Side.LHS].with_transposed(copied)
   out = geometry.contract(
     plan, q[Side.LHS], q[Side.RHS], plan.config.fwd, groups
   )

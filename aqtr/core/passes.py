@@ -26,6 +26,12 @@ from jax import lax
 from jax.sharding import get_abstract_mesh
 
 from aqtr.core import prims
+from aqtr.core.boundary import (
+  copy_trips,
+  copyable,
+  one_trip_loop,
+  swap_last,
+)
 from aqtr.core.config import DotGeneralRaw, TensorConfig
 from aqtr.core.dimension_numbers import OperandLayout
 from aqtr.core.qtensor import from_view, to_view
@@ -72,10 +78,6 @@ class Operand:
   state: dict | None = None
 
 
-def _swap_last(x: jax.Array | None) -> jax.Array | None:
-  return None if x is None else x.transpose(0, 1, 3, 2)
-
-
 def with_transposed_copy(values: jax.Array) -> tuple[jax.Array, jax.Array]:
   """`values` [B, T, X, Y], and as [B, T, Y, X] written by a plain copy.
 
@@ -86,30 +88,13 @@ def with_transposed_copy(values: jax.Array) -> tuple[jax.Array, jax.Array]:
   it keeps: run once (a trip count it cannot fold, from the first value's
   bits), the loop makes `values` a buffer of their own that the transpose
   then copies, and that every other consumer reads (no recomputation).
+  The forward pass writes its copy in its fusion boundary's loop instead
+  (`boundary.fusion_boundary`).
   """
-  if values.size == 0:
-    return values, _swap_last(values)
-  first = values.reshape(-1)[0]
-  if jnp.issubdtype(values.dtype, jnp.integer):  # int4, int8, int16
-    as_int = first.astype(jnp.int32)
-  elif values.dtype.itemsize in (1, 2):  # fp8, bf16, f16: their bits
-    unsigned = jnp.uint8 if values.dtype.itemsize == 1 else jnp.uint16
-    as_int = lax.bitcast_convert_type(first, unsigned).astype(jnp.int32)
-  else:
-    return values, _swap_last(values)
-  trips = jnp.minimum(1, jnp.abs(as_int) + 1)  # Always 1.
-
-  def body(carry):
-    i, v, _ = carry
-    # The barrier keeps `v` a loop output (JAX hoists an unchanged carry
-    # out of the loop, and XLA then recomputes the quantization for the
-    # consumers that read it outside).
-    v = lax.optimization_barrier(v)
-    return i + 1, v, _swap_last(v)
-
-  init = (0, values, _swap_last(jnp.zeros_like(values)))
-  _, values, values_t = lax.while_loop(lambda c: c[0] < trips, body, init)
-  return values, values_t
+  if not copyable(values):
+    return values, swap_last(values)
+  values = one_trip_loop(values, copy_trips)
+  return values, swap_last(values)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,19 +134,23 @@ class QuantizedOperand:
   def without_mask(self) -> QuantizedOperand:
     return dataclasses.replace(self, mask=None, state=None, learned=None)
 
-  def with_transposed(self) -> tuple[QuantizedOperand, QuantizedOperand]:
+  def with_transposed(
+    self, copied: tuple[jax.Array, jax.Array] | None = None
+  ) -> tuple[QuantizedOperand, QuantizedOperand]:
     """This operand, and the same in the other form (`with_transposed_copy`).
 
     Both read one buffer of values; use the first in place of `self`.
+    `copied`: (values, values transposed) already written (by the forward
+    pass's fusion boundary), else a loop of its own writes them.
     """
-    values, values_t = with_transposed_copy(self.values)
+    values, values_t = copied or with_transposed_copy(self.values)
     transposed = QuantizedOperand(
       values_t,
-      _swap_last(self.scale),
-      _swap_last(self.mask),
+      swap_last(self.scale),
+      swap_last(self.mask),
       flip(self.form),
       self.dot_dtype,
-      _swap_last(self.zero_point),
+      swap_last(self.zero_point),
     )
     return dataclasses.replace(self, values=values), transposed
 
