@@ -33,13 +33,16 @@ if os.environ.get('CI'):
   hypothesis.settings.load_profile('ci')
 
 
-# With `-n N`, the modules of a group here run on one worker, and groups
-# start first (most tests first): a module-scoped fixture (a training run)
-# or a functools.cache shared by the modules (tests/qt/digits_mlp.py,
-# tests/pax/helpers.py) is built once instead of once per worker, and a
-# long test does not end the run on one worker while the other idles.
-# Each tests/papers/ module is a group of its own. Every other test goes to
-# whichever worker is free, one at a time.
+# With `-n N` (pyproject's addopts say `--dist=loadgroup`), a worker runs
+# whole work units: a test module, the modules of a group here, or the tests
+# marked `xdist_group(name)` (a docs page's blocks, tests/test_docs.py). A
+# module-scoped fixture (a training run) or a functools.cache shared by the
+# modules of a group (tests/qt/digits_mlp.py, tests/pax/helpers.py) is then
+# built once instead of once per worker, and a function a module's tests
+# share compiles on one worker only. Units start longest first (HEAVY, then
+# by number of tests), so that no long unit is left for the end of the run
+# while the other worker idles. Each tests/papers/ module is a unit of its
+# own.
 GROUPS = {
   'tests/train/test_main.py': 'train_main',
   'tests/train/test_mesh.py': 'train_mesh',
@@ -52,16 +55,27 @@ GROUPS = {
   'tests/pax/test_decode.py': 'pax_decode',
   'tests/train/test_generate.py': 'train_generate',
 }
+# Units that take longest (seconds of one worker, `pytest --durations`,
+# 2 cores): they start first, in this order.
+HEAVY = {}
 _GROUPED = pytest.StashKey[bool]()
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_cmdline_main(config):
-  """`-n N` without `--dist` schedules as GROUPS says."""
+  """`-n N` with no `--dist` or `--dist=loadgroup` schedules by units."""
   if getattr(config.option, 'numprocesses', None) and (
-    config.option.dist == 'no'
+    config.option.dist in ('no', 'loadgroup')
   ):
     config.stash[_GROUPED] = True
+
+
+def work_unit(nodeid: str) -> str:
+  """The unit of a test id: its xdist_group, its module's group, or module."""
+  if nodeid.rfind('@') > nodeid.rfind(']'):  # `xdist_group`, loadgroup's id
+    return nodeid.rsplit('@', 1)[1]
+  module = nodeid.split('::', 1)[0]
+  return GROUPS.get(module, module)
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -71,11 +85,23 @@ def pytest_xdist_make_scheduler(config, log):
   from xdist.scheduler import LoadScopeScheduling
 
   class Scheduling(LoadScopeScheduling):
+    """Whole units per worker, HEAVY ones first, then the most tests."""
+
+    ordered = False
+
     def _split_scope(self, nodeid):
-      module = nodeid.split('::', 1)[0]
-      if module.startswith('tests/papers/'):  # A claim's run per module.
-        return GROUPS.get(module, module)
-      return GROUPS.get(module, nodeid)
+      return work_unit(nodeid)
+
+    def _assign_work_unit(self, node):
+      if not self.ordered:  # the queue is complete at the first call
+        self.ordered = True
+        units = sorted(
+          self.workqueue.items(),
+          key=lambda u: (-HEAVY.get(u[0], 0), -len(u[1])),
+        )
+        self.workqueue.clear()
+        self.workqueue.update(units)
+      super()._assign_work_unit(node)
 
   return Scheduling(config, log)
 
