@@ -108,11 +108,12 @@ def pytest_xdist_make_scheduler(config, log):
 
 # Memory. Every jit compile keeps its executable (several MB on XLA:CPU)
 # in JAX's caches for the life of the process, so a worker running
-# hundreds of test modules grew past 5 GB. After each module (and after
-# any test that leaves the process above RSS_LIMIT_MB) the caches are
-# cleared, cycles collected and freed pages handed back to the OS. A later
-# module that calls a function compiled before recompiles it (a module's
-# own tests, fixtures and shared caches within it are not affected).
+# hundreds of test modules grew past 5 GB. After each module or docs page
+# (and after any test that leaves the process above RSS_LIMIT_MB) the
+# caches are cleared, cycles collected and freed pages handed back to the
+# OS. A later module that calls a function compiled before recompiles it
+# (a module's own tests, fixtures and shared caches within it are not
+# affected).
 RSS_LIMIT_MB = 2048
 _LIBC = ctypes.util.find_library('c')
 _TRIM = getattr(ctypes.CDLL(_LIBC), 'malloc_trim', None) if _LIBC else None
@@ -139,6 +140,14 @@ def release_memory() -> None:
 @pytest.hookimpl(trylast=True)
 def pytest_runtest_teardown(item, nextitem):
   """After the module's fixtures are torn down: release memory."""
-  next_module = None if nextitem is None else nextitem.nodeid.split('::')[0]
-  if next_module != item.nodeid.split('::')[0] or rss_mb() > RSS_LIMIT_MB:
+  next_unit = None if nextitem is None else release_unit(nextitem.nodeid)
+  if next_unit != release_unit(item.nodeid) or rss_mb() > RSS_LIMIT_MB:
     release_memory()
+
+
+def release_unit(nodeid: str) -> str:
+  """A test module, or one docs page's blocks (tests/test_docs.py)."""
+  module, _, rest = nodeid.partition('::')
+  if rest.startswith('test_doc_block['):
+    return rest.split('::', 1)[0]  # the page: `test_doc_block[docs/x.md`
+  return module
