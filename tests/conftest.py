@@ -39,10 +39,10 @@ if os.environ.get('CI'):
 # module-scoped fixture (a training run) or a functools.cache shared by the
 # modules of a group (tests/qt/digits_mlp.py, tests/pax/helpers.py) is then
 # built once instead of once per worker, and a function a module's tests
-# share compiles on one worker only. Units start longest first (HEAVY, then
-# by number of tests), so that no long unit is left for the end of the run
-# while the other worker idles. Each tests/papers/ module is a unit of its
-# own.
+# share compiles on one worker only. Heavy units start first, then the
+# others by number of tests, so that no long unit is left for the end of
+# the run while the other worker idles. Each tests/papers/ module is a unit
+# of its own.
 GROUPS = {
   'tests/train/test_main.py': 'train_main',
   'tests/train/test_mesh.py': 'train_mesh',
@@ -55,9 +55,9 @@ GROUPS = {
   'tests/pax/test_decode.py': 'pax_decode',
   'tests/train/test_generate.py': 'train_generate',
 }
-# Units that take longest (seconds of one worker, `pytest --durations`,
-# 2 cores): they start first, in this order.
-HEAVY = {}
+# Units that hold long runs (a training fixture, a paper's claim, the
+# notebooks): they start before the others.
+HEAVY = ('tests/papers/', 'tests/models/', 'tests/colabs/', 'tests/train/')
 _GROUPED = pytest.StashKey[bool]()
 
 
@@ -76,6 +76,11 @@ def work_unit(nodeid: str) -> str:
     return nodeid.rsplit('@', 1)[1]
   module = nodeid.split('::', 1)[0]
   return GROUPS.get(module, module)
+
+
+def heavy(unit: str) -> bool:
+  """Whether a unit starts first: a group or a module under HEAVY."""
+  return unit in GROUPS.values() or unit.startswith(HEAVY)
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -97,7 +102,7 @@ def pytest_xdist_make_scheduler(config, log):
         self.ordered = True
         units = sorted(
           self.workqueue.items(),
-          key=lambda u: (-HEAVY.get(u[0], 0), -len(u[1])),
+          key=lambda u: (not heavy(u[0]), -len(u[1])),
         )
         self.workqueue.clear()
         self.workqueue.update(units)
