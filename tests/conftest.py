@@ -58,6 +58,9 @@ GROUPS = {
 # Units that hold long runs (a training fixture, a paper's claim, the
 # notebooks): they start before the others.
 HEAVY = ('tests/papers/', 'tests/models/', 'tests/colabs/', 'tests/train/')
+# Modules whose tests share nothing in process (each notebook runs in a
+# kernel of its own): every test is a unit, so that both workers take them.
+SPLIT = ('tests/colabs/test_notebooks.py',)
 _GROUPED = pytest.StashKey[bool]()
 
 
@@ -71,11 +74,11 @@ def pytest_cmdline_main(config):
 
 
 def work_unit(nodeid: str) -> str:
-  """The unit of a test id: its xdist_group, its module's group, or module."""
+  """A test id's unit: its xdist_group, its module's group, its module."""
   if nodeid.rfind('@') > nodeid.rfind(']'):  # `xdist_group`, loadgroup's id
     return nodeid.rsplit('@', 1)[1]
   module = nodeid.split('::', 1)[0]
-  return GROUPS.get(module, module)
+  return nodeid if module in SPLIT else GROUPS.get(module, module)
 
 
 def heavy(unit: str) -> bool:
