@@ -33,13 +33,16 @@ if os.environ.get('CI'):
   hypothesis.settings.load_profile('ci')
 
 
-# With `-n N`, the modules of a group here run on one worker, and groups
-# start first (most tests first): a module-scoped fixture (a training run)
-# or a functools.cache shared by the modules (tests/qt/digits_mlp.py,
-# tests/pax/helpers.py) is built once instead of once per worker, and a
-# long test does not end the run on one worker while the other idles.
-# Each tests/papers/ module is a group of its own. Every other test goes to
-# whichever worker is free, one at a time.
+# With `-n N` (pyproject's addopts say `--dist=loadgroup`), a worker runs
+# whole work units: a test module, the modules of a group here, or the tests
+# marked `xdist_group(name)` (a docs page's blocks, tests/test_docs.py). A
+# module-scoped fixture (a training run) or a functools.cache shared by the
+# modules of a group (tests/qt/digits_mlp.py, tests/pax/helpers.py) is then
+# built once instead of once per worker, and a function a module's tests
+# share compiles on one worker only. Heavy units start first, then the
+# others by number of tests, so that no long unit is left for the end of
+# the run while the other worker idles. Each tests/papers/ module is a unit
+# of its own.
 GROUPS = {
   'tests/train/test_main.py': 'train_main',
   'tests/train/test_mesh.py': 'train_mesh',
@@ -52,16 +55,35 @@ GROUPS = {
   'tests/pax/test_decode.py': 'pax_decode',
   'tests/train/test_generate.py': 'train_generate',
 }
+# Units that hold long runs (a training fixture, a paper's claim, the
+# notebooks): they start before the others.
+HEAVY = ('tests/papers/', 'tests/models/', 'tests/colabs/', 'tests/train/')
+# Modules whose tests share nothing in process (each notebook runs in a
+# kernel of its own): every test is a unit, so that both workers take them.
+SPLIT = ('tests/colabs/test_notebooks.py',)
 _GROUPED = pytest.StashKey[bool]()
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_cmdline_main(config):
-  """`-n N` without `--dist` schedules as GROUPS says."""
+  """`-n N` with no `--dist` or `--dist=loadgroup` schedules by units."""
   if getattr(config.option, 'numprocesses', None) and (
-    config.option.dist == 'no'
+    config.option.dist in ('no', 'loadgroup')
   ):
     config.stash[_GROUPED] = True
+
+
+def work_unit(nodeid: str) -> str:
+  """A test id's unit: its xdist_group, its module's group, its module."""
+  if nodeid.rfind('@') > nodeid.rfind(']'):  # `xdist_group`, loadgroup's id
+    return nodeid.rsplit('@', 1)[1]
+  module = nodeid.split('::', 1)[0]
+  return nodeid if module in SPLIT else GROUPS.get(module, module)
+
+
+def heavy(unit: str) -> bool:
+  """Whether a unit starts first: a group or a module under HEAVY."""
+  return unit in GROUPS.values() or unit.startswith(HEAVY)
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -71,22 +93,35 @@ def pytest_xdist_make_scheduler(config, log):
   from xdist.scheduler import LoadScopeScheduling
 
   class Scheduling(LoadScopeScheduling):
+    """Whole units per worker, HEAVY ones first, then the most tests."""
+
+    ordered = False
+
     def _split_scope(self, nodeid):
-      module = nodeid.split('::', 1)[0]
-      if module.startswith('tests/papers/'):  # A claim's run per module.
-        return GROUPS.get(module, module)
-      return GROUPS.get(module, nodeid)
+      return work_unit(nodeid)
+
+    def _assign_work_unit(self, node):
+      if not self.ordered:  # the queue is complete at the first call
+        self.ordered = True
+        units = sorted(
+          self.workqueue.items(),
+          key=lambda u: (not heavy(u[0]), -len(u[1])),
+        )
+        self.workqueue.clear()
+        self.workqueue.update(units)
+      super()._assign_work_unit(node)
 
   return Scheduling(config, log)
 
 
 # Memory. Every jit compile keeps its executable (several MB on XLA:CPU)
 # in JAX's caches for the life of the process, so a worker running
-# hundreds of test modules grew past 5 GB. After each module (and after
-# any test that leaves the process above RSS_LIMIT_MB) the caches are
-# cleared, cycles collected and freed pages handed back to the OS. A later
-# module that calls a function compiled before recompiles it (a module's
-# own tests, fixtures and shared caches within it are not affected).
+# hundreds of test modules grew past 5 GB. After each module or docs page
+# (and after any test that leaves the process above RSS_LIMIT_MB) the
+# caches are cleared, cycles collected and freed pages handed back to the
+# OS. A later module that calls a function compiled before recompiles it
+# (a module's own tests, fixtures and shared caches within it are not
+# affected).
 RSS_LIMIT_MB = 2048
 _LIBC = ctypes.util.find_library('c')
 _TRIM = getattr(ctypes.CDLL(_LIBC), 'malloc_trim', None) if _LIBC else None
@@ -113,6 +148,14 @@ def release_memory() -> None:
 @pytest.hookimpl(trylast=True)
 def pytest_runtest_teardown(item, nextitem):
   """After the module's fixtures are torn down: release memory."""
-  next_module = None if nextitem is None else nextitem.nodeid.split('::')[0]
-  if next_module != item.nodeid.split('::')[0] or rss_mb() > RSS_LIMIT_MB:
+  next_unit = None if nextitem is None else release_unit(nextitem.nodeid)
+  if next_unit != release_unit(item.nodeid) or rss_mb() > RSS_LIMIT_MB:
     release_memory()
+
+
+def release_unit(nodeid: str) -> str:
+  """A test module, or one docs page's blocks (tests/test_docs.py)."""
+  module, _, rest = nodeid.partition('::')
+  if rest.startswith('test_doc_block['):
+    return rest.split('::', 1)[0]  # the page: `test_doc_block[docs/x.md`
+  return module

@@ -3,12 +3,12 @@
 Every ```python block of README.md and docs/**/*.md is its own test
 (id: page and block index). The blocks of one page run in order in one
 namespace (a block may use the names of the blocks above it): the
-namespace is kept per page in `_PAGES`, so each block runs once per
-process; a block whose page's earlier blocks have not run in this process
-runs them first. Registrations a page makes (an example calibration,
-freezer, ...) are visible to that page's later blocks only, never to
-other tests. A page holding the line `<!-- docs-test: slow -->` has its
-blocks marked slow.
+namespace is kept per page in `_PAGES` (emptied after the page's last
+block), so each block runs once per process; a block whose page's earlier
+blocks have not run in this process runs them first. Registrations a
+page makes (an example calibration, freezer, ...) are visible to that
+page's later blocks only, never to other tests. A page holding the line
+`<!-- docs-test: slow -->` has its blocks marked slow.
 """
 
 import doctest
@@ -145,6 +145,8 @@ def test_doc_block(name, index, monkeypatch):
     page.failed = index
     raise
   page.done = index + 1
+  if page.done == len(code):  # the page's last block: free what it built
+    page.namespace.clear()
 
 
 def test_every_page_is_in_a_toctree():

@@ -15,6 +15,7 @@ sizes and serve==train must match exactly.
 """
 
 import math
+import os
 import pathlib
 import re
 import shlex
@@ -48,11 +49,17 @@ def test_readme_marker_parses():
 @pytest.mark.slow
 def test_readme_table_matches_the_default_run(tmp_path):
   command, expected = _readme_table()
+  # As documented, with XLA's defaults: not under the XLA_FLAGS of
+  # tests/conftest.py (8 host devices, -O0 codegen), under which the
+  # quantized runs' losses differ (train loss int8 2.1474 vs 2.1553, fp8
+  # 2.1404 vs 2.1289; float is the same).
+  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
   proc = subprocess.run(
     [sys.executable, '-m', 'aqtr.train', *command[1:], f'--out_dir={tmp_path}'],
     capture_output=True,
     text=True,
     timeout=1800,
+    env=env,
   )
   assert proc.returncode == 0, proc.stderr[-3000:]
   got = report.parse_table(proc.stdout[proc.stdout.index('| run') :])
