@@ -52,8 +52,10 @@ __all__ = [
   'KEEP',
   'RULES',
   'StockLm',
+  'attention',
   'float_bytes',
   'fold_map',
+  'init_attention',
   'rope',
   'serve',
   'sizes',
@@ -86,35 +88,47 @@ def rope(x: jax.Array, base: float = 10000.0) -> jax.Array:
   return jnp.concatenate([a * cos - b * sin, a * sin + b * cos], -1)
 
 
+def init_attention(block, d_model, num_heads, kv_heads, rngs) -> None:
+  """Gives a pre-norm block its attention: `attn_norm`, grouped-query
+  projections `q`, `k`, `v`, `o` (no bias), and the MLP's `mlp_norm`."""
+  block.heads, block.kv_heads = num_heads, kv_heads
+  block.head_dim = d_model // num_heads
+  kv = kv_heads * block.head_dim
+  lin = dict(use_bias=False, rngs=rngs)
+  block.attn_norm = nnx.RMSNorm(d_model, rngs=rngs)
+  block.q = nnx.Linear(d_model, d_model, **lin)
+  block.k = nnx.Linear(d_model, kv, **lin)
+  block.v = nnx.Linear(d_model, kv, **lin)
+  block.o = nnx.Linear(d_model, d_model, **lin)
+  block.mlp_norm = nnx.RMSNorm(d_model, rngs=rngs)
+
+
+def attention(block, x: jax.Array) -> jax.Array:
+  """`x` plus the block's causal grouped-query attention (rope on q, k)."""
+  b, t, _ = x.shape
+  g, hd = block.heads // block.kv_heads, block.head_dim
+  h = block.attn_norm(x)
+  q = rope(block.q(h).reshape(b, t, block.kv_heads, g, hd))
+  k = rope(block.k(h).reshape(b, t, block.kv_heads, hd))
+  v = block.v(h).reshape(b, t, block.kv_heads, hd)
+  s = jnp.einsum('bqkgd,bskd->bkgqs', q, k) / hd**0.5
+  s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, -1e9)
+  a = jnp.einsum('bkgqs,bskd->bqkgd', jax.nn.softmax(s), v)
+  return x + block.o(a.reshape(b, t, -1))
+
+
 class Block(nnx.Module):
   """Pre-norm decoder block: grouped-query attention and SwiGLU."""
 
   def __init__(self, d_model, num_heads, kv_heads, hidden, *, rngs):
-    self.heads, self.kv_heads = num_heads, kv_heads
-    self.head_dim = d_model // num_heads
-    kv = kv_heads * self.head_dim
+    init_attention(self, d_model, num_heads, kv_heads, rngs)
     lin = dict(use_bias=False, rngs=rngs)
-    self.attn_norm = nnx.RMSNorm(d_model, rngs=rngs)
-    self.q = nnx.Linear(d_model, d_model, **lin)
-    self.k = nnx.Linear(d_model, kv, **lin)
-    self.v = nnx.Linear(d_model, kv, **lin)
-    self.o = nnx.Linear(d_model, d_model, **lin)
-    self.mlp_norm = nnx.RMSNorm(d_model, rngs=rngs)
     self.gate = nnx.Linear(d_model, hidden, **lin)
     self.up = nnx.Linear(d_model, hidden, **lin)
     self.down = nnx.Linear(hidden, d_model, **lin)
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    b, t, _ = x.shape
-    g, hd = self.heads // self.kv_heads, self.head_dim
-    h = self.attn_norm(x)
-    q = rope(self.q(h).reshape(b, t, self.kv_heads, g, hd))
-    k = rope(self.k(h).reshape(b, t, self.kv_heads, hd))
-    v = self.v(h).reshape(b, t, self.kv_heads, hd)
-    s = jnp.einsum('bqkgd,bskd->bkgqs', q, k) / hd**0.5
-    s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, -1e9)
-    a = jnp.einsum('bkgqs,bskd->bqkgd', jax.nn.softmax(s), v)
-    x = x + self.o(a.reshape(b, t, -1))
+    x = attention(self, x)
     h = self.mlp_norm(x)
     return x + self.down(jax.nn.silu(self.gate(h)) * self.up(h))
 

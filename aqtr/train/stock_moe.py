@@ -50,7 +50,7 @@ import aqtr
 import aqtr.flax
 from aqtr.rules import Rule
 from aqtr.train import loop
-from aqtr.train.stock_lm import rope, sizes
+from aqtr.train.stock_lm import attention, init_attention, sizes
 from aqtr.train.tasks import Task
 
 __all__ = [
@@ -79,18 +79,9 @@ class MoeBlock(nnx.Module):
   def __init__(
     self, d_model, num_heads, kv_heads, hidden, experts, top_k, *, rngs
   ):
-    self.heads, self.kv_heads = num_heads, kv_heads
-    self.head_dim = d_model // num_heads
+    init_attention(self, d_model, num_heads, kv_heads, rngs)
     self.experts, self.top_k = experts, top_k
-    kv = kv_heads * self.head_dim
-    lin = dict(use_bias=False, rngs=rngs)
-    self.attn_norm = nnx.RMSNorm(d_model, rngs=rngs)
-    self.q = nnx.Linear(d_model, d_model, **lin)
-    self.k = nnx.Linear(d_model, kv, **lin)
-    self.v = nnx.Linear(d_model, kv, **lin)
-    self.o = nnx.Linear(d_model, d_model, **lin)
-    self.mlp_norm = nnx.RMSNorm(d_model, rngs=rngs)
-    self.router = nnx.Linear(d_model, experts, **lin)
+    self.router = nnx.Linear(d_model, experts, use_bias=False, rngs=rngs)
     init = nnx.initializers.lecun_normal()
     self.gate = nnx.Param(init(rngs.params(), (experts, d_model, hidden)))
     self.up = nnx.Param(init(rngs.params(), (experts, d_model, hidden)))
@@ -113,16 +104,7 @@ class MoeBlock(nnx.Module):
     return jnp.zeros_like(x).at[token].add(y).reshape(shape)
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    b, t, _ = x.shape
-    g, hd = self.heads // self.kv_heads, self.head_dim
-    h = self.attn_norm(x)
-    q = rope(self.q(h).reshape(b, t, self.kv_heads, g, hd))
-    k = rope(self.k(h).reshape(b, t, self.kv_heads, hd))
-    v = self.v(h).reshape(b, t, self.kv_heads, hd)
-    s = jnp.einsum('bqkgd,bskd->bkgqs', q, k) / hd**0.5
-    s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, -1e9)
-    a = jnp.einsum('bkgqs,bskd->bqkgd', jax.nn.softmax(s), v)
-    x = x + self.o(a.reshape(b, t, -1))
+    x = attention(self, x)
     return x + self.moe(self.mlp_norm(x))
 
 
