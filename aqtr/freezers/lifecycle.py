@@ -197,29 +197,16 @@ def _dot(call: DotCall, **kw):
   """`dot_general` (`ragged_dot` with group sizes) of the call (`kw`
   overrides its fields)."""
   c = call.replace(**kw)
-  if c.group_sizes is not None:
-    return ragged_dot(
-      c.lhs,
-      c.rhs,
-      c.group_sizes,
-      c.config,
-      key=c.key,
-      precision=c.precision,
-      preferred_element_type=c.preferred_element_type,
-      out_sharding=c.out_sharding,
-      state=c.state,
-    )
-  return dot_general(
-    c.lhs,
-    c.rhs,
-    c.dimension_numbers,
-    c.config,
+  common = dict(
     key=c.key,
     precision=c.precision,
     preferred_element_type=c.preferred_element_type,
     out_sharding=c.out_sharding,
     state=c.state,
   )
+  if c.group_sizes is not None:
+    return ragged_dot(c.lhs, c.rhs, c.group_sizes, c.config, **common)
+  return dot_general(c.lhs, c.rhs, c.dimension_numbers, c.config, **common)
 
 
 def _train_dot(call: DotCall) -> Result:
