@@ -111,3 +111,24 @@ def test_op_key_folds_the_path():
   a = aqtr.flax.rule_state.op_key(k, 'a/dot_general0')
   b = aqtr.flax.rule_state.op_key(k, 'b/dot_general0')
   assert not np.array_equal(jax.random.key_data(a), jax.random.key_data(b))
+
+
+def test_keys_on_a_mesh_give_each_shard_its_own_noise():
+  """Under jit on a mesh the noise is drawn for the global array: the
+  batch sharded over 8 devices rounds exactly as on one device, and rows
+  that are equal (one per device) round differently."""
+  if jax.device_count() < 8:
+    pytest.skip('needs 8 (host) devices')
+  q = aqtr.flax.quantize(Twin(), Rule(fwd_sr()))
+  x = jnp.tile(X[:1], (8, 1))  # the same row on every device
+  key = jax.random.key(3)
+  run = jax.jit(lambda x: q(x, aqtr_key=key)[0])
+  one = run(x)
+  mesh = jax.make_mesh((8,), ('data',))
+  sharded = jax.device_put(
+    x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec('data'))
+  )
+  got = run(sharded)
+  assert len(got.sharding.device_set) == 8
+  np.testing.assert_array_equal(got, one)
+  assert len({tuple(np.asarray(r).tolist()) for r in got}) > 1
