@@ -32,7 +32,7 @@ from aqtr.flax.host import Host
 from aqtr.flax.host_linen import LinenHost
 from aqtr.flax.host_nnx import NnxHost
 
-__all__ = ['Host', 'is_linen', 'of', 'register', 'served']
+__all__ = ['Host', 'of', 'register', 'served']
 
 # (predicate, host class, what to call such a model in errors) of the
 # kinds registered beside nnx and linen.
@@ -43,9 +43,6 @@ def register(predicate: Callable[[Any], bool], cls: type, name: str) -> None:
   """Makes `of` build `cls(model, variables)` for models `predicate` takes
   (`name`: the kind in errors, e.g. 'a Pax template')."""
   _KINDS.append((predicate, cls, name))
-
-
-is_linen = kinds.is_linen  # interception's per-kind state asks it
 
 
 def of(model, variables=None, *, who: str = 'aqtr', need_variables=True):

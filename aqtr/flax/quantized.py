@@ -40,7 +40,7 @@ import jax
 from flax import nnx
 
 from aqtr import rules as rules_lib
-from aqtr.flax import analysis, common, hosts, intercept, rule_state
+from aqtr.flax import analysis, common, hosts, intercept, kinds, rule_state
 from aqtr.flax.session import Session, Spec
 from aqtr.freezers import Mode, lifecycle
 
@@ -171,7 +171,7 @@ def quantize(
   who = 'aqtr.flax.quantize'
   model = hosts.of(model, who=who, need_variables=False).fresh_copy(who)
   if rngs is not None:
-    if hosts.is_linen(model) or not isinstance(rngs, nnx.Rngs):
+    if kinds.is_linen(model) or not isinstance(rngs, nnx.Rngs):
       raise TypeError(
         'aqtr.flax.quantize: rngs= takes an nnx.Rngs for an nnx model; '
         f"linen models get keys from apply(..., rngs={{'{rng_stream}': key}})."
@@ -246,7 +246,7 @@ def calibrate(model, batches, *, variables=None):
       'aqtr.flax.calibrate: calibrate the quantized model in Mode.TRAIN '
       '(before aqtr.flax.convert).'
     )
-  linen = hosts.is_linen(model)
+  linen = kinds.is_linen(model)
   if linen and variables is None:
     raise TypeError('aqtr.flax.calibrate: a linen model needs variables=.')
   cal = set_mode(model, Mode.CALIBRATE)
