@@ -60,6 +60,7 @@ __all__ = [
   'Schedule',
   'Trainee',
   'fit',
+  'fit_task',
   'init_params',
   'optimizer',
 ]
@@ -399,4 +400,30 @@ def fit(
     steps_per_s=timed / max(train_s, 1e-9),
     logits=lambda p, x: eval_j(p, state, frozen, x),
     diverged=diverged,
+  )
+
+
+def fit_task(
+  name: str,
+  trainee: Trainee,
+  tx: optax.GradientTransformation,
+  batches,
+  exp: Any,
+  task: Task,
+  **kwargs: Any,
+) -> Fitted:
+  """`fit` on a job task: its eval set, metric, unit and batch size, with
+  the schedule of experiment `exp` (`Schedule.of`); `kwargs` go to `fit`.
+  """
+  return fit(
+    name,
+    trainee,
+    tx,
+    batches,
+    Schedule.of(exp),
+    eval_set=task.eval_set,
+    metric=task.metric,
+    unit=task.unit,
+    items_per_batch=task.items_per_batch,
+    **kwargs,
   )

@@ -129,16 +129,13 @@ def train(
     )
 
   trainee = loop.Trainee(params=params, apply=apply, state=calib, mesh=mesh)
-  f = loop.fit(
+  f = loop.fit_task(
     name,
     trainee,
     tx,
     task.batches(),
-    loop.Schedule.of(exp),
-    eval_set=task.eval_set,
-    metric=task.metric,
-    unit=task.unit,
-    items_per_batch=task.items_per_batch,
+    exp,
+    task,
     on_record=on_record,
     show_progress=show_progress,
   )

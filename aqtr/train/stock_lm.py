@@ -239,16 +239,13 @@ def train(
     del frozen, step
     return nnx.merge(graphdef, p)(x), state
 
-  f = loop.fit(
+  f = loop.fit_task(
     name,
     loop.Trainee(params=params, apply=apply),
     loop.optimizer(exp),
     task.batches(),
-    loop.Schedule.of(exp),
-    eval_set=task.eval_set,
-    metric=task.metric,
-    unit=task.unit,
-    items_per_batch=task.items_per_batch,
+    exp,
+    task,
     on_record=on_record,
     show_progress=show_progress,
   )

@@ -252,16 +252,13 @@ def train(
     out = m(x)
     return out, nnx.state(m, aqtr.flax.rule_state.QuantState)
 
-  f = loop.fit(
+  f = loop.fit_task(
     name,
     loop.Trainee(params=params, apply=apply, state=state, frozen=rest),
     loop.optimizer(exp),
     batches,
-    loop.Schedule.of(exp),
-    eval_set=task.eval_set,
-    metric=task.metric,
-    unit=task.unit,
-    items_per_batch=task.items_per_batch,
+    exp,
+    task,
     on_record=on_record,
     show_progress=show_progress,
   )
