@@ -10,7 +10,7 @@ parameter path (a tuple, e.g. ('layers', 0, 'q_proj', 'kernel')). Here:
                                    given codes (no float kernel is made)
 
 A frozen kernel of a stock Dense / Linear sits in a holder
-(`aqtr.flax.frozen`: nnx `FrozenKernel`, linen `FrozenBox`) as
+(`aqtr.flax.frozen`: nnx `Frozen`, linen `FrozenBox`) as
 {op key: {entry: {'rhs': {qvalue, scale[, zero_point]}}}}, the values in
 the dot's 'kf' tiled view [1, groups, group, d_out] (scales [1, groups, 1,
 d_out]). Codes are int4 / int8 (signed) or uint8 (affine numerics with

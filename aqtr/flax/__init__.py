@@ -1,17 +1,17 @@
 """Flax adapters (optional extra `flax`): import a submodule explicitly.
 
   import aqtr.flax.linen       # ops DotGeneral, Einsum, ConvGeneralDilated;
-                               # EinsumDense; convert, Removed
+                               # EinsumDense; convert
   import aqtr.flax.nnx         # the same ops as nnx Modules; set_mode,
-                               # convert; Frozen, Stats, Removed
+                               # convert; Frozen, Stats
   import aqtr.flax.checkpoint  # orbax save / restore of serving trees
 
 Stock models (no aqtr ops in them) are quantized by rules:
 `aqtr.flax.quantize(model, rules)`, `report`, `convert`, `calibrate`,
-`set_mode`, `sizes` (`aqtr.flax.quantized`, `aqtr.flax.serving`; the calls
-are caught by `aqtr.flax.intercept`, frozen weights held as in
-`aqtr.flax.frozen`; keys and calibration state in `aqtr.flax.rule_state`,
-QT params checked by `aqtr.flax.qt_rules`).
+`set_mode`, `sizes` (`aqtr.flax.quantized`, `aqtr.flax.serving`; the calls are
+caught by `aqtr.flax.intercept`, frozen values held as in `aqtr.flax.frozen`
+(one container per framework, for every kind); keys and calibration state in
+`aqtr.flax.rule_state`, QT params checked by `aqtr.flax.qt_rules`).
 
 `aqtr.flax.linen_convert` (re-exported by linen) holds the conversion;
 `aqtr.flax.common` the one op body the linen, nnx and `aqtr.pax` ops

@@ -1,10 +1,11 @@
 """orbax save / restore of serving trees (linen variables or nnx state).
 
-A serving tree holds placeholders without arrays (`Removed` kernels) and
-Flax containers; orbax is given only the arrays, as a flat dict keyed by
-their dotted path ('params.Dense_0.bias', 'aqtr.Dense_0.DotGeneral_0.
-frozen_1a2b3c4d.rhs.qvalue'). Restoring needs the tree's structure: pass a
-`target` of the same structure, concrete or abstract, e.g.
+A serving tree holds placeholders without arrays (removed kernels,
+`aqtr.flax.frozen`) and Flax containers; orbax is given only the arrays, as a
+flat dict keyed by their dotted path ('params.Dense_0.bias',
+'aqtr.Dense_0.DotGeneral_0. frozen_1a2b3c4d.rhs.qvalue'). Restoring needs the
+tree's structure: pass a `target` of the same structure, concrete or abstract,
+e.g.
 
   linen: jax.eval_shape(lambda v: convert(model, v, x), abstract_variables)
   nnx:   nnx.state(nnx.eval_shape(lambda: convert(make_model(), x)))

@@ -1,6 +1,6 @@
 """The host protocol (`aqtr.flax.host`) for nnx Modules.
 
-The model holds its variables; frozen weights are `FrozenKernel` variables
+The model holds its variables; frozen weights are `Frozen` holder variables
 in place of the kernel and the op store is the model's `aqtr_frozen`
 attribute (`aqtr.flax.frozen`); `result()` is the model.
 
@@ -22,7 +22,7 @@ from flax import nnx
 
 from aqtr.flax import host, intercept
 from aqtr.flax import nnx as nnx_ops
-from aqtr.flax.frozen import STORE, FrozenKernel, FrozenOps, store_key
+from aqtr.flax.frozen import STORE, Frozen, is_holder, store_key
 
 __all__ = ['NnxHost']
 
@@ -97,7 +97,7 @@ class NnxHost(host.Host):
     return {
       tuple(path): v.get_value()
       for path, v in nnx.to_flat_state(state)
-      if not isinstance(v, FrozenKernel)
+      if not isinstance(v, Frozen)
     }
 
   def with_params(self, params: Mapping[tuple, Any]) -> NnxHost:
@@ -127,24 +127,24 @@ class NnxHost(host.Host):
       ((*mpath, name), v)
       for mpath, m in nnx.iter_modules(self.model)
       for name, v in vars(m).items()
-      if isinstance(v, FrozenKernel)
+      if is_holder(v)
     ]
 
   def with_frozen(self, holders, ops) -> NnxHost:
     served = nnx.clone(self.model)
     for path, (entries, shape, dtype, ref_ndim) in holders.items():
-      holder = FrozenKernel(
-        entries, kernel_shape=shape, kernel_dtype=dtype, ref_ndim=ref_ndim
+      holder = Frozen.holder(
+        entries, shape=shape, dtype=dtype, ref_ndim=ref_ndim
       )
       setattr(_node(served, path[:-1]), path[-1], holder)
     if ops:
-      setattr(served, STORE, FrozenOps(ops))
+      setattr(served, STORE, Frozen(ops))
     return NnxHost(served)
 
   def put_frozen(self, op_path, holder, entry, parts):
     mpath, param, key = holder
     h = getattr(_node(self.model, mpath), param)
-    if not isinstance(h, FrozenKernel) or key not in h.entries():
+    if not is_holder(h) or key not in h.entries():
       # Kept float, or read through a derived weight: the op store has it.
       store = getattr(self.model, STORE)
       entries = jax.tree.map(lambda x: x, store.get_value())
@@ -160,7 +160,7 @@ class NnxHost(host.Host):
 
   def leaf(self, path):
     v = _node(self.model, path)
-    return v if isinstance(v, FrozenKernel) else v.get_value()
+    return v if is_holder(v) else v.get_value()
 
   def set_leaf(self, path, value) -> None:
     parent = _node(self.model, path[:-1])
@@ -173,10 +173,11 @@ class NnxHost(host.Host):
       setattr(parent, path[-1], nnx.Param(value))
 
   def leaves(self):
-    state = nnx.state(self.model, nnx.Any(nnx.Param, FrozenKernel))
+    state = nnx.state(self.model, nnx.Any(nnx.Param, Frozen))
     return [
-      (tuple(p), v if isinstance(v, FrozenKernel) else v.get_value())
+      (tuple(p), v if is_holder(v) else v.get_value())
       for p, v in nnx.to_flat_state(state)
+      if is_holder(v) or not isinstance(v, Frozen)
     ]
 
   def remove_param(self, path) -> None:
@@ -193,7 +194,7 @@ class NnxHost(host.Host):
 
   def stored_ops(self) -> dict:
     v = getattr(self.model, STORE, None)
-    return v.get_value() if isinstance(v, FrozenOps) else {}
+    return v.get_value() if isinstance(v, Frozen) else {}
 
   def frozen_weights(self):
     return super().frozen_weights() + nnx_ops.frozen_kernels(self.model)

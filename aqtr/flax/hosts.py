@@ -27,7 +27,7 @@ from typing import Any
 from flax import nnx
 
 from aqtr.flax import kinds
-from aqtr.flax.frozen import FrozenKernel
+from aqtr.flax.frozen import is_holder
 from aqtr.flax.host import Host
 from aqtr.flax.host_linen import LinenHost
 from aqtr.flax.host_nnx import NnxHost
@@ -156,7 +156,7 @@ def own_params(module) -> dict:
     }
   out = {}
   for k, v in vars(module).items():
-    if isinstance(v, FrozenKernel):
+    if is_holder(v):
       out[k] = v
     elif isinstance(v, nnx.Param):
       out[k] = v.get_value()

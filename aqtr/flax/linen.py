@@ -18,9 +18,10 @@ chosen per operand by `config.fwd.{lhs,rhs}.freezer`, e.g.
 `aqtr.freezers.configure(cfg, rhs='weights')`. The mode is a module field:
 build the model once per mode (the parameters are shared).
 
-`convert` returns serving variables in which each frozen float kernel is a
-`Removed` placeholder (no array; it reads as zeros of its shape, which XLA
-drops under jit): the serving tree holds int8/int4 qvalues and scales only.
+`convert` returns serving variables in which each frozen float kernel is an
+empty `aqtr.flax.frozen.FrozenBox` (no array; it reads as zeros of its shape,
+which XLA drops under jit): the serving tree holds int8/int4 qvalues and scales
+only.
 
 Stochastic rounding draws keys from the rng stream `rng_name` ('quant'),
 needed only when the config rounds stochastically (the backward passes only
@@ -44,7 +45,6 @@ from aqtr.flax.linen_convert import (
   HOW_CONVERT,
   PLAN,
   STATS,
-  Removed,
   convert,
 )
 from aqtr.freezers import Mode, lifecycle
@@ -347,6 +347,5 @@ __all__ = [
   'EinsumDense',
   'LinenOpHost',
   'Mode',
-  'Removed',
   'convert',
 ]

@@ -2,8 +2,9 @@
 
 `convert` runs a model whose aqtr ops are in Mode.CONVERT once and builds
 the serving variables: the collection 'aqtr' (int qvalues + scales, static
-bounds) and 'params' in which every frozen float kernel is a `Removed`
-placeholder. Re-exported by `aqtr.flax.linen`.
+bounds) and 'params' in which every frozen float kernel is an empty
+`aqtr.flax.frozen.FrozenBox` (the one linen frozen container). Re-exported by
+`aqtr.flax.linen`.
 """
 
 from __future__ import annotations
@@ -14,10 +15,10 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from flax import struct
 from flax.core import meta
 
 from aqtr.flax import common
+from aqtr.flax.frozen import FrozenBox, is_removed
 from aqtr.freezers import lifecycle
 
 FROZEN = common.FROZEN
@@ -36,43 +37,16 @@ HOW_CALIBRATE = (
 )
 
 
-class Removed(struct.PyTreeNode, meta.AxisMetadata):
-  """A float kernel dropped for serving: no array, reads as zeros.
-
-  It stands in the 'params' tree where a kernel was frozen, so the stock
-  layer's `self.param('kernel', ...)` still finds a value of the right shape
-  (flax unboxes it); the quantized op ignores it in SERVE and XLA removes
-  the zeros under jit.
-
-  Attributes:
-    shape, dtype: of the removed kernel.
-  """
-
-  shape: tuple[int, ...] = struct.field(pytree_node=False, default=())
-  dtype: Any = struct.field(pytree_node=False, default=jnp.float32)
-
-  def unbox(self) -> jax.Array:
-    return jnp.zeros(self.shape, self.dtype)
-
-  def replace_boxed(self, val):
-    return val
-
-  def add_axis(self, index, params):
-    return self
-
-  def remove_axis(self, index, params):
-    return self
-
-
 def convert(model: nn.Module, variables, *args, method=None, **kwargs):
   """Trained variables -> serving variables (int qvalues + scales only).
 
   Runs `model` (its ops in Mode.CONVERT) once on sample inputs: every op
   writes its frozen values into the collection 'aqtr'; the float kernel of
   each layer whose op froze an rhs that SERVE does not read
-  (`Freezer.reads_float` False, e.g. 'weights') is replaced by a `Removed`
-  placeholder; 'aqtr_stats' is dropped. Apply the result to the
-  same model with its ops in Mode.SERVE; the float kernels are never read.
+  (`Freezer.reads_float` False, e.g. 'weights') is replaced by an empty
+  `FrozenBox` (`aqtr.flax.frozen.is_removed`); 'aqtr_stats' is dropped. Apply
+  the result to the same model with its ops in Mode.SERVE; the float kernels
+  are never read.
 
   Math: frozen = quantize_operand(kernel) of the op's forward config, so
   SERVE equals TRAIN bit for bit (and `calibration` operands use the
@@ -99,7 +73,7 @@ def convert(model: nn.Module, variables, *args, method=None, **kwargs):
     >>> s = convert(make(Mode.CONVERT), v, x)
     >>> s['aqtr']['DotGeneral_0'][lifecycle.entry_name(cfg)]['rhs'][
     ...   'qvalue'].dtype, type(s['params']['kernel']).__name__
-    (dtype('int8'), 'Removed')
+    (dtype('int8'), 'FrozenBox')
     >>> bool((make(Mode.SERVE).apply(s, x) == make(Mode.TRAIN).apply(v, x)
     ...       ).all())
     True
@@ -213,9 +187,9 @@ def _remove_kernels(params, plan):
     for k in op_path[:-1]:
       node = node.get(k, {}) if isinstance(node, dict) else {}
     kernel = node.get('kernel') if isinstance(node, dict) else None
-    if kernel is not None and not isinstance(kernel, Removed):
+    if kernel is not None and not is_removed(kernel):
       kernel = meta.unbox(kernel)
-    if kernel is None or isinstance(kernel, Removed):
+    if kernel is None or is_removed(kernel):
       warnings.warn(
         f'convert: the op at /{"/".join(op_path)} froze its rhs, but its '
         "parent has no 'kernel' parameter; nothing was removed there.",
@@ -228,9 +202,7 @@ def _remove_kernels(params, plan):
         f"{size} values but its parent's kernel has "
         f'{jnp.size(kernel)}; the rhs is not the kernel.'
       )
-    node['kernel'] = Removed(
-      shape=tuple(jnp.shape(kernel)), dtype=jnp.dtype(kernel.dtype)
-    )
+    node['kernel'] = FrozenBox.removed(jnp.shape(kernel), kernel.dtype)
   return params
 
 
@@ -245,7 +217,9 @@ def frozen_kernels(serving) -> list[tuple[int, Any]]:
   `convert` froze in the serving variables; `aqtr.flax.sizes` sums them.
 
   Example:
-    >>> frozen_kernels({'params': {'kernel': Removed(shape=(4, 3))}})
+    >>> import jax.numpy as jnp
+    >>> box = FrozenBox.removed((4, 3), jnp.float32)
+    >>> frozen_kernels({'params': {'kernel': box}})
     [(48, [])]
   """
   params = _unfreeze(serving.get('params', {}))
@@ -253,7 +227,6 @@ def frozen_kernels(serving) -> list[tuple[int, Any]]:
   for path, part in _frozen_rhs(serving.get(FROZEN, {})):
     parts.setdefault(tuple(path[:-1]), []).append(part)
   out = []
-  is_removed = lambda x: isinstance(x, Removed)  # noqa: E731
   flat = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_removed)[0]
   for keys, x in flat:
     if is_removed(x):
@@ -262,4 +235,4 @@ def frozen_kernels(serving) -> list[tuple[int, Any]]:
   return out
 
 
-__all__ = ['FROZEN', 'PLAN', 'STATS', 'Removed', 'convert', 'frozen_kernels']
+__all__ = ['FROZEN', 'PLAN', 'STATS', 'convert', 'frozen_kernels']

@@ -14,9 +14,9 @@ nnx passes `out_sharding=` to injected ops; they accept it (a sharding
 constraint on the output). Modes as in `aqtr.flax.linen` (the math is in
 `aqtr.freezers.lifecycle`): `set_mode(model, Mode.CALIBRATE)` makes the ops
 keep `Stats` variables; `convert(model, *sample_inputs)` writes `Frozen`
-variables, switches the ops to SERVE and replaces each frozen float kernel
-by a `Removed` variable (no array; reads as zeros of its shape, dropped by
-XLA under jit). `nnx.state(model)` is then the serving state.
+variables, switches the ops to SERVE and replaces each frozen float kernel by an
+empty `Frozen` holder (no array; reads as zeros of its shape, dropped by XLA
+under jit; `aqtr.flax.frozen`). `nnx.state(model)` is then the serving state.
 
 Stochastic rounding: pass `rngs=nnx.Rngs(quant=seed)` to the op; it is
 required only when the config rounds stochastically.
@@ -31,10 +31,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from flax.nnx import variablelib
 
 from aqtr.core.config import DotGeneralConfig
 from aqtr.flax import common
+from aqtr.flax.frozen import Frozen, is_holder, is_removed
 from aqtr.freezers import Mode, lifecycle
 from aqtr.state import merge_tree
 
@@ -48,10 +48,6 @@ _HOW_CALIBRATE = (
 )
 
 
-class Frozen(nnx.Variable):
-  """Frozen serving values of an aqtr op: {side: {qvalue, scale | bound}}."""
-
-
 class Stats(nnx.Variable):
   """CALIBRATE statistics of one operand of an aqtr op: {mean, count}."""
 
@@ -62,21 +58,6 @@ class CalibState(nnx.Variable):
   Differentiate the loss w.r.t. these too (`nnx.DiffState`) and pass the
   gradients to `update_state`: they carry the backward passes' new stats.
   """
-
-
-class Removed(nnx.Variable):
-  """A float kernel dropped for serving: no array, reads as zeros.
-
-  The stock layer still reads `self.kernel[...]`; the quantized op ignores
-  it in SERVE and XLA removes the zeros under jit. Metadata `kernel_shape`,
-  `kernel_dtype` keep the removed kernel's shape and dtype.
-  """
-
-  def get_value(self, *, index=variablelib.MISSING):
-    v = jnp.zeros(
-      self.get_metadata('kernel_shape'), self.get_metadata('kernel_dtype')
-    )
-    return v if index is variablelib.MISSING else v[index]
 
 
 class _Op(nnx.Module):
@@ -296,7 +277,8 @@ def convert(model: nnx.Module, *args, **kwargs) -> nnx.Module:
   stores `Frozen` values: quantize_operand of 'weights' operands, the
   CALIBRATE mean of 'calibration' operands), drops the `Stats`, switches the
   ops to Mode.SERVE and replaces the `kernel` of each layer whose op froze
-  its rhs by a `Removed` variable. SERVE output equals TRAIN's bit for bit.
+  its rhs by an empty `Frozen` holder (`aqtr.flax.frozen.is_removed`).
+  SERVE output equals TRAIN's bit for bit.
 
   Example:
     >>> import jax.numpy as jnp, aqtr
@@ -307,7 +289,7 @@ def convert(model: nnx.Module, *args, **kwargs) -> nnx.Module:
     >>> y = m(x)
     >>> m = convert(m, x)
     >>> type(m.kernel).__name__, bool((m(x) == y).all())
-    ('Removed', True)
+    ('Frozen', True)
   """
   found = ops(model)
   before = [op.mode for _, op in found]
@@ -359,7 +341,7 @@ def _remove_kernel(parent, op: _Op) -> None:
   kernel = getattr(parent, 'kernel', None)
   if part is None or not isinstance(kernel, nnx.Variable):
     return
-  if isinstance(kernel, Removed):
+  if is_holder(kernel) or is_removed(kernel):
     return
   value = kernel.get_value()
   if jnp.size(value) != size:
@@ -368,9 +350,7 @@ def _remove_kernel(parent, op: _Op) -> None:
       f'{size} values but its kernel has {jnp.size(value)}; the rhs is not '
       'the kernel.'
     )
-  parent.kernel = Removed(
-    None, kernel_shape=tuple(value.shape), kernel_dtype=jnp.dtype(value.dtype)
-  )
+  parent.kernel = Frozen.holder(None, shape=value.shape, dtype=value.dtype)
 
 
 def update_state(model: nnx.Module, grads) -> nnx.Module:
@@ -415,7 +395,7 @@ def frozen_kernels(model: nnx.Module) -> list[tuple[int, Any]]:
   out = []
   for _, m in nnx.iter_modules(model):
     k = getattr(m, 'kernel', None)
-    if not isinstance(k, Removed):
+    if not is_removed(k):
       continue
     parts = [_frozen_rhs(c)[0] for c in vars(m).values() if isinstance(c, _Op)]
     out.append(
@@ -436,7 +416,6 @@ __all__ = [
   'Einsum',
   'Frozen',
   'Mode',
-  'Removed',
   'Stats',
   'convert',
   'frozen_kernels',

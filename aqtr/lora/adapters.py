@@ -42,10 +42,11 @@ import jax.numpy as jnp
 
 from aqtr.flax import hosts, serving
 from aqtr.flax.frozen import (
-  FrozenBox,
+  compact,
   holder_entries,
   holder_full_shape,
   holder_ref_ndim,
+  is_compact,
 )
 from aqtr.flax.quantized import intercepting, quantize, spec_of
 from aqtr.lora import storage
@@ -250,24 +251,7 @@ def _compact(holder, cfg: LoraConfig, ref_ndim: int):
   stored, shapes = storage.encode(
     raw_entries(holder), table, cfg.double_quant, ref_ndim
   )
-  shapes = tuple(sorted(shapes.items()))
-  if isinstance(holder, FrozenBox):
-    return storage.LoraBox(
-      stored,
-      shape=holder.shape,
-      dtype=holder.dtype,
-      ref_ndim=holder.ref_ndim,
-      table=table,
-      scale_shapes=shapes,
-    )
-  return storage.LoraKernel(
-    stored,
-    kernel_shape=holder.get_metadata('kernel_shape'),
-    kernel_dtype=holder.get_metadata('kernel_dtype'),
-    ref_ndim=holder.get_metadata('ref_ndim'),
-    table=table,
-    scale_shapes=shapes,
-  )
+  return compact(holder, stored, tuple(sorted(shapes.items())))
 
 
 def initial(key, site: Site, lead: tuple[int, ...] = ()):
@@ -345,9 +329,7 @@ def attach(model, rules, *args, variables=None, seed: int = 0, **kwargs):
     value = lora.leaf(path)
     if holder_entries(value) is not None:  # a frozen base
       ref_ndim, full = holder_ref_ndim(value), holder_full_shape(value)
-      if path not in done and not isinstance(
-        value, storage.LoraKernel | storage.LoraBox
-      ):
+      if path not in done and not is_compact(value):
         lora.set_leaf(path, _compact(value, cfg, ref_ndim))
       done.add(path)
     else:

@@ -39,7 +39,12 @@ from flax import nnx, traverse_util
 
 from aqtr.core import codecs
 from aqtr.flax import hosts
-from aqtr.flax.frozen import FrozenBox, holder_entries, kernel_bytes
+from aqtr.flax.frozen import (
+  FrozenBox,
+  holder_entries,
+  holder_ref_ndim,
+  kernel_bytes,
+)
 from aqtr.freezers import configure, lifecycle
 from aqtr.lora import adapters as adapters_lib
 from aqtr.lora.config import base_config
@@ -61,11 +66,7 @@ def dequantized(holder, site: adapters_lib.Site, cfg) -> jax.Array:
   wcfg = configure(cfg, rhs='weights')
   parts = codecs.decode_parts(entry['rhs'], wcfg.fwd.rhs.numerics)
   ref = parts['qvalue']
-  lead = ref.ndim - (
-    holder.ref_ndim
-    if isinstance(holder, FrozenBox)
-    else holder.get_metadata('ref_ndim')
-  )
+  lead = ref.ndim - holder_ref_ndim(holder)
 
   def one(parts):
     call = lifecycle.DotCall(
@@ -306,7 +307,7 @@ def sizes(model, *args, variables=None, **kwargs) -> Bytes:
       continue
     entries = holder_entries(v)
     if entries is not None:
-      stored = v.stored() if hasattr(v, 'stored') else entries
+      stored = v.stored()
       base += lifecycle.nbytes(stored)
       base_float += kernel_bytes(v)
       continue

@@ -10,10 +10,10 @@ of every weight einsum the rules select, as `aqtr.pax.inject` sets configs
 (LoRA, Hu et al. 2021, arXiv 2106.09685; QLoRA, Dettmers et al. 2023,
 arXiv 2305.14314). The base weight `W` is frozen by the model's own
 serving conversion (`aqtr.flax.linen.convert` of the op in CONVERT with
-`LoraConfig.base`: the layer's float kernel becomes a `Removed`
-placeholder and the op reads its frozen entries from the collection
-'aqtr' in SERVE, stored compactly by `aqtr.lora.storage` — nf4 as 4-bit
-codes, double-quantized scales); a float base keeps the kernel. `A`
+`LoraConfig.base`: the layer's float kernel becomes an empty
+`aqtr.flax.frozen.FrozenBox` and the op reads its frozen entries from the
+collection 'aqtr' in SERVE, stored compactly by `aqtr.lora.storage` — nf4 as
+4-bit codes, double-quantized scales); a float base keeps the kernel. `A`
 [contracted weight axes..., r] and `B` [r, output axes...] are params of
 the op (`.../q_proj/einsum/lora_a_einsum`), so `aqtr.lora.partition` and
 `optimizer` train them alone. The same forward trains and serves. The op
@@ -154,7 +154,7 @@ def attach(template, rules, *args, variables=None, seed: int = 0, **kwargs):
 
   Returns:
     (LoRA template, its variables): frozen bases in 'aqtr' (float kernels
-    `Removed`), adapters in 'params'.
+    removed: empty `FrozenBox`es), adapters in 'params'.
 
   Raises:
     ValueError / TypeError: one line for a rule matching no weight op or

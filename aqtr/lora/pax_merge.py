@@ -34,8 +34,8 @@ from fiddle import selectors
 from flax import traverse_util
 
 import aqtr.flax.linen as aqtr_linen
+from aqtr.flax.frozen import FrozenBox, is_removed
 from aqtr.freezers import Mode, lifecycle
-from aqtr.lora import storage
 from aqtr.lora.config import base_config
 from aqtr.lora.merge import Bytes, delta, dequantized
 from aqtr.lora.pax import qvalue_ndim, tree_get, tree_put
@@ -113,12 +113,11 @@ def float_merged(template, *args, variables, adapters=None, **kwargs):
     a, b = _pair(src, ps, adapters is not None)
     base = base_config(ps.lora.base)
     if node.config is not None:
-      holder = storage.LoraBox(
+      holder = FrozenBox(
         {KEY: tree_get(frozen, s.module_path)},
         shape=s.weight.shape,
         dtype=s.weight.dtype,
         ref_ndim=qvalue_ndim(tree_get(frozen, s.module_path)),
-        table=node.table,
         scale_shapes=node.scale_shapes,
       )
       w = dequantized(holder, s, base)
@@ -156,7 +155,7 @@ def sizes(template, *args, variables=None, **kwargs) -> Bytes:
   floats, base, base_float = set(), 0, 0
   for ps in sites(template, *args, **kwargs):
     key = (*ps.layer, ps.site.param)
-    if not isinstance(tree_get(params, key), aqtr_linen.Removed):
+    if not is_removed(tree_get(params, key)):
       floats.add(key)
       continue
     w = ps.site.weight
@@ -164,7 +163,7 @@ def sizes(template, *args, variables=None, **kwargs) -> Bytes:
     base_float += math.prod(w.shape) * jnp.dtype(w.dtype).itemsize
   ad = other = 0
   for path, v in traverse_util.flatten_dict(params).items():
-    if isinstance(v, aqtr_linen.Removed):
+    if is_removed(v):
       continue
     n = lifecycle.nbytes(nn.meta.unbox(v))
     if str(path[-1]).startswith((A_PREFIX, B_PREFIX)):

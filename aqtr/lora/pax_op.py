@@ -105,7 +105,7 @@ class _Decoding(aqtr_linen.LinenOpHost):
     raw = super().frozen_entries()
     if raw is None:
       return None
-    return storage.decode({KEY: raw}, self.table, self.shapes)[KEY]
+    return storage.decode({KEY: raw}, self.shapes)[KEY]
 
 
 class LoraEinsum(ops.EinsumOp):

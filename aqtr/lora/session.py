@@ -33,7 +33,7 @@ from flax import nnx
 
 from aqtr.core.dot_general import dot_general as aqtr_dot_general
 from aqtr.flax import intercept
-from aqtr.flax.frozen import FrozenBox, FrozenKernel
+from aqtr.flax.frozen import is_holder
 from aqtr.flax.hosts import own_params, path_of
 from aqtr.flax.session import OpSite, Session, swapped
 from aqtr.lora.config import LoraConfig, adapter_config
@@ -120,9 +120,7 @@ class LoraSpec:
 
 def raw_entries(holder) -> dict:
   """A frozen holder's stored entries (not decoded)."""
-  if isinstance(holder, FrozenKernel):
-    return holder.get_raw_value()
-  return holder.frozen
+  return holder.stored()
 
 
 class LoraSession(Session):
@@ -179,11 +177,7 @@ class LoraSession(Session):
     # under every transform), or the frozen holder of this op (SERVE).
     weight = self.weights.get(e.path)
     param = next(
-      (
-        k
-        for k, v in own.items()
-        if isinstance(v, FrozenKernel | FrozenBox) and key in raw_entries(v)
-      ),
+      (k for k, v in own.items() if is_holder(v) and key in raw_entries(v)),
       None,
     )
     if param is None and weight is not None and weight.direct:

@@ -13,10 +13,11 @@ per block:
 so a weight costs 4 + 8/64 + 32/(64 * 256) bits instead of 4 + 32/64.
 (QLoRA stores the second-level values as 8-bit floats: codec 'dq_fp8'.)
 
-The holders (`LoraKernel` for nnx, `LoraBox` for linen) sit where the
-float kernel sat, as `aqtr.flax.frozen`'s do, and hand the engine the
-decoded entries (`entries()`), computed inside the traced step: training
-and serving read the same decoded values, so they agree bit for bit.
+The base stays in `aqtr.flax.frozen`'s holders (the one frozen container
+per framework), marked compact (`frozen.compact`); they hand the engine
+the decoded entries (`entries()`, `frozen.decode`), computed inside the
+traced step: training and serving read the same decoded values, so they
+agree bit for bit.
 Stacked leading axes (scan over layers) are kept on every stored array.
 
 Example:
@@ -31,26 +32,22 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
-from flax import struct
 
 from aqtr.core import codecs
-from aqtr.flax.frozen import FrozenBox, FrozenKernel
+from aqtr.flax import frozen
 
 __all__ = [
   'BLOCK',
-  'LoraBox',
-  'LoraKernel',
   'decode',
   'decode_scale',
   'encode',
   'encode_scale',
 ]
 
-BLOCK = 256  # Scales per second-level block (QLoRA's double quantization).
-_DQ = codecs.DqInt8(block=BLOCK)
+_DQ = frozen.SCALE_CODEC  # QLoRA's double quantization, blocks of 256
+BLOCK = _DQ.block  # Scales per second-level block.
+decode = frozen.decode  # Stored entries -> the entries the engine reads.
 
 
 def encode_scale(s: jax.Array, lead: int) -> dict:
@@ -93,49 +90,3 @@ def encode(entries: dict, table, double_quant: bool, ref_ndim: int):
         parts['scale8'] = encode_scale(s, lead)
       out[op][name] = {'rhs': parts}
   return out, shapes
-
-
-def decode(stored: dict, table, shapes: dict) -> dict:
-  """Stored entries -> the entries the engine reads (8-bit scales decoded;
-  4-bit codes stay packed: the engine decodes them, `aqtr.core.codecs`)."""
-  del table  # The codes decode with the base's numerics.
-  out = {}
-  for op, named in stored.items():
-    out[op] = {}
-    for name, sides in named.items():
-      parts = dict(sides['rhs'])
-      if 'scale8' in parts:
-        parts['scale'] = decode_scale(
-          parts.pop('scale8'), shapes[f'{op}/{name}']
-        )
-      out[op][name] = {'rhs': parts}
-  return out
-
-
-class LoraKernel(FrozenKernel):
-  """nnx: a LoRA base stored compactly (metadata `table`, `scale_shapes`)."""
-
-  def entries(self) -> dict:
-    return decode(
-      self.get_raw_value(),
-      self.get_metadata('table'),
-      dict(self.get_metadata('scale_shapes')),
-    )
-
-  def stored(self) -> dict:
-    """The stored (compact) entries."""
-    return self.get_raw_value()
-
-
-class LoraBox(FrozenBox):
-  """linen: a LoRA base stored compactly (fields `table`, `scale_shapes`)."""
-
-  table: Any = struct.field(pytree_node=False, default=None)
-  scale_shapes: Any = struct.field(pytree_node=False, default=None)
-
-  def entries(self) -> dict:
-    return decode(self.frozen, self.table, dict(self.scale_shapes or ()))
-
-  def stored(self) -> dict:
-    """The stored (compact) entries."""
-    return self.frozen

@@ -4,7 +4,8 @@ For a run whose config quantizes the weights (the forward rhs), `check`
   1. freezes the trained params with `aqtr.flax.linen.convert` on the
      model's CONVERT twin (`models.serving_template`): each quantized
      kernel becomes int8/fp8 values + float32 scales in the collection
-     'aqtr' and its float copy is dropped from 'params' (`Removed`);
+     'aqtr' and its float copy is dropped from 'params' (an empty
+     `FrozenBox`);
   2. saves the serving variables with orbax, plus the run's config
      (Fiddle JSON) next to them;
   3. restores them into a structure made with `jax.eval_shape` (no float
@@ -100,7 +101,7 @@ def restore(
   Args:
     path: the folder `save` wrote.
     like: the serving tree's structure (arrays or ShapeDtypeStructs, with
-      `Removed` placeholders), e.g. `jax.eval_shape` of the conversion.
+      empty `FrozenBox` placeholders), e.g. `jax.eval_shape` of the conversion.
     config: if given, must equal the saved config; serving with another
       config than the one trained and converted with raises ValueError.
 

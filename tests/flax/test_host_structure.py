@@ -11,6 +11,8 @@
   classes (Fiddle configs are walked as configs: `fdl.Buildable` checks
   outside the features are config traversal).
 - The engine calls the contractions `aqtr.core.prims` captured at import.
+- One frozen container per framework (`aqtr.flax.frozen`): nnx `Frozen`,
+  linen `FrozenBox`.
 """
 
 from __future__ import annotations
@@ -99,3 +101,43 @@ def test_engine_contractions_go_through_prims():
   for f, s in _sources():
     if f.startswith('core/') and f != 'core/prims.py':
       assert not call.search(s), f
+
+
+# Flax containers aqtr defines that are not frozen serving values.
+_NOT_FROZEN = {
+  'Adapter': 'lora/session.py',  # a LoRA adapter (trainable Param)
+  'Stats': 'flax/nnx.py',  # CALIBRATE statistics
+  'CalibState': 'flax/nnx.py',  # stateful calibrations' stats
+  'QuantState': 'flax/rule_state.py',  # the same, of a module's rule ops
+  'QuantizedCache': 'flax/kv_cache.py',  # a KV cache stored quantized
+}
+
+
+def _flax_containers() -> dict[str, str]:
+  """{class: file} of every nnx Variable / linen AxisMetadata subclass
+  (subclasses of aqtr's own such classes included)."""
+  bases = re.compile(r'^class (\w+)\(([^)]*)\)', re.M)
+  roots = ('Variable', 'Param', 'Cache', 'AxisMetadata')
+  classes = [
+    (m.group(1), m.group(2), f)
+    for f, s in _sources()
+    for m in bases.finditer(s)
+  ]
+  found: dict[str, str] = {}
+  grew = True
+  while grew:
+    grew = False
+    for name, base, f in classes:
+      parents = [b.strip().split('.')[-1] for b in base.split(',')]
+      if name not in found and any(p in roots or p in found for p in parents):
+        found[name] = f
+        grew = True
+  return found
+
+
+def test_one_frozen_container_per_framework():
+  """Every frozen value sits in `Frozen` (nnx) or `FrozenBox` (linen)."""
+  found = _flax_containers()
+  frozen = {k: v for k, v in found.items() if k not in _NOT_FROZEN}
+  assert frozen == {'Frozen': 'flax/frozen.py', 'FrozenBox': 'flax/frozen.py'}
+  assert {k: found.get(k) for k in _NOT_FROZEN} == _NOT_FROZEN

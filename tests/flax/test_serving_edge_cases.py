@@ -100,7 +100,7 @@ def test_a_served_submodule_called_alone_is_one_line():
     aqtr.flax.quantize(_Two(), [Rule(aqtr.presets.int8())]), X
   )
   served(X)  # the served model itself serves its frozen values
-  assert 'FrozenKernel' in repr(nnx.state(served))  # printing is fine
+  assert 'Frozen' in repr(nnx.state(served))  # printing is fine
   with pytest.raises(ValueError, match='call the served model itself'):
     served.up(X)
 

@@ -11,7 +11,7 @@ from flax import nnx
 
 import aqtr.flax
 from aqtr import lora
-from aqtr.lora import storage
+from aqtr.flax.frozen import is_compact
 from aqtr.lora.config import base_config
 from aqtr.rules import Rule
 
@@ -48,7 +48,7 @@ def test_zero_b_is_the_base_and_delta_is_low_rank(base):
 def test_qlora_base_is_stored_compactly_with_no_float_kernel():
   cfg = lora.LoraConfig(rank=4, base='nf4', double_quant=True)
   lm = lora.attach(_linear(), cfg, X)
-  assert isinstance(lm.kernel, storage.LoraKernel)
+  assert is_compact(lm.kernel)
   (entry,) = lm.kernel.stored()['dot_general0_rhs'].values()
   parts = entry['rhs']
   assert parts['table4'].dtype == jnp.uint8  # Two 4-bit codes per byte.
@@ -134,7 +134,7 @@ def test_linen_scan_over_layers_stacks_the_adapters():
   p = lv['params']['layers']['Dense_0']
   assert p['lora_a_dot_general0'].shape == (3, 64, 2)
   assert p['lora_b_dot_general0'].shape == (3, 2, 64)
-  assert isinstance(p['kernel'], storage.LoraBox)
+  assert is_compact(p['kernel'])
   assert 'lora_a_dot_general0' not in lv['params']['head']
   adapters, frozen = lora.partition(lv['params'])
   y0 = lm.apply(lv, x)
@@ -265,7 +265,7 @@ def test_nnx_scan_over_layers_stacks_the_adapters():
   m = _NnxStack(nnx.Rngs(0))
   lm = lora.attach(m, {'.*blocks.*': lora.LoraConfig(rank=4, base='nf4')}, x)
   assert lm.blocks.lin.lora_a_dot_general0.shape == (3, 64, 4)
-  assert isinstance(lm.blocks.lin.kernel, storage.LoraKernel)
+  assert is_compact(lm.blocks.lin.kernel)
   q = aqtr.flax.quantize(m, [Rule(base_config('nf4'), path='.*blocks.*')])
   np.testing.assert_array_equal(lm(x), aqtr.flax.convert(q, x)(x))
   g = nnx.grad(

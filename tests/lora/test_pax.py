@@ -17,6 +17,7 @@ import aqtr
 import aqtr.pax
 import aqtr.ptq
 from aqtr import lora
+from aqtr.flax.frozen import is_removed
 from aqtr.lora import pax_merge, pax_op
 from aqtr.lora.config import base_config
 from aqtr.train import models
@@ -68,7 +69,7 @@ def test_qlora_base_has_no_float_kernel_and_is_4_bit(lm):
   cfg = lora.LoraConfig(rank=4, base='nf4', double_quant=True)
   lt, lv = lora.attach(t, {LAYERS: cfg}, X, variables=v)
   wi = lv['params']['layers_0']['ffn']['wi']
-  assert isinstance(wi['kernel'], aqtr.flax.linen.Removed)
+  assert is_removed(wi['kernel'])
   (entry,) = lv['aqtr']['layers_0']['ffn']['wi']['einsum'].values()
   assert entry['rhs']['table4'].dtype == jnp.uint8  # 4-bit codes, packed.
   assert entry['rhs']['scale8']['q'].dtype == jnp.int8

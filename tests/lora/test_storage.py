@@ -22,7 +22,7 @@ def test_nf4_codes_round_trip_exactly_with_stacked_axes():
   stored, shapes = storage.encode(entries, t, False, ref_ndim=4)
   codes = stored['op']['e']['rhs']['table4']  # Two 4-bit codes per byte.
   assert codes.dtype == jnp.uint8 and codes.shape == (3, 1, 2, 64, 4)
-  back = storage.decode(stored, t, shapes)['op']['e']['rhs']
+  back = storage.decode(stored, shapes)['op']['e']['rhs']
   np.testing.assert_array_equal(codecs.decode_parts(back, Nf4())['qvalue'], q)
 
 
