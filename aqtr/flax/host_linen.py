@@ -27,6 +27,7 @@ import jax
 from aqtr.flax import host, linen_convert
 from aqtr.flax.common import STATE
 from aqtr.flax.frozen import STORE, FrozenBox, is_holder, store_key
+from aqtr.freezers import Mode
 
 __all__ = ['LinenHost', 'unbound']
 
@@ -60,6 +61,20 @@ class LinenHost(host.Host):
   def mode_copy(self) -> nn.Module:
     """The model whose mode to switch (a copy for linen)."""
     return self.model.copy()
+
+  def freeze_ops(self, args, kwargs) -> LinenHost:
+    """The served model of a linen model built from `aqtr.flax.linen` ops:
+    their own CONVERT (`linen_convert.convert`, run with every op in
+    CONVERT), then the same model with every op in SERVE."""
+    convert = linen_convert.with_ops_mode(self.model, Mode.CONVERT)
+    serving = linen_convert.serving_or_none(
+      convert, self._variables(), *args, **kwargs
+    )
+    if serving is None:
+      return super().freeze_ops(args, kwargs)
+    return LinenHost(
+      linen_convert.with_ops_mode(self.model, Mode.SERVE), serving
+    )
 
   def call_fn(self, args, kwargs, method='__call__'):
     model, variables = self.model, self.variables

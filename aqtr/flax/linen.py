@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from aqtr.core.config import DotGeneralConfig
-from aqtr.flax import common
+from aqtr.flax import common, linen_convert
 from aqtr.flax.linen_convert import (
   FROZEN,
   HOW_CALIBRATE,
@@ -77,7 +77,8 @@ class LinenOpHost(common.OpHost):
   def __init__(
     self, module, config, mode, rng_name, where=None, missing_key=None
   ):
-    self.module, self.config, self.mode = module, config, mode
+    self.module, self.config = module, config
+    self.mode = linen_convert.ops_mode(module, mode)
     self.rng_name = rng_name
     self.where = where or (
       f'{type(module).__name__} at /{"/".join(map(str, module.path))}'

@@ -17,9 +17,9 @@ import jax
 import jax.numpy as jnp
 from flax.core import meta
 
-from aqtr.flax import common
+from aqtr.flax import common, kinds
 from aqtr.flax.frozen import FrozenBox, is_removed
-from aqtr.freezers import lifecycle
+from aqtr.freezers import Mode, lifecycle
 
 FROZEN = common.FROZEN
 STATS = common.STATS
@@ -35,6 +35,45 @@ HOW_CALIBRATE = (
   f"with mutable=['{STATS}'], and pass the updated '{STATS}' collection "
   'to convert.'
 )
+
+
+OPS_MODE = 'aqtr_ops_mode'  # class attribute: the mode of every aqtr op
+
+
+def with_ops_mode(model: nn.Module, mode: Mode) -> nn.Module:
+  """A copy of linen `model` whose aqtr ops all run in `mode`.
+
+  A linen op's mode is a constructor argument, fixed where the model builds
+  it (`functools.partial(DotGeneral, config=cfg, mode=mode)`). The copy's
+  class carries `mode` instead (attribute `aqtr_ops_mode`), and each op
+  reads it off the root module it runs under, so one model definition
+  serves every mode: what `aqtr.flax.convert` returns for linen models
+  built from aqtr's ops. The parameter tree is unchanged.
+
+  Example:
+    >>> import functools, jax, jax.numpy as jnp, flax.linen as nn, aqtr
+    >>> from aqtr.flax.linen import DotGeneral
+    >>> dg = functools.partial(DotGeneral, config=aqtr.presets.int8())
+    >>> served = with_ops_mode(nn.Dense(3, dot_general_cls=dg), Mode.SERVE)
+    >>> type(served).aqtr_ops_mode is Mode.SERVE
+    True
+  """
+  common.check_mode(mode)
+  base = getattr(type(model), 'aqtr_ops_base', type(model))
+  copy = model.copy()
+  copy.__class__ = type(
+    base.__name__, (base,), {OPS_MODE: mode, 'aqtr_ops_base': base}
+  )
+  return copy
+
+
+def ops_mode(module, mode: Mode) -> Mode:
+  """The mode an aqtr op `module` (bound, mode field `mode`) runs in: its
+  root module's `aqtr_ops_mode` when set (`with_ops_mode`), else `mode`."""
+  root = module
+  while kinds.is_linen(getattr(root, 'parent', None)):
+    root = root.parent
+  return getattr(type(root), OPS_MODE, None) or mode
 
 
 def convert(model: nn.Module, variables, *args, method=None, **kwargs):
@@ -78,6 +117,18 @@ def convert(model: nn.Module, variables, *args, method=None, **kwargs):
     ...       ).all())
     True
   """
+  serving = serving_or_none(model, variables, *args, method=method, **kwargs)
+  if serving is None:
+    raise ValueError(
+      "convert: no op wrote frozen values. Are the model's aqtr ops in "
+      'Mode.CONVERT, and do their configs freeze an operand (e.g. '
+      "aqtr.freezers.configure(config, rhs='weights'))?"
+    )
+  return serving
+
+
+def serving_or_none(model: nn.Module, variables, *args, method=None, **kwargs):
+  """`convert`'s serving variables, or None when no op froze a value."""
   variables = dict(_unfreeze(variables))
   variables.pop(FROZEN, None)
   _check_counts(variables.get(STATS, {}))
@@ -90,11 +141,7 @@ def convert(model: nn.Module, variables, *args, method=None, **kwargs):
   new = _unfreeze(jax.jit(run)(variables))
   frozen = new.get(FROZEN, {})
   if not frozen:
-    raise ValueError(
-      "convert: no op wrote frozen values. Are the model's aqtr ops in "
-      'Mode.CONVERT, and do their configs freeze an operand (e.g. '
-      "aqtr.freezers.configure(config, rhs='weights'))?"
-    )
+    return None
   serving = {k: v for k, v in variables.items() if k != STATS}
   serving[FROZEN] = frozen
   if common.STATE in serving:
@@ -235,4 +282,14 @@ def frozen_kernels(serving) -> list[tuple[int, Any]]:
   return out
 
 
-__all__ = ['FROZEN', 'PLAN', 'STATS', 'convert', 'frozen_kernels']
+__all__ = [
+  'FROZEN',
+  'OPS_MODE',
+  'PLAN',
+  'STATS',
+  'convert',
+  'frozen_kernels',
+  'ops_mode',
+  'serving_or_none',
+  'with_ops_mode',
+]

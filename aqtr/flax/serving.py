@@ -229,11 +229,14 @@ def convert(
     module, serving variables). A Pax template (`aqtr.pax.inject`ed, with
     `variables=`): (serving template in Mode.SERVE, serving variables). An
     nnx model holding `aqtr.flax.nnx` ops: a served copy (their CONVERT).
+    A linen model holding `aqtr.flax.linen` ops (built in any mode): (the
+    same model with every op in SERVE, `aqtr.flax.linen_convert.
+    with_ops_mode`, serving variables); their CONVERT froze the values.
   """
   host = hosts.of(model, variables, who='aqtr.flax.convert')
   if host.by_injection or not hasattr(type(model), 'aqtr_spec'):
     # A Pax template (its injected ops freeze) or a model holding aqtr's
-    # own nnx ops (they freeze themselves).
+    # own nnx / linen ops (they freeze themselves).
     if keep is not None:
       raise ValueError(
         'aqtr.flax.convert: keep= selects parameters of a model quantized '

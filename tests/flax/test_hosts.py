@@ -9,6 +9,8 @@ the one-line errors of `hosts.of`.
 
 from __future__ import annotations
 
+import functools
+
 import fiddle as fdl
 import flax.linen as nn
 import jax
@@ -18,8 +20,9 @@ import pytest
 from flax import nnx
 
 import aqtr
+import aqtr.flax.linen as ql
 import aqtr.pax
-from aqtr.flax import hosts
+from aqtr.flax import hosts, linen_convert
 from aqtr.flax.frozen import is_removed
 from aqtr.flax.host import Host
 from aqtr.rules import Rule
@@ -124,3 +127,40 @@ def test_one_convert_for_a_model_with_explicit_nnx_ops():
   np.testing.assert_array_equal(served(X), y)
   with pytest.raises(ValueError, match='is not quantized: call'):
     aqtr.flax.convert(nnx.Linear(8, 4, rngs=nnx.Rngs(0)), X)
+
+
+def test_one_convert_for_a_linen_model_with_explicit_ops():
+  """`aqtr.flax.convert` serves a linen model built from aqtr's linen ops
+  (built once, in TRAIN): (the same model with its ops in SERVE, serving
+  variables), bit for bit; its ops' own CONVERT did the freezing."""
+  cfg = aqtr.freezers.configure(aqtr.presets.int8(), rhs='weights')
+  dg = functools.partial(ql.DotGeneral, config=cfg)
+
+  class Mlp(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      h = nn.relu(nn.Dense(16, dot_general_cls=dg, name='up')(x))
+      return nn.Dense(4, dot_general_cls=dg, name='out')(h)
+
+  model = Mlp()
+  variables = model.init(jax.random.key(0), X)
+  module, svars = aqtr.flax.convert(model, X, variables=variables)
+  assert type(module).aqtr_ops_mode is aqtr.Mode.SERVE
+  assert type(module).__name__ == 'Mlp' and type(model) is Mlp
+  assert is_removed(svars['params']['up']['kernel'])
+  entry = svars[ql.FROZEN]['up']['DotGeneral_0']
+  ((_, frozen),) = entry.items()
+  assert frozen['rhs']['qvalue'].dtype == jnp.int8
+  np.testing.assert_array_equal(
+    jax.jit(module.apply)(svars, X), jax.jit(model.apply)(variables, X)
+  )
+  # The legacy path (a CONVERT-mode twin) gives the same serving tree.
+  twin = linen_convert.with_ops_mode(model, aqtr.Mode.CONVERT)
+  legacy = ql.convert(twin, variables, X)
+  assert jax.tree.structure(legacy) == jax.tree.structure(svars)
+  for a, b in zip(jax.tree.leaves(legacy), jax.tree.leaves(svars), strict=True):
+    np.testing.assert_array_equal(a, b)
+  # A linen model without aqtr ops, or whose ops freeze nothing.
+  with pytest.raises(ValueError, match='is not quantized: call'):
+    dense = nn.Dense(4)
+    aqtr.flax.convert(dense, X, variables=dense.init(jax.random.key(0), X))
