@@ -20,6 +20,7 @@ conventions:
   holders        the frozen holders, [(path tuple, holder)]
   with_frozen    a host whose parameters are replaced by frozen holders
   freeze_ops     the served model of a model whose own ops freeze (Pax)
+  ops_in_mode    the model with its own ops (explicit, injected) in a mode
   set_holder     put entries in one frozen holder (checkpoint import)
   leaf, leaves, set_leaf, add_param, remove_param
                  read / replace / add what sits at a parameter path (LoRA)
@@ -55,6 +56,7 @@ import jax
 import jax.numpy as jnp
 
 from aqtr.flax.frozen import kernel_bytes
+from aqtr.freezers import Mode
 
 __all__ = [
   'Host',
@@ -230,6 +232,16 @@ class Host(abc.ABC):
   def freeze_ops(self, args: tuple, kwargs: Mapping) -> Host:
     """The served model of a model whose own ops freeze (injected Pax ops
     switched to CONVERT, then SERVE; `aqtr.flax.nnx` ops' own CONVERT)."""
+    raise ValueError(
+      f'{type(self.model).__name__} is not quantized: call '
+      'aqtr.flax.quantize(model, rules) first.'
+    )
+
+  def ops_in_mode(self, mode: Mode) -> Any:
+    """The model with its own aqtr ops in `mode` (nnx: in place; linen:
+    a copy, `aqtr.flax.linen_convert.with_ops_mode`; Pax: a template
+    copy)."""
+    del mode
     raise ValueError(
       f'{type(self.model).__name__} is not quantized: call '
       'aqtr.flax.quantize(model, rules) first.'

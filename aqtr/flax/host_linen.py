@@ -76,6 +76,9 @@ class LinenHost(host.Host):
       linen_convert.with_ops_mode(self.model, Mode.SERVE), serving
     )
 
+  def ops_in_mode(self, mode):
+    return linen_convert.with_ops_mode(self.model, mode)
+
   def call_fn(self, args, kwargs, method='__call__'):
     model, variables = self.model, self.variables
     # Calibration state: TRAIN updates it. A key for configs rounding their

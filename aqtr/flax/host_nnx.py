@@ -57,6 +57,11 @@ class NnxHost(host.Host):
     nnx_ops.convert(model, *args, **kwargs)
     return NnxHost(model)
 
+  def ops_in_mode(self, mode):
+    if not nnx_ops.ops(self.model):
+      return super().ops_in_mode(mode)
+    return nnx_ops.set_mode(self.model, mode)
+
   def call_fn(self, args, kwargs, method='__call__'):
     graphdef, state = nnx.split(self.model)
 

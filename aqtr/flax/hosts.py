@@ -53,8 +53,9 @@ def of(model, variables=None, *, who: str = 'aqtr', need_variables=True):
       template once `aqtr.pax` is imported).
     variables: linen / Pax: the model's variables.
     who: the caller, for the errors ('aqtr.flax.convert').
-    need_variables: False: an unbound linen module without variables is
-      fine (e.g. to copy it); a bound one reads its scope's.
+    need_variables: False: an unbound linen module or a Pax template
+      without variables is fine (e.g. to copy it or switch its ops' mode);
+      a bound linen module reads its scope's.
 
   Returns:
     The `Host`.
@@ -75,7 +76,7 @@ def of(model, variables=None, *, who: str = 'aqtr', need_variables=True):
     return LinenHost(model, variables)
   for predicate, cls, name in _KINDS:
     if predicate(model):
-      if variables is None:
+      if variables is None and need_variables:
         raise TypeError(f'{who}: {name} needs variables=.')
       return cls(model, variables)
   raise TypeError(

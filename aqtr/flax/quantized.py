@@ -196,8 +196,18 @@ def spec_of(model):
 
 
 def set_mode(model, mode: Mode, *, converted_=None):
-  """`model` (quantized) in `mode` (nnx: in place; returns the model)."""
+  """`model` (quantized) in `mode` (nnx: in place; returns the model).
+
+  A model quantized by rules switches its interception mode. A model
+  built from aqtr's own ops (`aqtr.flax.nnx`, `aqtr.flax.linen`, injected
+  Pax templates) switches every op (its host's `ops_in_mode`): nnx in
+  place, linen a copy whose ops read the mode off its class, Pax a copy
+  of the template.
+  """
   common.check_mode(mode)
+  if not hasattr(type(model), 'aqtr_spec'):
+    host = hosts.of(model, who='aqtr.flax.set_mode', need_variables=False)
+    return host.ops_in_mode(mode)
   if mode not in (Mode.TRAIN, Mode.CALIBRATE, Mode.SERVE):
     raise ValueError(
       f'mode: interception runs Mode.TRAIN, CALIBRATE and SERVE, got {mode}; '

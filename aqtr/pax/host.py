@@ -146,6 +146,14 @@ class TemplateHost(host.Host):
     served = serving_template(self.model, Mode.SERVE)
     return TemplateHost(served, flax.core.unfreeze(out))
 
+  def ops_in_mode(self, mode):
+    """A copy of the template whose injected ops run in `mode`."""
+    common.check_mode(mode)
+    cfg = copy.deepcopy(self.model)
+    for node in selectors.select(cfg, EinsumOp):
+      node.mode = mode
+    return cfg
+
   def put_frozen(self, op_path: str, holder: tuple, entry: str, parts):
     """Replaces the stored rhs parts of one frozen op (in place)."""
     del holder  # Pax ops keep their frozen values by op path

@@ -42,7 +42,7 @@ from jax import lax
 import aqtr
 from aqtr.core import slot_state
 from aqtr.core.config import DotGeneralConfig, TensorConfig
-from aqtr.flax import common, intercept
+from aqtr.flax import common, intercept, linen_convert
 from aqtr.flax.linen import LinenOpHost
 from aqtr.freezers import Mode
 
@@ -146,10 +146,11 @@ class Op(nn.Module):
     """Whether this call goes through the adapters' shared op body: in any
     mode but TRAIN (the freezers), and with stateful calibrations (their
     state lives in the collection 'aqtr_state')."""
-    common.check_mode(self.mode)
+    mode = linen_convert.ops_mode(self, self.mode)
+    common.check_mode(mode)
     if _is_float(self.config):
       return False
-    return self.mode is not Mode.TRAIN or bool(slot_state.paths(self.config))
+    return mode is not Mode.TRAIN or bool(slot_state.paths(self.config))
 
 
 class EinsumOp(Op):

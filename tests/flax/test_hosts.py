@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from fiddle import selectors
 from flax import nnx
 
 import aqtr
@@ -164,3 +165,45 @@ def test_one_convert_for_a_linen_model_with_explicit_ops():
   with pytest.raises(ValueError, match='is not quantized: call'):
     dense = nn.Dense(4)
     aqtr.flax.convert(dense, X, variables=dense.init(jax.random.key(0), X))
+
+
+def test_one_set_mode_for_models_built_from_aqtr_ops():
+  """`aqtr.flax.set_mode` switches every explicit op: CALIBRATE records
+  static ranges, which `convert` freezes (nnx, linen); Pax ops too."""
+  cfg = aqtr.freezers.configure(
+    aqtr.presets.int8(), lhs='calibration', rhs='weights'
+  )
+  dg = functools.partial(ql.DotGeneral, config=cfg)
+  dense = nn.Dense(4, dot_general_cls=dg)
+  v = dense.init(jax.random.key(0), X)
+  cal = aqtr.flax.set_mode(dense, aqtr.Mode.CALIBRATE)
+  assert type(dense).__name__ == type(cal).__name__ == 'Dense'
+  _, stats = cal.apply(v, X, mutable=[ql.STATS])
+  count = stats[ql.STATS]['DotGeneral_0']['lhs']['count']
+  assert int(count) == 1
+  served, sv = aqtr.flax.convert(dense, X, variables=dict(v, **stats))
+  ((_, entry),) = sv[ql.FROZEN]['DotGeneral_0'].items()
+  assert 'bound' in entry['lhs']  # the calibrated static range
+  with pytest.raises(ValueError, match='count 0'):  # never calibrated
+    aqtr.flax.convert(
+      dense, X, variables=dict(v, **jax.tree.map(jnp.zeros_like, stats))
+    )
+
+  import aqtr.flax.nnx as qn  # noqa: PLC0415
+
+  m = nnx.Linear(8, 4, dot_general=qn.DotGeneral(cfg), rngs=nnx.Rngs(0))
+  assert aqtr.flax.set_mode(m, aqtr.Mode.CALIBRATE) is m  # in place
+  assert m.dot_general.mode is aqtr.Mode.CALIBRATE
+  m(X)
+  (entry,) = aqtr.flax.convert(m, X).dot_general.frozen_entries().values()
+  assert 'bound' in entry['lhs']
+
+  template, _ = aqtr.pax.inject(
+    fdl.Config(aqtr.pax.Linear, features=4),
+    [aqtr.pax.Rule(aqtr.presets.int8())],
+  )
+  got = aqtr.flax.set_mode(template, aqtr.Mode.CALIBRATE)
+  modes = {n.mode for n in selectors.select(got, aqtr.pax.EinsumOp)}
+  assert modes == {aqtr.Mode.CALIBRATE}
+  with pytest.raises(ValueError, match='is not quantized: call'):
+    aqtr.flax.set_mode(nnx.Linear(2, 3, rngs=nnx.Rngs(0)), aqtr.Mode.SERVE)
