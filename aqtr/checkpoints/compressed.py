@@ -65,6 +65,12 @@ class CompressedTensors(Layout):
   def encode(self, weights):
     tensors, groups = {}, {}
     for name, w in weights.items():
+      if w.g_idx is not None:
+        raise CheckpointError(
+          f'{name}.weight_g_idx: act-order rows (a g_idx permutation) are '
+          'not written in this layout by aqtr; export them with '
+          "format='gptq'."
+        )
       if w.kind == 'mxfp4':
         tensors.update(_encode_mx(name, w))
         groups.setdefault(('mxfp4', 4, True, 32), []).append(name)

@@ -5,11 +5,15 @@ kernel orientation [d_in, d_out]: signed integer codes `q`, one scale per
 group of `group` consecutive input rows and output column, and (affine
 numerics) an integer zero point per scale:
 
-  w[i, o] = (q[i, o] - zero[i // group, o]) * scale[i // group, o]
+  w[i, o] = (q[i, o] - zero[g[i], o]) * scale[g[i], o],  g[i] = i // group
 
 computed in float32 (what aqtr's `QTensor.dequant` computes). Codes and
 zero points are signed, in [-2^(b-1), 2^(b-1) - 1] (the compressed-tensors
 convention); layouts with unsigned codes add 2^(b-1) on the way out.
+An act-order weight (GPTQ's `desc_act`) gives each row its group by
+`g_idx` instead (g[i] = g_idx[i]: every group holds `group` rows, in any
+order); aqtr serves it with the rows sorted by group and the input
+gathered to match (`aqtr.checkpoints.tree`).
 
 The bit packers here are the ones the layouts share: `pack` lays values of
 `bits` bits densely into little-endian int32 words along one axis (value
@@ -35,7 +39,15 @@ import numpy as np
 
 from aqtr.core import codecs
 
-__all__ = ['E2M1', 'KINDS', 'CheckpointError', 'Stored', 'pack', 'unpack']
+__all__ = [
+  'E2M1',
+  'KINDS',
+  'CheckpointError',
+  'Stored',
+  'check_g_idx',
+  'pack',
+  'unpack',
+]
 
 
 KINDS = ('int', 'mxfp4')
@@ -64,6 +76,8 @@ class Stored:
       (uint8 0..15: sign bit 3, then the 3-bit magnitude code of
       0, 0.5, 1, 1.5, 2, 3, 4, 6), `scale` powers of two (E8M0), groups
       of 32, no zero point: w = e2m1(q) * scale.
+    g_idx: int32 [d_in], the group of each row (act-order), or None (row
+      i is in group i // group).
   """
 
   q: np.ndarray
@@ -72,6 +86,7 @@ class Stored:
   bits: int = 4
   group: int = 0
   kind: str = 'int'
+  g_idx: np.ndarray | None = None
 
   def __post_init__(self):
     self.check('weight')
@@ -128,6 +143,8 @@ class Stored:
         f'{name}: zero point has shape {tuple(self.zero.shape)}, expected '
         f'{want} (group={g}).'
       )
+    if self.g_idx is not None:
+      check_g_idx(self.g_idx, self.d_in, g, name)
     lo, hi = -(2 ** (b - 1)), 2 ** (b - 1) - 1
     for what, a in (('codes', self.q), ('zero points', self.zero)):
       if a is None or not a.size:
@@ -160,17 +177,51 @@ class Stored:
         'weight_scale).'
       )
 
+  @property
+  def rows(self) -> np.ndarray:
+    """int [d_in]: the group of each row (`g_idx`, or i // group)."""
+    if self.g_idx is not None:
+      return np.asarray(self.g_idx, np.int64)
+    return np.arange(self.d_in) // self.group
+
   def dequant(self) -> np.ndarray:
     """The float32 weight [d_in, d_out] the codes serve."""
+    g = self.rows
+    s = self.scale.astype(np.float32)[g]
     if self.kind == 'mxfp4':
-      v = E2M1[self.q.astype(np.int64)]
-      s = np.repeat(self.scale.astype(np.float32), self.group, axis=0)
-      return v * s
+      return E2M1[self.q.astype(np.int64)] * s
     v = self.q.astype(np.float32)
-    s = np.repeat(self.scale.astype(np.float32), self.group, axis=0)
     if self.zero is not None:
-      v = v - np.repeat(self.zero.astype(np.float32), self.group, axis=0)
+      v = v - self.zero.astype(np.float32)[g]
     return v * s
+
+
+def check_g_idx(g_idx, d_in: int, group: int, name: str) -> None:
+  """Raises CheckpointError (one line per mismatch) unless `g_idx` gives
+  each of d_in rows a group in [0, d_in / group), `group` rows each."""
+  a = np.asarray(g_idx)
+  if a.shape != (d_in,):
+    raise CheckpointError(
+      f'{name}.g_idx: shape {a.shape}, but the codes have d_in={d_in} rows '
+      '(field g_idx).'
+    )
+  if not np.issubdtype(a.dtype, np.integer):
+    raise CheckpointError(
+      f'{name}.g_idx: dtype {a.dtype}; the group of each row is an integer.'
+    )
+  n = d_in // group
+  if a.size and (int(a.min()) < 0 or int(a.max()) >= n):
+    raise CheckpointError(
+      f'{name}.g_idx: groups span [{int(a.min())}, {int(a.max())}], outside '
+      f'[0, {n - 1}] (group_size={group}, d_in={d_in}).'
+    )
+  counts = np.bincount(a.astype(np.int64), minlength=n)
+  bad = np.flatnonzero(counts != group)
+  if bad.size:
+    raise CheckpointError(
+      f'{name}.g_idx: group {int(bad[0])} holds {int(counts[bad[0]])} rows, '
+      f'group_size={group} gives {group} (field group_size).'
+    )
 
 
 def pack(values: np.ndarray, bits: int, axis: int = -1) -> np.ndarray:
