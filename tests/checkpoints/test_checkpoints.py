@@ -257,6 +257,82 @@ def test_bad_gptq_and_stored():
     ck.layout('exl2')
 
 
+def _act_order(d_in=32, group=8):
+  rng = np.random.default_rng(0)
+  g_idx = (np.arange(d_in) // group)[rng.permutation(d_in)].astype(np.int32)
+  w = Stored(
+    q=rng.integers(-8, 8, (d_in, 8)).astype(np.int8),
+    scale=np.ones((d_in // group, 8), np.float32),
+    bits=4,
+    group=group,
+    g_idx=g_idx,
+  )
+  return w, *ck.Gptq().encode({'fc': w})
+
+
+BAD_G_IDX = {  # edit of (tensors, config) -> the one line
+  'length': (
+    lambda t, qc: t.update({'fc.g_idx': t['fc.g_idx'][:-1]}),
+    r'^fc\.g_idx: shape \(31,\), but the codes have d_in=32 rows',
+  ),
+  'range': (
+    lambda t, qc: t['fc.g_idx'].__setitem__(0, 4),
+    r'^fc\.g_idx: groups span \[0, 4\], outside \[0, 3\]',
+  ),
+  'rows per group': (
+    lambda t, qc: t['fc.g_idx'].__setitem__(
+      np.flatnonzero(t['fc.g_idx'] == 1)[0], 0
+    ),
+    r'^fc\.g_idx: group 0 holds 9 rows, group_size=8 gives 8',
+  ),
+  'desc_act': (
+    lambda t, qc: qc.update(desc_act=False),
+    r'^fc\.g_idx: act-order rows .*\.desc_act is false',
+  ),
+  'dtype': (
+    lambda t, qc: t.update({'fc.g_idx': t['fc.g_idx'].astype(np.float32)}),
+    r'^fc\.g_idx: dtype float32',
+  ),
+}
+
+
+@pytest.mark.parametrize('case', sorted(BAD_G_IDX))
+def test_bad_act_order_g_idx_one_line(case):
+  _, t, qc = _act_order()
+  t = {k: v.copy() for k, v in t.items()}
+  BAD_G_IDX[case][0](t, qc)
+  with pytest.raises(ck.CheckpointError, match=BAD_G_IDX[case][1]) as e:
+    ck.Gptq.from_config(qc).decode(t, qc)
+  assert '\n' not in str(e.value)
+
+
+def test_act_order_round_trip_and_other_layouts_refuse_it(tmp_path):
+  w, t, qc = _act_order()
+  assert qc['desc_act'] and not np.array_equal(
+    t['fc.g_idx'], np.sort(t['fc.g_idx'])
+  )
+  (got,) = ck.Gptq.from_config(qc).decode(t, qc)[0].values()
+  np.testing.assert_array_equal(got.g_idx, w.g_idx)
+  np.testing.assert_array_equal(got.dequant(), w.dequant())
+  for fmt, tensor in (('compressed-tensors', 'weight_g_idx'), ('awq', 'g_idx')):
+    with pytest.raises(ck.CheckpointError, match=rf'^fc\.{tensor}: act-order'):
+      ck.layout(fmt).encode({'fc': w})
+  # Loaded into a linen Dense and served: the dequantized rows by group.
+  files.write(str(tmp_path / files.WEIGHTS), t)
+  files.write_config(str(tmp_path), {'quantization_config': qc})
+  module = nn.Dense(8, use_bias=False)
+  eye = jnp.eye(32)
+  variables = jax.eval_shape(module.init, jax.random.key(0), eye)
+  m, sv = ck.load(
+    module,
+    str(tmp_path),
+    eye,
+    variables=variables,
+    names={'kernel': 'fc.weight'},
+  )
+  np.testing.assert_array_equal(m.apply(sv, eye), w.dequant())
+
+
 @pytest.mark.slow
 def test_docs_page_runs():
   import pathlib
