@@ -41,6 +41,7 @@ from aqtr.core import codecs
 
 __all__ = [
   'E2M1',
+  'FP4_GROUPS',
   'KINDS',
   'CheckpointError',
   'Stored',
@@ -50,7 +51,8 @@ __all__ = [
 ]
 
 
-KINDS = ('int', 'mxfp4')
+KINDS = ('int', 'mxfp4', 'nvfp4')
+FP4_GROUPS = {'mxfp4': 32, 'nvfp4': 16}  # Block size of the fp4 kinds.
 # The value of each fp4 E2M1 code (sign bit 3, then the magnitude code).
 E2M1 = np.array(
   [0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6],
@@ -75,7 +77,10 @@ class Stored:
     kind: 'int' (the codes above) or 'mxfp4': `q` holds fp4 E2M1 codes
       (uint8 0..15: sign bit 3, then the 3-bit magnitude code of
       0, 0.5, 1, 1.5, 2, 3, 4, 6), `scale` powers of two (E8M0), groups
-      of 32, no zero point: w = e2m1(q) * scale.
+      of 32, no zero point: w = e2m1(q) * scale; or 'nvfp4': E2M1 codes
+      in groups of 16 whose float32 scale is NVFP4's two-level one (an
+      e4m3 block scale over the tensor's global scale, d / g: what aqtr's
+      numerics and compressed-tensors' dequantization compute).
     g_idx: int32 [d_in], the group of each row (act-order), or None (row
       i is in group i // group).
   """
@@ -117,8 +122,8 @@ class Stored:
       raise CheckpointError(
         f'{name}: kind must be one of {KINDS}, got {self.kind!r}.'
       )
-    if self.kind == 'mxfp4':
-      self._check_mx(name)
+    if self.kind in FP4_GROUPS:
+      self._check_fp4(name)
       return
     b = self.bits
     if isinstance(b, bool) or not isinstance(b, int) or not 1 <= b <= 8:
@@ -155,23 +160,30 @@ class Stored:
           f'the signed {b}-bit range [{lo}, {hi}] (field bits={b}).'
         )
 
-  def _check_mx(self, name: str) -> None:
-    if self.q.ndim != 2 or self.group != 32 or self.d_in % 32:
+  def _check_fp4(self, name: str) -> None:
+    what, n = self.kind.upper(), FP4_GROUPS[self.kind]
+    if self.q.ndim != 2 or self.group != n or self.d_in % n:
       raise CheckpointError(
-        f'{name}: MXFP4 holds [d_in, d_out] codes in groups of 32 along '
+        f'{name}: {what} holds [d_in, d_out] codes in groups of {n} along '
         f'd_in; got shape {self.q.shape}, group size {self.group}.'
       )
     if tuple(self.scale.shape) != (self.groups, self.d_out):
       raise CheckpointError(
         f'{name}: scale has shape {tuple(self.scale.shape)}, but groups of '
-        f'32 give {(self.groups, self.d_out)}.'
+        f'{n} give {(self.groups, self.d_out)}.'
       )
     if self.zero is not None or (self.q.size and int(self.q.max()) > 15):
       raise CheckpointError(
-        f'{name}: MXFP4 codes are 4-bit E2M1 (0..15) with no zero point.'
+        f'{name}: {what} codes are 4-bit E2M1 (0..15) with no zero point.'
       )
-    m, _ = np.frexp(np.asarray(self.scale, np.float32))
-    if not (m == 0.5).all():
+    scale = np.asarray(self.scale, np.float32)
+    if not (np.isfinite(scale) & (scale >= 0)).all():
+      raise CheckpointError(
+        f'{name}: {what} block scales must be finite and >= 0 (field '
+        'weight_scale).'
+      )
+    m, _ = np.frexp(scale)
+    if self.kind == 'mxfp4' and not (m == 0.5).all():
       raise CheckpointError(
         f'{name}: MXFP4 scales must be powers of two (E8M0; field '
         'weight_scale).'
@@ -188,7 +200,7 @@ class Stored:
     """The float32 weight [d_in, d_out] the codes serve."""
     g = self.rows
     s = self.scale.astype(np.float32)[g]
-    if self.kind == 'mxfp4':
+    if self.kind in FP4_GROUPS:
       return E2M1[self.q.astype(np.int64)] * s
     v = self.q.astype(np.float32)
     if self.zero is not None:

@@ -181,24 +181,25 @@ def to_stored(parts: dict, shape: tuple, where: str, bits=None) -> Stored:
 
 
 def _mx_stored(parts: dict, shape: tuple, where: str) -> Stored:
-  """E2M1 codes with power-of-two scales in groups of 32 (MXFP4)."""
+  """E2M1 codes: power-of-two scales in groups of 32 (MXFP4), or NVFP4's
+  two-level scales (one float32 product per block) in groups of 16."""
   packed = parts['e2m1']
   q = np.asarray(codecs.unpack(packed, 4, 2 * jnp.shape(packed)[-1]))
   d_in, d_out = shape
-  n = q.shape[1]
+  n, t = q.shape[1], q.shape[2]
   scale = np.broadcast_to(
     np.asarray(parts['scale'], np.float32), (1, n, 1, d_out)
   ).reshape(n, d_out)
   m, _ = np.frexp(scale)
-  if not (m == 0.5).all() or q.shape[2] != 32:
+  kind = {16: 'nvfp4', 32: 'mxfp4'}.get(t)
+  if kind is None or (kind == 'mxfp4' and not (m == 0.5).all()):
     raise CheckpointError(
-      f'{where}: E2M1 codes with scales that are not powers of two in '
-      f'groups of 32 (NVFP4: e4m3 x f32 scales in groups of 16) are not '
-      'exported yet; export MXFP4 (presets.mxfp4_weight_only) or int '
-      'weights.'
+      f'{where}: E2M1 codes in groups of {t} are neither MXFP4 (groups of '
+      '32, power-of-two scales) nor NVFP4 (groups of 16); export those or '
+      'int weights.'
     )
   return Stored(
-    q=q.reshape(d_in, d_out), scale=scale, bits=4, group=32, kind='mxfp4'
+    q=q.reshape(d_in, d_out), scale=scale, bits=4, group=t, kind=kind
   )
 
 
@@ -248,6 +249,13 @@ def config_for(w: Stored):
   """The weight-only DotGeneralConfig whose frozen values hold `w`."""
   if w.kind == 'mxfp4':
     return presets.mxfp4_weight_only()
+  if w.kind == 'nvfp4':  # NVFP4 weights (`presets.nvfp4`'s), float inputs.
+    base, rhs = presets.mxfp4_weight_only(), presets.nvfp4().fwd.rhs
+    return dataclasses.replace(
+      base,
+      fwd=dataclasses.replace(base.fwd, rhs=rhs),
+      dlhs=dataclasses.replace(base.dlhs, rhs=rhs),
+    )
   if w.zero is None:
     numerics = IntSymmetric(
       bits=w.bits, storage='int4' if w.bits <= 4 else 'int8'
@@ -318,7 +326,7 @@ def _from_one(w: Stored, like: dict, perm: bool = False) -> dict:
       f'codes [{w.d_in}, {w.d_out}] in groups of {w.group} do not fit the '
       f'model view {qs.shape}.'
     )
-  if w.kind == 'mxfp4':
+  if w.kind in ('mxfp4', 'nvfp4'):
     scale = w.scale.astype(np.float32).reshape(like['scale'].shape)
     codes = jnp.asarray(w.q.astype(np.uint8).reshape(qs.shape))
     return {'e2m1': codecs.pack(codes, 4), 'scale': jnp.asarray(scale)}
