@@ -373,3 +373,97 @@ def test_reference_mxfp4_checkpoint_loads_and_serves(tmp_path):
   assert sorted(mine) == sorted(tensors)
   for k in tensors:
     assert torch.equal(mine[k], tensors[k]), k
+
+
+def _nv_reference(tensors, qc, module='fc'):
+  """compressed-tensors' NVFP4 dequantization: float32 (its `dequantize`
+  with the global scale, d / g in float32) and its decompressor's
+  (`NVFP4PackedCompressor.decompress`, rounded to bfloat16), [d_in, d_out]."""
+  from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor
+  from compressed_tensors.compressors.nvfp4.helpers import (
+    unpack_fp4_from_uint8,
+  )
+  from compressed_tensors.quantization.lifecycle.forward import dequantize
+
+  scheme = _mx_scheme(qc)
+  sd = {k[len(module) + 1 :]: v for k, v in tensors.items()}
+  m, n = sd['weight_packed'].shape
+  f32 = dequantize(
+    x_q=unpack_fp4_from_uint8(sd['weight_packed'], m, 2 * n, torch.float32),
+    scale=sd['weight_scale'].to(torch.float32),
+    args=scheme.weights,
+    global_scale=sd['weight_global_scale'],
+    dtype=torch.float32,
+  )
+  bf16 = NVFP4PackedCompressor.decompress(sd, scheme)['weight']
+  return f32.numpy().T, bf16.float().numpy().T
+
+
+def _as_bf16(a):
+  return np.asarray(jnp.asarray(a, jnp.bfloat16), np.float32)
+
+
+def test_reference_nvfp4_checkpoint_loads_serves_and_exports(tmp_path):
+  from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor
+  from compressed_tensors.quantization.utils.helpers import generate_gparam
+
+  torch.manual_seed(0)
+  w = torch.randn(D_OUT, D_IN, dtype=torch.float32)
+  scheme = ct_quant.preset_name_to_scheme('NVFP4A16', ['Linear'])
+  gs = generate_gparam(w.min(), w.max())
+  g = w.reshape(D_OUT, -1, 16)
+  scale, _ = ct_quant.utils.helpers.calculate_qparams(
+    g.amin(-1), g.amax(-1), scheme.weights, global_scale=gs
+  )
+  out = NVFP4PackedCompressor.compress(
+    {'weight': w, 'weight_scale': scale, 'weight_global_scale': gs}, scheme
+  )
+  tensors = {f'fc.{k}': v.contiguous() for k, v in out.items()}
+  st.save_file(tensors, str(tmp_path / files.WEIGHTS))
+  qc = ct_quant.QuantizationConfig(
+    config_groups={'group_0': scheme},
+    format='nvfp4-pack-quantized',
+    quantization_status='compressed',
+  ).to_dict()
+  json.dump({'quantization_config': qc}, open(tmp_path / files.CONFIG, 'w'))
+  f32, bf16 = _nv_reference(tensors, qc)
+  served = ck.load(
+    nnx.eval_shape(_linear), str(tmp_path), EYE, names=lambda p: 'fc.weight'
+  )
+  got = _weights(served)
+  np.testing.assert_array_equal(f32, got)
+  np.testing.assert_array_equal(bf16, _as_bf16(got))
+  # Exported again by aqtr: the reference's tensors, byte for byte (the
+  # same e4m3 block scales and global scale).
+  again = tmp_path / 'again'
+  ck.export(served, str(again), names=lambda p: 'fc.weight')
+  mine = st.load_file(str(again / files.WEIGHTS))
+  assert sorted(mine) == sorted(tensors)
+  for k in tensors:
+    assert torch.equal(mine[k], tensors[k]), k
+
+
+def test_reference_dequantizes_aqtr_nvfp4_export_bit_for_bit(tmp_path):
+  cfg = ck.tree.config_for(  # aqtr's NVFP4 weights (presets.nvfp4's)
+    ck.Stored(
+      q=np.zeros((16, 1), np.uint8),
+      scale=np.ones((1, 1), np.float32),
+      group=16,
+      kind='nvfp4',
+    )
+  )
+  served = convert(quantize(_linear(), [Rule(cfg, weight=True)]), EYE)
+  ck.export(served, str(tmp_path), names=lambda p: 'fc.weight')
+  qc = json.load(open(tmp_path / files.CONFIG))['quantization_config']
+  assert qc['format'] == 'nvfp4-pack-quantized'
+  t = st.load_file(str(tmp_path / files.WEIGHTS))
+  assert t['fc.weight_scale'].dtype == torch.float8_e4m3fn
+  f32, bf16 = _nv_reference(t, qc)
+  want = _weights(served)
+  np.testing.assert_array_equal(f32, want)
+  np.testing.assert_array_equal(bf16, _as_bf16(want))
+  back = ck.load(
+    nnx.eval_shape(_linear), str(tmp_path), EYE, names=lambda p: 'fc.weight'
+  )
+  x = jax.random.normal(jax.random.key(0), (3, D_IN))
+  np.testing.assert_array_equal(back(x), served(x))
