@@ -394,7 +394,7 @@ def _rules(weights: dict, model, rules, args, kwargs, variables) -> list:
         quantize(model, rules), *args, variables=variables, **kwargs
       )
     for e in rep.ops:
-      module = e.path.rsplit('/', 1)[0]
+      module = e.path.rsplit('/', 1)[0] if '/' in e.path else ''
       w = by_module.get(module) if e.weight else None
       if w is not None:
         key, cfg = (module, None, True), with_weight(e.config, w, e.path)

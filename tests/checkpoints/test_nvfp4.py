@@ -1,11 +1,20 @@
 """aqtr.checkpoints: NVFP4 two-level scales without the reference
 packages (those checks: test_reference.py)."""
 
+import jax
 import numpy as np
 import pytest
+from flax import nnx
 
+import aqtr
 from aqtr import checkpoints as ck
 from aqtr.checkpoints.stored import Stored
+from aqtr.flax import convert, quantize
+from aqtr.rules import Rule
+
+
+def _linear():
+  return nnx.Linear(64, 32, use_bias=False, rngs=nnx.Rngs(0))
 
 
 def _nv(scale):
@@ -63,3 +72,22 @@ def test_bad_nvfp4_checkpoint_one_line(case):
   with pytest.raises(ck.CheckpointError, match=BAD_NV[case][1]) as e:
     ck.CompressedTensors().decode(t, qc)
   assert '\n' not in str(e.value)
+
+
+@pytest.mark.slow
+def test_nvfp4_w4a4_round_trip_with_rules(tmp_path):
+  # presets.nvfp4: NVFP4 weights and inputs; the checkpoint holds the
+  # weights, load's rules the inputs (a top-level layer: no module path).
+  rules = [Rule(aqtr.presets.nvfp4(), weight=True)]
+  x = jax.random.normal(jax.random.key(0), (3, 64))
+  served = convert(quantize(_linear(), rules), x)
+  with pytest.warns(UserWarning, match='argument rules'):
+    ck.export(served, str(tmp_path), names=lambda p: 'fc.weight')
+  back = ck.load(
+    nnx.eval_shape(_linear),
+    str(tmp_path),
+    x,
+    names=lambda p: 'fc.weight',
+    rules=rules,
+  )
+  np.testing.assert_array_equal(back(x), served(x))
