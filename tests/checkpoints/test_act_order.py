@@ -196,3 +196,28 @@ def test_stacked_layers_one_act_order(tmp_path):
   assert sorted(back) == sorted(t)
   for k in t:
     np.testing.assert_array_equal(back[k], t[k])
+
+
+def test_served_dot_gathers_the_input_by_the_stored_row_order():
+  from aqtr.freezers import Mode, configure, lifecycle
+
+  cfg = configure(aqtr.presets.int4_weight_only(), rhs='weights')
+  dn = (((1,), (0,)), ((), ()))
+  x = jax.random.normal(jax.random.key(0), (3, 32))
+  w = jax.random.normal(jax.random.key(1), (32, 8))
+  perm = jnp.asarray(np.random.default_rng(0).permutation(32), jnp.int32)
+  call = lifecycle.DotCall(x, w[perm], dn, cfg)
+  entry = lifecycle.run(call, Mode.CONVERT).frozen
+  plain = lifecycle.run(
+    lifecycle.DotCall(x[:, perm], 0 * w, dn, cfg), Mode.SERVE, frozen=entry
+  ).out
+  entry['rhs']['perm'] = perm  # Rows stored in the order perm.
+  got = lifecycle.run(
+    lifecycle.DotCall(x, 0 * w, dn, cfg), Mode.SERVE, frozen=entry
+  ).out
+  np.testing.assert_array_equal(got, plain)
+  entry['rhs']['perm'] = perm[:-1]
+  with pytest.raises(lifecycle.FreezerError, match="'perm' has shape"):
+    lifecycle.run(
+      lifecycle.DotCall(x, 0 * w, dn, cfg), Mode.SERVE, frozen=entry
+    )
