@@ -1,4 +1,6 @@
-"""compressed-tensors' `pack-quantized` layout (int 1..8 bits).
+"""compressed-tensors' `pack-quantized` layout (int 1..8 bits), MXFP4
+(`mxfp4-pack-quantized`, below) and NVFP4 (`nvfp4-pack-quantized`,
+`aqtr.checkpoints.nvfp4`).
 
 Per module M (torch orientation, weight [d_out, d_in]):
 
