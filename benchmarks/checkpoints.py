@@ -2,10 +2,13 @@
 
 The same torch weights are compressed by compressed-tensors'
 `PackedQuantizationCompressor` and saved with `safetensors.torch`; aqtr
-loads that file (`aqtr.checkpoints.load`) and exports it again. Also the
-GPTQ and AWQ layouts of the same weights, against their nominal size
-(codes + scales + zero points; GPTQ adds
-g_idx, 4 bytes per input row). Needs the extra `checkpoints-reference`.
+loads that file (`aqtr.checkpoints.load`) and exports it again (int
+`pack-quantized`, and NVFP4 `nvfp4-pack-quantized` from
+`NVFP4PackedCompressor`). Also the GPTQ and AWQ layouts of the same
+weights, against their nominal size (codes + scales + zero points; GPTQ
+adds g_idx, 4 bytes per input row), and an act-order GPTQ checkpoint
+(desc_act, a permuted g_idx) loaded and exported again, against its own
+file. Needs the extra `checkpoints-reference`.
 
   python benchmarks/checkpoints.py [--d=1024]
 """
@@ -67,6 +70,49 @@ def _reference(folder, d, bits, sym, group):
   files.write_config(folder, {'quantization_config': qc})
 
 
+def _nvfp4_reference(folder, d):
+  from compressed_tensors.compressors.nvfp4.base import (  # noqa: PLC0415
+    NVFP4PackedCompressor,
+  )
+  from compressed_tensors.quantization.utils.helpers import (  # noqa: PLC0415
+    generate_gparam,
+  )
+
+  torch.manual_seed(0)
+  w = torch.randn(d, d)
+  scheme = ctq.preset_name_to_scheme('NVFP4A16', ['Linear'])
+  gs = generate_gparam(w.min(), w.max())
+  g = w.reshape(d, -1, 16)
+  scale, _ = calculate_qparams(
+    g.amin(-1), g.amax(-1), scheme.weights, global_scale=gs
+  )
+  out = NVFP4PackedCompressor.compress(
+    {'weight': w, 'weight_scale': scale, 'weight_global_scale': gs}, scheme
+  )
+  save_file(
+    {f'fc.{k}': v.contiguous() for k, v in out.items()},
+    os.path.join(folder, files.WEIGHTS),
+    metadata={'format': 'pt'},
+  )
+  qc = ctq.QuantizationConfig(
+    config_groups={'group_0': scheme}, format='nvfp4-pack-quantized'
+  ).to_dict()
+  files.write_config(folder, {'quantization_config': qc})
+
+
+def _act_order(folder, gptq_folder, d):
+  """The GPTQ file at `gptq_folder` with its rows given a permuted
+  g_idx (AutoGPTQ's desc_act form), written to `folder`."""
+  import dataclasses  # noqa: PLC0415
+
+  (w,) = checkpoints.read(gptq_folder)[0].values()
+  perm = np.random.default_rng(0).permutation(d)
+  w = dataclasses.replace(w, g_idx=w.rows[np.argsort(perm)].astype(np.int32))
+  tensors, qc = checkpoints.Gptq().encode({'fc': w})
+  files.write(os.path.join(folder, files.WEIGHTS), tensors)
+  files.write_config(folder, {'quantization_config': qc})
+
+
 def main():
   p = argparse.ArgumentParser()
   p.add_argument('--d', type=int, default=1024)
@@ -74,9 +120,10 @@ def main():
   d = a.d
   print(f'command: {" ".join([sys.executable, *sys.argv])}')
   print(f'cpu: {_cpu()}   date: {datetime.date.today()}')
-  print(f'weight: one Linear {d} x {d}, group 128, float32 scales\n')
+  print(f'weight: one Linear {d} x {d}, group 128 (NVFP4: 16), f32 scales\n')
   rows = []
   name = lambda p: 'fc.weight'  # noqa: E731
+  gptq_dir = tempfile.TemporaryDirectory()
   for bits, sym in ((4, True), (4, False), (8, True)):
     with (
       tempfile.TemporaryDirectory() as ref,
@@ -94,6 +141,10 @@ def main():
           continue
         sub = os.path.join(out, fmt)
         info = checkpoints.export(served, sub, format=fmt, names=name)
+        if fmt == 'gptq' and bits == 4 and not sym:  # For act-order below.
+          checkpoints.export(
+            served, os.path.join(gptq_dir.name, fmt), format=fmt, names=name
+          )
         g = d // 128
         nominal = (
           d * d * bits // 8 + 4 * g * d + (0 if sym else g * d * bits // 8)
@@ -111,6 +162,34 @@ def main():
             100 * (info['bytes'] - base) / base,
           )
         )
+  for kind in ('nvfp4', 'act-order'):
+    with (
+      tempfile.TemporaryDirectory() as ref,
+      tempfile.TemporaryDirectory() as out,
+    ):
+      if kind == 'nvfp4':
+        _nvfp4_reference(ref, d)
+      else:
+        _act_order(ref, os.path.join(gptq_dir.name, 'gptq'), d)
+      model = nnx.eval_shape(
+        lambda: nnx.Linear(d, d, use_bias=False, rngs=nnx.Rngs(0))
+      )
+      x = np.zeros((1, d), np.float32)
+      served = checkpoints.load(model, ref, x, names=name)
+      fmt = 'compressed-tensors' if kind == 'nvfp4' else 'gptq'
+      info = checkpoints.export(served, out, format=fmt, names=name)
+      base = os.path.getsize(os.path.join(ref, files.WEIGHTS))
+      rows.append(
+        (
+          'nvfp4' if kind == 'nvfp4' else 'int4 asym',
+          fmt if kind == 'nvfp4' else 'gptq desc_act',
+          info['bytes'],
+          base,
+          'reference file' if kind == 'nvfp4' else 'loaded file',
+          100 * (info['bytes'] - base) / base,
+        )
+      )
+  gptq_dir.cleanup()
   print(
     f'{"weights":10s} {"layout":20s} {"aqtr bytes":>11s} '
     f'{"vs bytes":>10s} {"vs":>15s} {"diff %":>7s}'

@@ -8,8 +8,9 @@
   qlora(model, folder, lora, *sample)  such a checkpoint as the frozen
                                        base of LoRA adapters (QLoRA)
   read(folder)                         the stored weights, floats, config
-  layouts                              'compressed_tensors' (pack-quantized),
-                                       'gptq', 'awq' (`layouts.names()`)
+  layouts                              'compressed_tensors' (pack-quantized,
+                                       MXFP4, NVFP4), 'gptq' (act-order
+                                       too), 'awq' (`layouts.names()`)
 
 Layouts are codecs at the edge: they translate stored codes + scales (+
 zero points) to and from files (`aqtr.checkpoints.stored.Stored`); only

@@ -66,6 +66,11 @@ class Awq(Layout):
           f'{name}: {w.kind} codes have no awq layout; export them with '
           "format='compressed-tensors'."
         )
+      if w.g_idx is not None:
+        raise CheckpointError(
+          f'{name}.g_idx: act-order rows (a g_idx permutation) have no awq '
+          "layout; export them with format='gptq'."
+        )
       if w.bits != 4 or w.d_out % 8:
         raise CheckpointError(
           f'{name}: the awq layout holds 4-bit codes with d_out a multiple '

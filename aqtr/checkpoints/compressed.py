@@ -1,4 +1,6 @@
-"""compressed-tensors' `pack-quantized` layout (int 1..8 bits).
+"""compressed-tensors' `pack-quantized` layout (int 1..8 bits), MXFP4
+(`mxfp4-pack-quantized`, below) and NVFP4 (`nvfp4-pack-quantized`,
+`aqtr.checkpoints.nvfp4`).
 
 Per module M (torch orientation, weight [d_out, d_in]):
 
@@ -38,6 +40,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from aqtr.checkpoints import nvfp4
 from aqtr.checkpoints.layouts import Layout, modules, need, register, shape_is
 from aqtr.checkpoints.stored import CheckpointError, Stored, pack, unpack
 from aqtr.core import codecs
@@ -45,7 +48,11 @@ from aqtr.core import codecs
 __all__ = ['CompressedTensors']
 
 # Stored.kind -> the compressed-tensors format of its config groups.
-FORMATS = {'int': 'pack-quantized', 'mxfp4': 'mxfp4-pack-quantized'}
+FORMATS = {
+  'int': 'pack-quantized',
+  'mxfp4': 'mxfp4-pack-quantized',
+  'nvfp4': 'nvfp4-pack-quantized',
+}
 
 _SUFFIXES = (
   'weight_packed',
@@ -65,9 +72,16 @@ class CompressedTensors(Layout):
   def encode(self, weights):
     tensors, groups = {}, {}
     for name, w in weights.items():
-      if w.kind == 'mxfp4':
-        tensors.update(_encode_mx(name, w))
-        groups.setdefault(('mxfp4', 4, True, 32), []).append(name)
+      if w.g_idx is not None:
+        raise CheckpointError(
+          f'{name}.weight_g_idx: act-order rows (a g_idx permutation) are '
+          'not written in this layout by aqtr; export them with '
+          "format='gptq'."
+        )
+      if w.kind in ('mxfp4', 'nvfp4'):
+        enc = _encode_mx if w.kind == 'mxfp4' else nvfp4.encode
+        tensors.update(enc(name, w))
+        groups.setdefault((w.kind, 4, True, w.group), []).append(name)
         continue
       off = 2 ** (w.bits - 1)
       qt = (w.q.astype(np.int16) + off).T
@@ -83,18 +97,21 @@ class CompressedTensors(Layout):
     for i, ((kind, bits, sym, g), targets) in enumerate(sorted(groups.items())):
       fmt = FORMATS[kind]
       formats.add(fmt)
+      weights = {
+        'num_bits': bits,
+        'type': 'int' if kind == 'int' else 'float',
+        'symmetric': sym,
+        'strategy': 'group' if g else 'channel',
+        'group_size': g or None,
+        'dynamic': False,
+        'actorder': None,
+        'observer': 'minmax',
+      }
+      if kind == 'nvfp4':  # e4m3 block scales over a global scale.
+        weights.update(strategy='tensor_group', scale_dtype=nvfp4.SCALE_DTYPE)
       config_groups[f'group_{i}'] = {
         'targets': sorted(targets),
-        'weights': {
-          'num_bits': bits,
-          'type': 'float' if kind == 'mxfp4' else 'int',
-          'symmetric': sym,
-          'strategy': 'group' if g else 'channel',
-          'group_size': g or None,
-          'dynamic': False,
-          'actorder': None,
-          'observer': 'minmax',
-        },
+        'weights': weights,
         'input_activations': None,
         'output_activations': None,
         'format': fmt,
@@ -126,6 +143,8 @@ class CompressedTensors(Layout):
       fmt = args.get('_format') or top
       if fmt == FORMATS['mxfp4']:
         out[m] = _decode_mx(tensors, m, args)
+      elif fmt == FORMATS['nvfp4']:
+        out[m] = nvfp4.decode(tensors, m, args)
       elif fmt == FORMATS['int']:
         out[m] = _decode_one(tensors, m, args)
       else:

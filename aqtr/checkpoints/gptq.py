@@ -12,11 +12,18 @@ u = q + 2^(b-1), unsigned zero points uz = z + 2^(b-1)):
 so `w[i, o] = (u[i, o] - uz[g_idx[i], o]) * scales[g_idx[i], o]`, and
 `quantization_config` {quant_method: 'gptq', bits, group_size (-1: one
 group per channel), desc_act, sym, checkpoint_format}. A symmetric
-weight has uz = 2^(b-1). aqtr serves contiguous groups
-(g_idx[i] = i // group_size): GPTQ with act-order in aqtr
+weight has uz = 2^(b-1).
+
+Act-order (desc_act=true, AutoGPTQ's default form): g_idx is a permuted
+group index (row i in group g_idx[i], group_size rows per group, in any
+order). It is read into `Stored.g_idx` (checked: length, range, rows per
+group; one line per mismatch) and served without a float copy: the rows
+sorted by group (contiguous groups) and the input gathered to match
+(`aqtr.checkpoints.tree`). Exported, such a weight writes its g_idx and
+desc_act=true. aqtr's own GPTQ with act-order
 (`aqtr.ptq.quantize(method='gptq', act_order=True)`) keeps each group's
-rows together, so its export has the trivial g_idx and desc_act=false;
-a checkpoint whose g_idx permutes rows across groups is refused (one line).
+rows together (static groups: the order only changes which rows are
+solved first), so its export has the trivial g_idx i // group_size.
 
 Example:
   >>> import numpy as np
@@ -38,7 +45,13 @@ import dataclasses
 import numpy as np
 
 from aqtr.checkpoints.layouts import Layout, modules, need, register, shape_is
-from aqtr.checkpoints.stored import CheckpointError, Stored, pack, unpack
+from aqtr.checkpoints.stored import (
+  CheckpointError,
+  Stored,
+  check_g_idx,
+  pack,
+  unpack,
+)
 
 __all__ = ['Gptq']
 
@@ -80,7 +93,7 @@ class Gptq(Layout):
     return self.checkpoint_format == 'gptq'
 
   def encode(self, weights):
-    tensors, kinds = {}, set()
+    tensors, kinds, act_order = {}, set(), False
     for name, w in weights.items():
       if w.kind != 'int':
         raise CheckpointError(
@@ -108,8 +121,9 @@ class Gptq(Layout):
       tensors[f'{name}.qweight'] = pack(w.q.astype(np.int16) + off, w.bits, 0)
       tensors[f'{name}.qzeros'] = pack(uz, w.bits, 1)
       tensors[f'{name}.scales'] = self.scales(w.scale)
-      tensors[f'{name}.g_idx'] = (np.arange(w.d_in) // w.group).astype(np.int32)
+      tensors[f'{name}.g_idx'] = w.rows.astype(np.int32)
       kinds.add((w.bits, -1 if w.channelwise else w.group, w.symmetric))
+      act_order = act_order or w.g_idx is not None
     if len(kinds) > 1:
       raise CheckpointError(
         'gptq: one quantization_config holds one (bits, group_size, sym); '
@@ -120,7 +134,7 @@ class Gptq(Layout):
       'quant_method': 'gptq',
       'bits': bits,
       'group_size': group,
-      'desc_act': False,
+      'desc_act': act_order,
       'sym': sym,
       'true_sequential': True,
       'checkpoint_format': self.checkpoint_format,
@@ -157,15 +171,7 @@ class Gptq(Layout):
         f'{m}.qzeros',
         f'group_size={group} and bits={bits}',
       )
-      g_idx = tensors.pop(f'{m}.g_idx', None)
-      if g_idx is not None:
-        shape_is(g_idx, (d_in,), f'{m}.g_idx', f'd_in={d_in}')
-        if not np.array_equal(np.asarray(g_idx), np.arange(d_in) // g):
-          raise CheckpointError(
-            f'{m}.g_idx: act-order permutes rows across groups '
-            f'(desc_act={config.get("desc_act")}); aqtr serves contiguous '
-            'groups: requantize with static groups (desc_act=false).'
-          )
+      g_idx = _g_idx(tensors.pop(f'{m}.g_idx', None), m, d_in, g, config)
       off = 2 ** (bits - 1)
       u = unpack(qweight, bits, d_in, axis=0).astype(np.int16)
       uz = unpack(qzeros, bits, d_out, axis=1).astype(np.int16)
@@ -190,8 +196,25 @@ class Gptq(Layout):
         zero=None if zero is None else zero.astype(np.int8),
         bits=bits,
         group=g,
+        g_idx=g_idx,
       )
     return out, tensors
+
+
+def _g_idx(g_idx, m: str, d_in: int, group: int, config: dict):
+  """A module's g_idx, checked (None when it is the trivial i // group)."""
+  if g_idx is None:
+    return None
+  check_g_idx(g_idx, d_in, group, m)
+  g_idx = np.asarray(g_idx).astype(np.int32)
+  if np.array_equal(g_idx, np.arange(d_in) // group):
+    return None
+  if not config.get('desc_act', False):
+    raise CheckpointError(
+      f'{m}.g_idx: act-order rows (not in group order), but '
+      'quantization_config.desc_act is false (field desc_act).'
+    )
+  return g_idx
 
 
 def _check_bits(bits, name: str, field: str) -> None:

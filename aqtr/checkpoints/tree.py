@@ -14,7 +14,10 @@ A frozen kernel of a stock Dense / Linear sits in a holder
 {op key: {entry: {'rhs': {qvalue, scale[, zero_point]}}}}, the values in
 the dot's 'kf' tiled view [1, groups, group, d_out] (scales [1, groups, 1,
 d_out]). Codes are int4 / int8 (signed) or uint8 (affine numerics with
-unsigned storage).
+unsigned storage). An act-order weight (`Stored.g_idx`) is held with its
+rows sorted by group (contiguous groups) and the order as 'perm' (int32
+[d_in], serving row j is the checkpoint's row perm[j]): the op serves
+x[..., perm] @ w[perm] (`aqtr.freezers.lifecycle`), no float copy.
 
 Example:
   >>> import numpy as np
@@ -46,6 +49,7 @@ from aqtr.numerics.int_asymmetric import IntAsymmetric
 from aqtr.numerics.int_symmetric import IntSymmetric
 from aqtr.rules import Rule
 from aqtr.tilings.per_channel import PerChannel
+from aqtr.tilings.per_tensor import PerTensor
 from aqtr.tilings.subchannel import SubChannel
 
 __all__ = [
@@ -110,6 +114,7 @@ def to_stored(parts: dict, shape: tuple, where: str, bits=None) -> Stored:
       'int or MXFP4 weights.'
     )
   parts = codecs.decode_parts(parts)  # Packed int4 codes -> int8.
+  perm = parts.pop('perm', None)
   q = parts['qvalue']
   if len(shape) != 2:
     raise CheckpointError(
@@ -153,34 +158,48 @@ def to_stored(parts: dict, shape: tuple, where: str, bits=None) -> Stored:
     if zero is None:
       raise CheckpointError(f'{where}: unsigned codes without a zero point.')
     codes, zero = codes - 2 ** (b - 1), zero - 2 ** (b - 1)
+  g_idx = None
+  if perm is not None:  # Serving row j is the checkpoint's row perm[j].
+    perm = np.asarray(perm, np.int64)
+    if sorted(perm.tolist()) != list(range(d_in)):
+      raise CheckpointError(
+        f"{where}: stored row order 'perm' is not a permutation of {d_in} rows."
+      )
+    codes = codes[np.argsort(perm)]
+    g_idx = np.empty(d_in, np.int32)
+    g_idx[perm] = np.arange(d_in) // t
+    if np.array_equal(g_idx, np.arange(d_in) // t):
+      g_idx = None
   return Stored(
     q=codes.astype(np.int8),
     scale=scale,
     zero=None if zero is None else zero.astype(np.int8),
     bits=b,
     group=t,
+    g_idx=g_idx,
   )
 
 
 def _mx_stored(parts: dict, shape: tuple, where: str) -> Stored:
-  """E2M1 codes with power-of-two scales in groups of 32 (MXFP4)."""
+  """E2M1 codes: power-of-two scales in groups of 32 (MXFP4), or NVFP4's
+  two-level scales (one float32 product per block) in groups of 16."""
   packed = parts['e2m1']
   q = np.asarray(codecs.unpack(packed, 4, 2 * jnp.shape(packed)[-1]))
   d_in, d_out = shape
-  n = q.shape[1]
+  n, t = q.shape[1], q.shape[2]
   scale = np.broadcast_to(
     np.asarray(parts['scale'], np.float32), (1, n, 1, d_out)
   ).reshape(n, d_out)
   m, _ = np.frexp(scale)
-  if not (m == 0.5).all() or q.shape[2] != 32:
+  kind = {16: 'nvfp4', 32: 'mxfp4'}.get(t)
+  if kind is None or (kind == 'mxfp4' and not (m == 0.5).all()):
     raise CheckpointError(
-      f'{where}: E2M1 codes with scales that are not powers of two in '
-      f'groups of 32 (NVFP4: e4m3 x f32 scales in groups of 16) are not '
-      'exported yet; export MXFP4 (presets.mxfp4_weight_only) or int '
-      'weights.'
+      f'{where}: E2M1 codes in groups of {t} are neither MXFP4 (groups of '
+      '32, power-of-two scales) nor NVFP4 (groups of 16); export those or '
+      'int weights.'
     )
   return Stored(
-    q=q.reshape(d_in, d_out), scale=scale, bits=4, group=32, kind='mxfp4'
+    q=q.reshape(d_in, d_out), scale=scale, bits=4, group=t, kind=kind
   )
 
 
@@ -206,7 +225,10 @@ def read_frozen(served, variables=None, bits=None) -> tuple[dict, dict]:
       n = jnp.shape(parts['qvalue'])[0]
       frozen[path] = [
         to_stored(
-          {k: v[i] if jnp.ndim(v) == 5 else v for k, v in parts.items()},
+          {
+            k: v[i] if jnp.ndim(v) == (2 if k == 'perm' else 5) else v
+            for k, v in parts.items()
+          },
           shape,
           f'{where}[{i}]',
           bits,
@@ -227,6 +249,13 @@ def config_for(w: Stored):
   """The weight-only DotGeneralConfig whose frozen values hold `w`."""
   if w.kind == 'mxfp4':
     return presets.mxfp4_weight_only()
+  if w.kind == 'nvfp4':  # NVFP4 weights (`presets.nvfp4`'s), float inputs.
+    base, rhs = presets.mxfp4_weight_only(), presets.nvfp4().fwd.rhs
+    return dataclasses.replace(
+      base,
+      fwd=dataclasses.replace(base.fwd, rhs=rhs),
+      dlhs=dataclasses.replace(base.dlhs, rhs=rhs),
+    )
   if w.zero is None:
     numerics = IntSymmetric(
       bits=w.bits, storage='int4' if w.bits <= 4 else 'int8'
@@ -280,13 +309,15 @@ def from_stored(w, like: dict) -> dict:
       f'{len(w)} layers in the checkpoint, the model stacks {n}.'
     )
   one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), like)
-  layers = [_from_one(x, one) for x in w]
+  perm = any(x.g_idx is not None for x in w)  # Then every layer has one.
+  layers = [_from_one(x, one, perm) for x in w]
   return jax.tree.map(lambda *a: jnp.stack(a), *layers)
 
 
-def _from_one(w: Stored, like: dict) -> dict:
+def _from_one(w: Stored, like: dict, perm: bool = False) -> dict:
   """`w` as holder parts shaped and typed like the skeleton's `like`
-  (stored through the codec of `config_for(w)`'s numerics)."""
+  (stored through the codec of `config_for(w)`'s numerics); an act-order
+  `w` (or `perm`: always) adds its row order 'perm'."""
   numerics = config_for(w).fwd.rhs.numerics
   qs = jax.ShapeDtypeStruct(codecs.stored_shape(like), numerics.dtype)
   n, t, d_out = qs.shape[1], qs.shape[2], qs.shape[3]
@@ -295,11 +326,12 @@ def _from_one(w: Stored, like: dict) -> dict:
       f'codes [{w.d_in}, {w.d_out}] in groups of {w.group} do not fit the '
       f'model view {qs.shape}.'
     )
-  if w.kind == 'mxfp4':
+  if w.kind in ('mxfp4', 'nvfp4'):
     scale = w.scale.astype(np.float32).reshape(like['scale'].shape)
     codes = jnp.asarray(w.q.astype(np.uint8).reshape(qs.shape))
     return {'e2m1': codecs.pack(codes, 4), 'scale': jnp.asarray(scale)}
-  q = w.q.astype(np.int16)
+  order = np.argsort(w.rows, kind='stable')  # Contiguous groups.
+  q = w.q.astype(np.int16)[order]
   zero = None if w.zero is None else w.zero.astype(np.float32)
   if jnp.dtype(qs.dtype) == jnp.uint8:
     q = q + 2 ** (w.bits - 1)
@@ -312,15 +344,29 @@ def _from_one(w: Stored, like: dict) -> dict:
   }
   if 'zero_point' in like:
     out['zero_point'] = jnp.asarray(zero.reshape(like['zero_point'].shape))
+  if perm or w.g_idx is not None:
+    out['perm'] = jnp.asarray(order.astype(np.int32))
   return codecs.encode_parts(out, numerics)
 
 
-def with_weight(config, w: Stored):
+def with_weight(config, w: Stored, where: str = 'weight'):
   """`config` (an op's, or None) serving the stored weight `w`: its
   weight side (rhs) is `config_for(w)`'s, its input side (lhs) its own."""
   base = config_for(w)
   if config is None or config.is_float:
     return base
+  lhs = config.fwd.lhs
+  if (
+    any(x.g_idx is not None for x in (w if isinstance(w, list) else [w]))
+    and lhs.quantized
+    and not isinstance(lhs.tiling, PerTensor | PerChannel)
+  ):
+    raise CheckpointError(
+      f'{where}: act-order weight (g_idx): its input is served in group '
+      f'order, so input tiling {type(lhs.tiling).__name__} would group '
+      'other channels (argument rules): tile the input per tensor or per '
+      'token.'
+    )
   rhs = base.fwd.rhs
   return dataclasses.replace(
     config,
@@ -348,10 +394,10 @@ def _rules(weights: dict, model, rules, args, kwargs, variables) -> list:
         quantize(model, rules), *args, variables=variables, **kwargs
       )
     for e in rep.ops:
-      module = e.path.rsplit('/', 1)[0]
+      module = e.path.rsplit('/', 1)[0] if '/' in e.path else ''
       w = by_module.get(module) if e.weight else None
       if w is not None:
-        key, cfg = (module, None, True), with_weight(e.config, w)
+        key, cfg = (module, None, True), with_weight(e.config, w, e.path)
       elif not e.quantized:
         continue
       else:  # No weight, or one derived from a float tensor (tied heads).

@@ -18,8 +18,12 @@ operands (each gets an `OperandCall` view of it):
 
 E.g. 'weights' stores {qvalue, scale} (`quantize_operand`; and zero_point
 for affine numerics) and serves the
-QTensor; 'calibration' stores {bound} b and serves b * dot(x / b, ..) with
-the operand's calibration set to Constant(1.0), exact by linearity.
+QTensor (an entry written from outside, such as an imported act-order
+GPTQ checkpoint, may add 'perm' int32 [K]: the weight's rows stored in
+the order perm along its one contracting axis, served as
+`dot(x[..., perm], w[perm]) = dot(x, w)`); 'calibration' stores {bound}
+b and serves b * dot(x / b, ..) with the operand's calibration set to
+Constant(1.0), exact by linearity.
 
 The frozen entry is stored under `entry_name(config)` = 'frozen_<8 hex>', a
 digest of `config.fwd`: serving with a different forward config than the
@@ -245,6 +249,8 @@ def _served_dot(call: DotCall, calls: dict, entry) -> jax.Array:
       )
     served = f.serve(op, part)
     ops[side] = served.operand
+    if side == 'rhs' and part.get('perm') is not None:
+      ops['lhs'] = _permuted(call, calls, ops['lhs'], part['perm'])
     if served.tensor is not None:
       fwd = dataclasses.replace(fwd, **{side: served.tensor})
     if served.out_scale is not None:
@@ -264,6 +270,24 @@ def _served_dot(call: DotCall, calls: dict, entry) -> jax.Array:
   )
   out = out[0] if st is not None else out
   return out * _out_scale(scales, calls, out.ndim) if scales else out
+
+
+def _permuted(call: DotCall, calls: dict, lhs, perm) -> jax.Array:
+  """The float lhs gathered along the contracting axis by the rhs's stored
+  row order `perm` (x[..., perm] for a [K, N] weight stored as w[perm])."""
+  (lc, rc), _ = call.dimension_numbers
+  if len(rc) != 1 or 'lhs' in calls or call.group_sizes is not None:
+    raise calls['rhs'].error(
+      "a stored row order ('perm') needs one contracting axis, a float lhs "
+      'and no ragged groups; store the weight in its own row order.'
+    )
+  n = jnp.shape(call.rhs)[rc[0]]
+  if jnp.shape(perm) != (n,):
+    raise calls['rhs'].error(
+      f"stored row order 'perm' has shape {jnp.shape(perm)}, the weight's "
+      f'contracting axis {n} rows.'
+    )
+  return jnp.take(lhs, perm, axis=lc[0])
 
 
 def _out_scale(scales, calls, rank: int) -> jax.Array:

@@ -78,7 +78,13 @@ def dequantized(holder, site: adapters_lib.Site, cfg) -> jax.Array:
     qt = call.operand('rhs').qtensor(
       parts['qvalue'], parts['scale'], parts.get('zero_point')
     )
-    return qt.dequant(site.weight.dtype)
+    w = qt.dequant(site.weight.dtype)
+    if parts.get('perm') is None:
+      return w
+    # Rows stored in the order perm (an act-order checkpoint's groups made
+    # contiguous, `aqtr.checkpoints`): back to the kernel's own order.
+    (_, (rc, *_)), _ = site.dn
+    return jnp.take(w, jnp.argsort(parts['perm']), axis=rc)
 
   fn = one
   for _ in range(lead):

@@ -146,6 +146,100 @@ def test_act_order_gptq_export_matches_references(sym, fmt, tmp_path):
   np.testing.assert_array_equal(ref.numpy().T, _weights(served))
 
 
+def _autogptq_pack(u, uz, bits):
+  """AutoGPTQ's `QuantLinear.pack` (checkpoint_format 'gptq'), transcribed:
+  unsigned codes u [d_in, d_out] -> qweight, 32 / bits per int32 along
+  d_in; zero points uz [groups, d_out] minus one -> qzeros along d_out."""
+  u, z = u.astype(np.uint32), (uz - 1).astype(np.uint32)
+  p = 32 // bits
+  qweight = np.zeros((u.shape[0] // p, u.shape[1]), np.uint32)
+  for row in range(qweight.shape[0]):
+    for j in range(row * p, row * p + p):
+      qweight[row] |= u[j] << (bits * (j - row * p))
+  qzeros = np.zeros((z.shape[0], z.shape[1] // p), np.uint32)
+  for col in range(qzeros.shape[1]):
+    for j in range(col * p, col * p + p):
+      qzeros[:, col] |= z[:, j] << (bits * (j - col * p))
+  return qweight.astype(np.int32), qzeros.astype(np.int32)
+
+
+def _act_order_checkpoint(folder, sym, scale_dtype, group=16, bits=4):
+  """An act-order (desc_act) GPTQ checkpoint as AutoGPTQ writes one: its
+  g_idx is `(i // group)[invperm]` for the solve order perm."""
+  rng = np.random.default_rng(0)
+  perm = rng.permutation(D_IN)
+  g_idx = (np.arange(D_IN) // group)[np.argsort(perm)].astype(np.int32)
+  n, top = D_IN // group, 2**bits
+  u = rng.integers(0, top, (D_IN, D_OUT))
+  uz = (
+    np.full((n, D_OUT), top // 2) if sym else rng.integers(1, top, (n, D_OUT))
+  )
+  qweight, qzeros = _autogptq_pack(u, uz, bits)
+  tensors = {
+    'fc.qweight': torch.from_numpy(qweight),
+    'fc.qzeros': torch.from_numpy(qzeros),
+    'fc.scales': torch.rand(n, D_OUT, dtype=torch.float32).to(scale_dtype),
+    'fc.g_idx': torch.from_numpy(g_idx),
+  }
+  st.save_file(tensors, str(folder / files.WEIGHTS))
+  qc = {
+    'quant_method': 'gptq',
+    'bits': bits,
+    'group_size': group,
+    'desc_act': True,
+    'sym': sym,
+    'checkpoint_format': 'gptq',
+  }
+  json.dump({'quantization_config': qc}, open(folder / files.CONFIG, 'w'))
+  return tensors
+
+
+@pytest.mark.parametrize(
+  'sym,dtype',
+  [(False, 'float32'), pytest.param(True, 'float16', marks=SLOW)],
+)
+def test_act_order_gptq_checkpoint_loads_serves_and_exports(
+  sym, dtype, tmp_path
+):
+  tensors = _act_order_checkpoint(tmp_path, sym, getattr(torch, dtype))
+  ref = _gptq_reference(tmp_path, 'fc').float().numpy().T
+  model = nnx.eval_shape(_linear)
+  served = ck.load(model, str(tmp_path), EYE, names=lambda p: 'fc.weight')
+  got = _weights(served)
+  if dtype == 'float32':
+    np.testing.assert_array_equal(ref, got)
+  else:  # The reference computes (u - z) * s in float16; aqtr in f32.
+    np.testing.assert_array_equal(ref, got.astype(np.float16))
+  x = jax.random.normal(jax.random.key(0), (3, D_IN))
+  np.testing.assert_allclose(served(x), x @ got, rtol=1e-5, atol=1e-5)
+  # Packed codes, the scales and the row order: no float kernel.
+  leaves = jax.tree.leaves(nnx.state(served))
+  assert not any(jnp.shape(a) == (D_IN, D_OUT) for a in leaves)
+  perm = [a for a in leaves if a.dtype == jnp.int32]
+  assert [a.shape for a in perm] == [(D_IN,)]
+  # Exported again: the checkpoint's tensors, and the reference serves
+  # aqtr's weights; loaded back: the same outputs bit for bit.
+  again = tmp_path / 'again'
+  ck.export(
+    served,
+    str(again),
+    format='gptq',
+    names=lambda p: 'fc.weight',
+    scale_dtype=dtype,
+  )
+  mine = st.load_file(str(again / files.WEIGHTS))
+  assert sorted(mine) == sorted(tensors)
+  for k in tensors:
+    assert torch.equal(mine[k], tensors[k]), k
+  qc = json.load(open(again / files.CONFIG))['quantization_config']
+  assert qc['desc_act'] is True
+  back = ck.load(model, str(again), EYE, names=lambda p: 'fc.weight')
+  np.testing.assert_array_equal(back(x), served(x))
+  np.testing.assert_array_equal(
+    _gptq_reference(again, 'fc').float().numpy().T, ref
+  )
+
+
 def _reference_checkpoint(folder, bits, sym, group, scale_dtype):
   """A checkpoint compressed-tensors' compressor writes from torch weights."""
   torch.manual_seed(0)
@@ -279,3 +373,97 @@ def test_reference_mxfp4_checkpoint_loads_and_serves(tmp_path):
   assert sorted(mine) == sorted(tensors)
   for k in tensors:
     assert torch.equal(mine[k], tensors[k]), k
+
+
+def _nv_reference(tensors, qc, module='fc'):
+  """compressed-tensors' NVFP4 dequantization: float32 (its `dequantize`
+  with the global scale, d / g in float32) and its decompressor's
+  (`NVFP4PackedCompressor.decompress`, rounded to bfloat16), [d_in, d_out]."""
+  from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor
+  from compressed_tensors.compressors.nvfp4.helpers import (
+    unpack_fp4_from_uint8,
+  )
+  from compressed_tensors.quantization.lifecycle.forward import dequantize
+
+  scheme = _mx_scheme(qc)
+  sd = {k[len(module) + 1 :]: v for k, v in tensors.items()}
+  m, n = sd['weight_packed'].shape
+  f32 = dequantize(
+    x_q=unpack_fp4_from_uint8(sd['weight_packed'], m, 2 * n, torch.float32),
+    scale=sd['weight_scale'].to(torch.float32),
+    args=scheme.weights,
+    global_scale=sd['weight_global_scale'],
+    dtype=torch.float32,
+  )
+  bf16 = NVFP4PackedCompressor.decompress(sd, scheme)['weight']
+  return f32.numpy().T, bf16.float().numpy().T
+
+
+def _as_bf16(a):
+  return np.asarray(jnp.asarray(a, jnp.bfloat16), np.float32)
+
+
+def test_reference_nvfp4_checkpoint_loads_serves_and_exports(tmp_path):
+  from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor
+  from compressed_tensors.quantization.utils.helpers import generate_gparam
+
+  torch.manual_seed(0)
+  w = torch.randn(D_OUT, D_IN, dtype=torch.float32)
+  scheme = ct_quant.preset_name_to_scheme('NVFP4A16', ['Linear'])
+  gs = generate_gparam(w.min(), w.max())
+  g = w.reshape(D_OUT, -1, 16)
+  scale, _ = ct_quant.utils.helpers.calculate_qparams(
+    g.amin(-1), g.amax(-1), scheme.weights, global_scale=gs
+  )
+  out = NVFP4PackedCompressor.compress(
+    {'weight': w, 'weight_scale': scale, 'weight_global_scale': gs}, scheme
+  )
+  tensors = {f'fc.{k}': v.contiguous() for k, v in out.items()}
+  st.save_file(tensors, str(tmp_path / files.WEIGHTS))
+  qc = ct_quant.QuantizationConfig(
+    config_groups={'group_0': scheme},
+    format='nvfp4-pack-quantized',
+    quantization_status='compressed',
+  ).to_dict()
+  json.dump({'quantization_config': qc}, open(tmp_path / files.CONFIG, 'w'))
+  f32, bf16 = _nv_reference(tensors, qc)
+  served = ck.load(
+    nnx.eval_shape(_linear), str(tmp_path), EYE, names=lambda p: 'fc.weight'
+  )
+  got = _weights(served)
+  np.testing.assert_array_equal(f32, got)
+  np.testing.assert_array_equal(bf16, _as_bf16(got))
+  # Exported again by aqtr: the reference's tensors, byte for byte (the
+  # same e4m3 block scales and global scale).
+  again = tmp_path / 'again'
+  ck.export(served, str(again), names=lambda p: 'fc.weight')
+  mine = st.load_file(str(again / files.WEIGHTS))
+  assert sorted(mine) == sorted(tensors)
+  for k in tensors:
+    assert torch.equal(mine[k], tensors[k]), k
+
+
+def test_reference_dequantizes_aqtr_nvfp4_export_bit_for_bit(tmp_path):
+  cfg = ck.tree.config_for(  # aqtr's NVFP4 weights (presets.nvfp4's)
+    ck.Stored(
+      q=np.zeros((16, 1), np.uint8),
+      scale=np.ones((1, 1), np.float32),
+      group=16,
+      kind='nvfp4',
+    )
+  )
+  served = convert(quantize(_linear(), [Rule(cfg, weight=True)]), EYE)
+  ck.export(served, str(tmp_path), names=lambda p: 'fc.weight')
+  qc = json.load(open(tmp_path / files.CONFIG))['quantization_config']
+  assert qc['format'] == 'nvfp4-pack-quantized'
+  t = st.load_file(str(tmp_path / files.WEIGHTS))
+  assert t['fc.weight_scale'].dtype == torch.float8_e4m3fn
+  f32, bf16 = _nv_reference(t, qc)
+  want = _weights(served)
+  np.testing.assert_array_equal(f32, want)
+  np.testing.assert_array_equal(bf16, _as_bf16(want))
+  back = ck.load(
+    nnx.eval_shape(_linear), str(tmp_path), EYE, names=lambda p: 'fc.weight'
+  )
+  x = jax.random.normal(jax.random.key(0), (3, D_IN))
+  np.testing.assert_array_equal(back(x), served(x))

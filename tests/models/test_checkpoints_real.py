@@ -110,3 +110,48 @@ def test_kernels_no_layout_holds_are_refused_in_one_line(name, why, tmp_path):
   with pytest.raises(ck.CheckpointError, match=why) as e:
     ck.export(sm, str(tmp_path), variables=sv)
   assert '\n' not in str(e.value)
+
+
+@pytest.mark.slow
+def test_act_order_gptq_checkpoint_serves_its_weights(tmp_path):
+  """Every weight of HF OPT given AutoGPTQ's act-order g_idx (desc_act):
+  served as the reference dequantizes it, written back byte for byte."""
+  import dataclasses
+
+  import flax
+
+  from aqtr.checkpoints import files
+
+  z = _zoo('hf_opt')
+  if not z.available():
+    pytest.skip(z.package)
+  model, x, sm, sv, _ = _served('hf_opt', 'int4_g16_asym')
+  plain, act = tmp_path / 'plain', tmp_path / 'act'
+  with pytest.warns(UserWarning, match='give load the same rules'):
+    ck.export(sm, str(plain), variables=sv, format='gptq')
+  weights, rest, _ = ck.read(str(plain))
+  rng = np.random.default_rng(0)
+  weights = {
+    m: dataclasses.replace(
+      w, g_idx=w.rows[np.argsort(rng.permutation(w.d_in))].astype(np.int32)
+    )
+    for m, w in weights.items()
+  }
+  tensors, qc = ck.Gptq().encode(weights)
+  tensors.update(rest)
+  act.mkdir()
+  files.write(str(act / files.WEIGHTS), tensors)
+  files.write_config(str(act), {'quantization_config': qc})
+  abstract = jax.eval_shape(model.init, jax.random.key(0), x)
+  m2, sv2 = ck.load(model, str(act), x, variables=abstract)
+  frozen, floats = ck.tree.read_frozen(m2, sv2)
+  assert all(w.g_idx is not None for w in frozen.values())
+  dense = {**floats, **{p: w.dequant() for p, w in frozen.items()}}
+  want = model.apply({'params': flax.traverse_util.unflatten_dict(dense)}, x)
+  np.testing.assert_allclose(m2.apply(sv2, x), want, rtol=1e-4, atol=1e-4)
+  again = tmp_path / 'again'
+  ck.export(m2, str(again), variables=sv2, format='gptq')
+  back = files.read(str(again / files.WEIGHTS))
+  assert sorted(back) == sorted(tensors)
+  for k in tensors:
+    np.testing.assert_array_equal(back[k], tensors[k])
