@@ -11,10 +11,13 @@ and each preset, prints:
 - s==t: the converted model's jitted logits equal the training model's
   (run in this process with XLA's default flags; else the ULP distance);
 - served: serving-tree bytes / float bytes;
-and per model int4 weight-only PTQ: the logit error of RTN, GPTQ and AWQ.
+per model int4 weight-only PTQ: the logit error of RTN, GPTQ and AWQ; and
+per model QLoRA (nf4 base, rank 4, on the blocks' weight ops): the loss
+before and after 5 Adam steps, and the merged (re-quantized nf4) model's
+logit error vs the unmerged one.
 
   python benchmarks/real_models.py [--models hf_gpt2 gemma3] [--no-ptq]
-                                   [--ptq-only]
+                                   [--ptq-only] [--no-lora] [--lora-only]
 """
 
 from __future__ import annotations
@@ -36,9 +39,11 @@ sys.path.insert(0, os.path.join(HERE, '..', 'tests', 'models'))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+import optax  # noqa: E402
 import zoo  # noqa: E402
 
 import aqtr.flax as af  # noqa: E402
+import aqtr.lora as lora  # noqa: E402
 import aqtr.ptq as ptq  # noqa: E402
 from aqtr.flax import Rule, hosts  # noqa: E402
 from aqtr.flax.serving import check_served  # noqa: E402
@@ -159,14 +164,52 @@ def _ptq_row(z, mod, v, x) -> str:
   return f'| {z.name} | ' + ' | '.join(cells) + ' |'
 
 
+def _lora_row(z, mod, v, x) -> str:
+  """QLoRA (nf4) on the blocks: 5 steps, then merge (re-quantized nf4)."""
+  cfg = lora.LoraConfig(rank=4, base='nf4')
+  try:
+    lm, lv = lora.attach(mod, {z.blocks or '.*': cfg}, x, variables=v)
+  except ValueError as e:
+    return f'| {z.name} | refused: {str(e).splitlines()[0][:80]} | | |'
+  ad, frozen = lora.partition(lv['params'])
+  tx = optax.adam(1e-2)
+
+  @jax.jit
+  def step(ad, opt):
+    def loss(ad):
+      return _loss(z, lm.apply({'params': lora.combine(ad, frozen)}, x), x)
+
+    value, g = jax.value_and_grad(loss)(ad)
+    upd, opt = tx.update(g, opt, ad)
+    return optax.apply_updates(ad, upd), opt, value
+
+  opt, values = tx.init(ad), []
+  for _ in range(5):
+    ad, opt, value = step(ad, opt)
+    values.append(float(value))
+  trained = {**lv, 'params': lora.combine(ad, frozen)}
+  sm, sv = lora.merge(lm, x, variables=trained)
+  y = jax.jit(lm.apply)(trained, x)
+  err = _rel(jax.jit(sm.apply)(sv, x), y)
+  return f'| {z.name} | {values[0]:.4f} -> {values[-1]:.4f} | {err:.4f} |'
+
+
 def main(argv=None) -> None:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument('--models', nargs='*', default=None)
   p.add_argument('--no-ptq', action='store_true')
+  p.add_argument('--no-lora', action='store_true')
+  p.add_argument(
+    '--lora-only', action='store_true', help='only the QLoRA table'
+  )
   p.add_argument(
     '--ptq-only', action='store_true', help='only the int4 PTQ table'
   )
   a = p.parse_args(argv)
+  if a.lora_only:
+    a.no_ptq, a.presets = True, False
+  else:
+    a.presets = not a.ptq_only
   models = [
     z
     for z in zoo.MODELS
@@ -175,19 +218,19 @@ def main(argv=None) -> None:
   flags = ' '.join(argv or sys.argv[1:])
   print(f'command: python benchmarks/real_models.py {flags}')
   print(f'CPU: {_cpu()}; date: {datetime.date.today()}; jax {jax.__version__}')
-  if not a.ptq_only:
+  if a.presets:
     print(
       '\n| model | preset | quantized ops | fwd dots | grad dots | err vs '
       'float | serve == train (jit) | serving bytes / float |'
     )
     print('|---|---|---|---|---|---|---|---|')
-  ptq_rows = []
+  ptq_rows, lora_rows = [], []
   with jax.numpy_rank_promotion('allow'):
     for z in models:
       t0 = time.time()
       mod, x = z.build(), z.sample()
       v = jax.jit(mod.init)(jax.random.key(0), x)
-      for name, rules in () if a.ptq_only else PRESETS.items():
+      for name, rules in PRESETS.items() if a.presets else ():
         try:
           print(_row(z, mod, v, x, name, rules), flush=True)
         except Exception as e:  # noqa: BLE001 - the table reports it
@@ -203,6 +246,13 @@ def main(argv=None) -> None:
           ptq_rows.append(
             f'| {z.name} | CRASH: {str(e).splitlines()[0][:120]} |'
           )
+      if not (a.no_lora or a.ptq_only):
+        try:
+          lora_rows.append(_lora_row(z, mod, v, x))
+        except Exception as e:  # noqa: BLE001
+          lora_rows.append(
+            f'| {z.name} | CRASH: {str(e).splitlines()[0][:120]} | |'
+          )
       print(f'<!-- {z.name}: {time.time() - t0:.0f} s -->', flush=True)
   if ptq_rows:
     print(
@@ -211,6 +261,13 @@ def main(argv=None) -> None:
     )
     print('| model | RTN | GPTQ | AWQ |\n|---|---|---|---|')
     print('\n'.join(ptq_rows))
+  if lora_rows:
+    print(
+      '\nQLoRA (nf4 base, rank 4) on the blocks: loss over 5 Adam steps, '
+      'and the merged model (nf4) vs the unmerged one (relative):\n'
+    )
+    print('| model | loss: step 1 -> 5 | merged vs unmerged |\n|---|---|---|')
+    print('\n'.join(lora_rows))
 
 
 if __name__ == '__main__':
