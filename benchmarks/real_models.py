@@ -39,7 +39,6 @@ sys.path.insert(0, os.path.join(HERE, '..', 'tests', 'models'))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-import optax  # noqa: E402
 import zoo  # noqa: E402
 
 import aqtr.flax as af  # noqa: E402
@@ -97,11 +96,7 @@ def _rel(a, b) -> float:
   return float(jnp.abs(a - b).max() / jnp.abs(b).max())
 
 
-def _loss(z, logits, x):
-  if z.image:
-    return jnp.mean(logits**2)
-  logp = jax.nn.log_softmax(logits[:, :-1])
-  return -jnp.take_along_axis(logp, x[:, 1:, None], -1).mean()
+_loss = zoo.loss
 
 
 def _ulp_text(message: str) -> str:
@@ -171,23 +166,7 @@ def _lora_row(z, mod, v, x) -> str:
     lm, lv = lora.attach(mod, {z.blocks or '.*': cfg}, x, variables=v)
   except ValueError as e:
     return f'| {z.name} | refused: {str(e).splitlines()[0][:80]} | | |'
-  ad, frozen = lora.partition(lv['params'])
-  tx = optax.adam(1e-2)
-
-  @jax.jit
-  def step(ad, opt):
-    def loss(ad):
-      return _loss(z, lm.apply({'params': lora.combine(ad, frozen)}, x), x)
-
-    value, g = jax.value_and_grad(loss)(ad)
-    upd, opt = tx.update(g, opt, ad)
-    return optax.apply_updates(ad, upd), opt, value
-
-  opt, values = tx.init(ad), []
-  for _ in range(5):
-    ad, opt, value = step(ad, opt)
-    values.append(float(value))
-  trained = {**lv, 'params': lora.combine(ad, frozen)}
+  trained, values = zoo.fit_adapters(z, lm, lv, x)
   sm, sv = lora.merge(lm, x, variables=trained)
   y = jax.jit(lm.apply)(trained, x)
   err = _rel(jax.jit(sm.apply)(sv, x), y)

@@ -24,7 +24,6 @@ import jax
 import jax.extend
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 import zoo
 
@@ -92,15 +91,7 @@ def _variables(name):
   return jax.jit(mod.init)(jax.random.key(0), x)
 
 
-def _loss(z, logits, x):
-  if z.image:
-    labels = jnp.arange(logits.shape[0]) % logits.shape[-1]
-    return optax.softmax_cross_entropy_with_integer_labels(
-      logits, labels
-    ).mean()
-  return optax.softmax_cross_entropy_with_integer_labels(
-    logits[:, :-1], x[:, 1:]
-  ).mean()
+_loss = zoo.loss
 
 
 def _count(jaxpr, found=None) -> collections.Counter:
@@ -463,24 +454,8 @@ def test_lora_and_qlora_train_and_merge(name, base):
   v = _variables(name)
   cfg = lora.LoraConfig(rank=4, base=None if base == 'float' else base)
   lm, lv = lora.attach(mod, {z.blocks: cfg}, x, variables=v)
-  ad, frozen = lora.partition(lv['params'])
-  tx = optax.adam(1e-2)
-
-  @jax.jit
-  def step(ad, opt):
-    def loss(ad):
-      return _loss(z, lm.apply({'params': lora.combine(ad, frozen)}, x), x)
-
-    value, g = jax.value_and_grad(loss)(ad)
-    upd, opt = tx.update(g, opt, ad)
-    return optax.apply_updates(ad, upd), opt, value
-
-  opt, values = tx.init(ad), []
-  for _ in range(5):
-    ad, opt, value = step(ad, opt)
-    values.append(float(value))
+  trained, values = zoo.fit_adapters(z, lm, lv, x)
   assert values[-1] < values[0]
-  trained = {**lv, 'params': lora.combine(ad, frozen)}
   sm, sv = lora.merge(lm, x, variables=trained)
   y = jax.jit(lm.apply)(trained, x)
   assert _rel(jax.jit(sm.apply)(sv, x), y) < ERROR['int4_weight_only']

@@ -19,6 +19,7 @@ from collections.abc import Callable
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import optax
 
 B, T, VOCAB, D, LAYERS, HEADS = 2, 16, 128, 64, 2, 4
 IMG = 16
@@ -61,6 +62,45 @@ class Zoo:
     if self.image:
       return jax.random.normal(key, (batch, IMG, IMG, 3))
     return jax.random.randint(key, (batch, T), 0, VOCAB)
+
+
+def loss(z: Zoo, logits: jax.Array, x: jax.Array) -> jax.Array:
+  """Next-token cross entropy (images: fixed labels per example)."""
+  if z.image:
+    labels = jnp.arange(logits.shape[0]) % logits.shape[-1]
+    return optax.softmax_cross_entropy_with_integer_labels(
+      logits, labels
+    ).mean()
+  return optax.softmax_cross_entropy_with_integer_labels(
+    logits[:, :-1], x[:, 1:]
+  ).mean()
+
+
+def fit_adapters(z: Zoo, lm, lv, x, steps: int = 5, lr: float = 1e-2):
+  """`steps` Adam steps on a LoRA linen model's adapters (`aqtr.lora`).
+
+  Returns:
+    (the trained variables, the loss before each step).
+  """
+  import aqtr.lora as lora  # noqa: PLC0415 (only for LoRA callers)
+
+  ad, frozen = lora.partition(lv['params'])
+  tx = optax.adam(lr)
+
+  @jax.jit
+  def step(ad, opt):
+    def fn(ad):
+      return loss(z, lm.apply({'params': lora.combine(ad, frozen)}, x), x)
+
+    value, g = jax.value_and_grad(fn)(ad)
+    upd, opt = tx.update(g, opt, ad)
+    return optax.apply_updates(ad, upd), opt, value
+
+  opt, values = tx.init(ad), []
+  for _ in range(steps):
+    ad, opt, value = step(ad, opt)
+    values.append(float(value))
+  return {**lv, 'params': lora.combine(ad, frozen)}, values
 
 
 class HfLm(nn.Module):
