@@ -44,7 +44,7 @@ class WeightSite:
   """One op reading a weight: the op, the parameter, the op's geometry.
 
   Hashable (a static argument of `jax.jit`); `op` takes no part in
-  equality or hashing.
+  equality or hashing; `config` and `op` stay out of its repr.
 
   Attributes:
     op_path: the op's path, by which features index it
@@ -53,7 +53,8 @@ class WeightSite:
       op: 'einsum').
     op_module: the path of the module running the op (where LoRA's
       adapters live; linen / nnx: the module holding the parameter).
-    module_path: the path of the module holding the parameter.
+    module_path: the path of the module holding the parameter (a weight
+      computed from several parameters: the first one's).
     param: the parameter's name ('' when unknown: an injected Pax op).
     side: which operand of the op is the weight ('lhs' / 'rhs').
     kind: the op kind ('dot_general', 'einsum', 'conv', 'ragged_dot').
@@ -85,7 +86,7 @@ class WeightSite:
   side: str = 'rhs'
   kind: str = ''
   dimension_numbers: Any = None
-  config: Any = None
+  config: Any = dataclasses.field(default=None, repr=False)
   weight: jax.ShapeDtypeStruct | None = None
   other: jax.ShapeDtypeStruct | None = None
   direct: bool = True
