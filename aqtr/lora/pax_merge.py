@@ -129,7 +129,7 @@ def float_merged(template, *args, variables, adapters=None, **kwargs):
         scale_shapes=node.scale_shapes,
       )
       w = dequantized(holder, s, base)
-      bases[s.op_path] = w
+      bases['/'.join(map(str, s.op_module))] = w
       tree_get(frozen, s.op_module[:-1]).pop(s.op_module[-1])
     else:
       w = nn.meta.unbox(tree_get(params, s.param_path))
