@@ -3,7 +3,7 @@
 `analyze(model, method, args, kwargs)` traces the call once with the
 model's parameters as explicit jaxpr inputs (`aqtr.flax.hosts`), every
 intercepted op's operands marked (`aqtr.flax.provenance.mark`), and
-returns {op path: `Weight`}: the weight side, the parameter it comes
+returns {op path: `WeightSite`}: the weight side, the parameter it comes
 from, whether it is that parameter itself, whether it runs in a loop body
 and whether the parameter is also read outside weight operands. Results
 are cached per call signature (the model's structure, the shapes and
@@ -37,7 +37,8 @@ from __future__ import annotations
 import collections
 
 from aqtr.flax import hosts, intercept, provenance
-from aqtr.flax.session import Session, Weight
+from aqtr.flax.session import Session
+from aqtr.flax.sites import WeightSite
 
 __all__ = ['analyze']
 
@@ -78,8 +79,8 @@ def _call_with(op: intercept.OpCall, lhs, rhs):
   return op.original(*args, **kwargs)
 
 
-def analyze(model, method, args, kwargs) -> dict[str, Weight]:
-  """{op path: Weight} of the weight ops of `method(model, *args, **kw)`.
+def analyze(model, method, args, kwargs) -> dict[str, WeightSite]:
+  """{op path: WeightSite} of the weight ops of `method(model, *args, **kw)`.
 
   Args:
     model: the quantized model (linen bound to its variables, or nnx).
@@ -109,12 +110,15 @@ def analyze(model, method, args, kwargs) -> dict[str, Weight]:
       side, state = 'lhs', lhs
     else:
       continue
-    out[where] = Weight(
-      side,
-      prefix + paths[min(state.leaves)],
-      state.direct,
-      state.in_loop,
-      bool(state.leaves & found.elsewhere),
+    path = prefix + paths[min(state.leaves)]
+    out[where] = WeightSite(
+      op_path=where,
+      module_path=path[:-1],
+      param=path[-1],
+      side=side,
+      direct=state.direct,
+      in_loop=state.in_loop,
+      elsewhere=bool(state.leaves & found.elsewhere),
     )
   if key is not None:
     _CACHE[key] = out

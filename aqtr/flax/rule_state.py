@@ -392,7 +392,7 @@ def read(model, variables, at: tuple, what: str) -> dict:
   Args:
     model: the quantized model (nnx: it holds the state).
     variables: linen: the model's variables (nnx: unused).
-    at: (module path, op id) (`WeightUse.state_at`).
+    at: (module path, op id) (`WeightSite.state_at`).
     what: the op's path, for the message.
 
   Returns:
@@ -445,13 +445,13 @@ def kept(model, variables, use) -> dict:
   each None when the op's config has no use for it."""
   if key_need(use.config, Mode.CONVERT) == 'required':
     raise ValueError(
-      f'{use.where}: the config rounds the forward pass stochastically, '
+      f'{use.op_path}: the config rounds the forward pass stochastically, '
       'which no frozen weight can reproduce: serve with a round-to-nearest '
       'forward config (stochastic rounding on the gradients only).'
     )
   state = stats = None
   if needs_state(use.config):
-    state = read(model, variables, use.state_at, use.where)
+    state = read(model, variables, use.state_at, use.op_path)
   if collects(use.config):
-    stats = read_stats(model, variables, use.state_at, use.where)
+    stats = read_stats(model, variables, use.state_at, use.op_path)
   return {'state': state, 'stats': stats}

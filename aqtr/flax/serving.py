@@ -36,11 +36,11 @@ from aqtr.flax.frozen import store_key
 from aqtr.flax.quantized import set_mode, spec_of
 from aqtr.flax.session import (
   Session,
-  WeightUse,
   engine_run,
   frozen_entry,
   swapped,
 )
+from aqtr.flax.sites import WeightSite
 from aqtr.freezers import Mode, lifecycle
 from aqtr.rules import OpEntry, Report
 
@@ -109,11 +109,11 @@ def merge_report(spec, sessions, strict) -> Report:
   return rep
 
 
-def _freeze_fn(use: WeightUse):
+def _freeze_fn(use: WeightSite):
   """w (one op's weight) -> the holder entry of `use`'s op."""
 
   def freeze(w, kept=None):
-    ragged = use.call.kind == 'ragged_dot'
+    ragged = use.kind == 'ragged_dot'
     if ragged and not rule_state.keeps(use.config):
       parts = freeze_ragged(w, use.config, use.other.shape[-1])
       return frozen_entry(use.config, {'ragged': parts})
@@ -130,8 +130,8 @@ def _freeze_fn(use: WeightUse):
         RAGGED,
         use.config,
         key,
-        use.call.extra['precision'],
-        use.call.extra['preferred_element_type'],
+        use.op.extra['precision'],
+        use.op.extra['preferred_element_type'],
         kept.get('state'),
         groups,
       )
@@ -148,9 +148,9 @@ def _freeze_fn(use: WeightUse):
 
     other = jnp.zeros(use.other.shape, use.other.dtype)
     if use.side == 'lhs':
-      use.call.run(swapped(dot), w, other)
+      use.op.run(swapped(dot), w, other)
     else:
-      use.call.run(dot, other, w)
+      use.op.run(dot, other, w)
     return frozen_entry(use.config, store[0])
 
   return freeze
@@ -177,7 +177,7 @@ def _freeze_all(todo: dict, states: dict) -> dict:
   return jax.jit(run)(weights, states)
 
 
-def _freeze(use: WeightUse, w: jax.Array, where: str):
+def _freeze(use: WeightSite, w: jax.Array, where: str):
   """The function freezing `w` for `use` (vmapped over stacked axes)."""
   lead = jnp.ndim(w) - len(use.weight.shape)
   if lead < 0 or tuple(jnp.shape(w)[lead:]) != tuple(use.weight.shape):
@@ -255,15 +255,15 @@ def convert(
   rx = _keep_regex(keep)
   sessions = trace(model, abstract_call(model, variables, args, kwargs))
   merge_report(spec, sessions, strict=False)
-  groups: dict[tuple, list[WeightUse]] = {}
+  groups: dict[tuple, list[WeightSite]] = {}
   float_read: set[tuple] = set()  # read by an op that stays float
   for s in sessions:
     for u in s.uses:
-      groups.setdefault((*u.module_path, u.param), []).append(u)
+      groups.setdefault(u.param_path, []).append(u)
     for e in s.entries:
       w = s.weights.get(e.path)
       if w is not None and e.config is None:
-        float_read.add(w.path)
+        float_read.add(w.param_path)
   todo, derived, empty = {}, set(), {}
   for path, uses in groups.items():
     where = '/'.join(map(str, path))
@@ -273,15 +273,15 @@ def convert(
       continue
     whole = (
       path not in float_read
-      and all(u.info.direct and not u.info.elsewhere for u in uses)
+      and all(u.direct and not u.elsewhere for u in uses)
       and len({u.weight.shape for u in uses}) == 1
     )
     if whole:
       todo[where] = (uses, host.read_param(path), path)
       continue
-    derived |= {u.where for u in uses if not u.info.in_loop}
+    derived |= {u.op_path for u in uses if not u.in_loop}
     if path not in float_read and not any(
-      u.info.elsewhere or u.info.in_loop for u in uses
+      u.elsewhere or u.in_loop for u in uses
     ):
       # Read only through derived weights of quantized ops (GPT-2's
       # `kernel.transpose()`): their frozen values are in the op store, so
@@ -429,7 +429,7 @@ def _ulps(a, b) -> int:
   )
 
 
-def _entry_shapes(use: WeightUse, state=None, ndim=None):
+def _entry_shapes(use: WeightSite, state=None, ndim=None):
   """The shapes of one layer's entry (`state`: maybe stacked, `ndim`:
   the stacked weight's rank)."""
   lead = 0 if ndim is None else ndim - len(use.weight.shape)

@@ -3,10 +3,11 @@
 A `Session` is the interception handler (`aqtr.flax.intercept`) of one
 call of a model made by `aqtr.flax.quantize`. For each op it finds the
 running module and the op's path (`'<module path>/<kind><n>'`), which
-rule matches, which operand is the weight (`Weight`, decided on the jaxpr
-by `aqtr.flax.analysis`, never from tracers), and runs it through the
-engine in the model's mode (`engine_dot`). `WeightUse`s record what
-`convert` and the PTQ calibration pass need.
+rule matches, which operand is the weight (a `WeightSite`, decided on
+the jaxpr by `aqtr.flax.analysis`, never from tracers), and runs it
+through the engine in the model's mode (`engine_dot`). Its weight sites
+(`aqtr.flax.sites`) record what `convert` and the PTQ calibration pass
+need.
 
 Example:
   >>> swapped(lambda l, r, dn, p, e: l)  # doctest: +ELLIPSIS
@@ -30,6 +31,7 @@ from aqtr.core.ragged_dot import (
 )
 from aqtr.flax import common, hosts, intercept, rule_state
 from aqtr.flax.frozen import holder_entries, store_key
+from aqtr.flax.sites import WeightSite
 from aqtr.freezers import Mode, configure, lifecycle
 from aqtr.rules import OpEntry, Rule
 
@@ -80,7 +82,13 @@ def frozen_entry(config, frozen) -> dict:
 
 @dataclasses.dataclass
 class OpSite:
-  """What a rule sees of one intercepted op (`aqtr.rules.Rule.matches`)."""
+  """What a rule sees of one intercepted op (`aqtr.rules.Rule.matches`).
+
+  Not a weight site (`aqtr.flax.sites.WeightSite`): a rule matches every
+  op, with or without a weight, by where it runs (module path, layer
+  classes, op kind, whether it has a weight), before any parameter is
+  looked up; it holds no parameter path.
+  """
 
   path: str
   prefixes: tuple[str, ...]
@@ -89,25 +97,6 @@ class OpSite:
   kind: str
   weight: bool | None
   tags: frozenset = frozenset()
-
-
-@dataclasses.dataclass
-class WeightUse:
-  """A weight operand met while recording: what convert must freeze."""
-
-  module_path: tuple
-  param: str
-  key: str
-  call: intercept.OpCall
-  side: str
-  config: DotGeneralConfig
-  weight: jax.ShapeDtypeStruct
-  other: jax.ShapeDtypeStruct
-  where: str = ''
-  info: Any = None
-  # Stateful configs: (module path, op id) of the op's state
-  # (`aqtr.flax.rule_state.read`); None when the config keeps none.
-  state_at: tuple | None = None
 
 
 def swapped(dot):
@@ -128,34 +117,13 @@ def swapped(dot):
   return run
 
 
-@dataclasses.dataclass(frozen=True)
-class Weight:
-  """Which operand of an op is a weight, and from which parameter.
-
-  Attributes:
-    side: 'lhs' or 'rhs'.
-    path: the parameter's path (module path, then its name); for a weight
-      computed from several parameters, the first.
-    direct: the operand is the parameter itself (one layer's slice of it
-      in a scan over layers), not derived from it (a transpose, ...).
-    in_loop: the op runs inside a loop body (scan / while / cond).
-    elsewhere: the parameter is also read outside weight operands.
-  """
-
-  side: str
-  path: tuple
-  direct: bool
-  in_loop: bool
-  elsewhere: bool
-
-
 class Session:
   """One call of a quantized model: decides and runs each intercepted op.
 
   Args:
     spec: the model's rules, configs and mode.
-    weights: op path -> its `Weight` (from `analyze`); ops absent have no
-      weight operand.
+    weights: op path -> its `WeightSite` (from `analyze`: side, parameter,
+      provenance); ops absent have no weight operand.
     prefix: the path of the model called, put before the paths of its
       ops (the analysis trace runs an unbound copy of a linen module).
     observed: offered to the observers (`aqtr.ptq`'s calibration pass).
@@ -179,12 +147,12 @@ class Session:
     self.freeze: set | None = None
     self.collected: dict = {}
     self.entries: list[OpEntry] = []
-    self.uses: list[WeightUse] = []
+    self.uses: list[WeightSite] = []
     self.matched: list[tuple[int, ...]] = []
     self.count: dict[Any, collections.Counter] = {}
     self.alive: list[Any] = []  # keeps the ids in `count` unique
     # Set by an observer (`aqtr.ptq`'s calibration pass): called with each
-    # WeightUse in TRAIN instead of the quantized dot; returns its output.
+    # WeightSite in TRAIN instead of the quantized dot; returns its output.
     self.tap = None
     # Set by `quantize`'s call wrapper: the model called and the call's
     # base PRNG key (`aqtr.flax.rule_state.base_key`).
@@ -265,7 +233,7 @@ class Session:
       raise type(e)(f'{label}: {e}') from e
 
   def _weight(self, op, op_id, where, params):
-    """(weight side, its `Weight` or None, frozen entries) of the op."""
+    """(weight side, its `WeightSite` or None, frozen entries) of the op."""
     for value in params.values():
       entries = holder_entries(value) or {}
       for side in ('lhs', 'rhs'):
@@ -296,9 +264,10 @@ class Session:
     )
 
   def _run(self, op, config, side, frozen, origin, label, host):
-    """The op in the session's mode; `origin`: (op id, op path, Weight)."""
+    """The op in the session's mode; `origin`: (op id, op path, the
+    analysis's WeightSite or None)."""
     op_id, where, weight = origin
-    param = None if weight is None else '/'.join(map(str, weight.path))
+    param = None if weight is None else '/'.join(map(str, weight.param_path))
     mode = self.spec.mode
     ragged = op.kind == 'ragged_dot'
     # A ragged_dot with state or static ranges runs the freezers' life
@@ -385,18 +354,17 @@ class Session:
     if weight is not None and mode is Mode.TRAIN and config.fwd.rhs.quantized:
       w = getattr(op, side)
       other = op.rhs if side == 'lhs' else op.lhs
-      use = WeightUse(
-        weight.path[:-1],
-        weight.path[-1],
-        f'{op_id}_{side}',
-        op,
-        side,
-        config,
-        jax.ShapeDtypeStruct(jnp.shape(w), jnp.result_type(w)),
-        jax.ShapeDtypeStruct(jnp.shape(other), jnp.result_type(other)),
-        where,
+      use = dataclasses.replace(
         weight,
-        (host.mpath, op_id) if rule_state.keeps(config) else None,
+        op_path=where,
+        op_id=op_id,
+        op_module=host.mpath,
+        kind=op.kind,
+        config=config,
+        weight=jax.ShapeDtypeStruct(jnp.shape(w), jnp.result_type(w)),
+        other=jax.ShapeDtypeStruct(jnp.shape(other), jnp.result_type(other)),
+        state_at=(host.mpath, op_id) if rule_state.keeps(config) else None,
+        op=op,
       )
       self.uses.append(use)
       if self.tap is not None and not ragged:
@@ -451,8 +419,6 @@ __all__ = [
   'OpSite',
   'Session',
   'Spec',
-  'Weight',
-  'WeightUse',
   'engine_dot',
   'engine_run',
   'frozen_entry',

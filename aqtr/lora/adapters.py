@@ -58,6 +58,8 @@ from aqtr.lora.session import (
   LoraSession,
   LoraSpec,
   Site,
+  adapter_names,
+  adapter_shapes,
   dropout,
   raw_entries,
 )
@@ -200,7 +202,7 @@ def sites(
     hits |= s.activation_hits
     convs |= s.conv_hits
     for site in s.sites:
-      found.setdefault(site.where, site)
+      found.setdefault(site.op_path, site)
   out = list(found.values())
   check_used(lspec.selectors, {s.rule for s in out}, hits, convs)
   return out
@@ -254,14 +256,13 @@ def _compact(holder, cfg: LoraConfig, ref_ndim: int):
   return compact(holder, stored, tuple(sorted(shapes.items())))
 
 
-def initial(key, site: Site, lead: tuple[int, ...] = ()):
+def initial(key, site: Site, rank: int, lead: tuple[int, ...] = ()):
   """A: Kaiming-uniform (bound 1/sqrt(d_in)); B: zeros."""
-  d_in = math.prod(site.a_shape[:-1])
+  a_shape, b_shape = adapter_shapes(site, rank)
+  d_in = math.prod(a_shape[:-1])
   bound = 1.0 / math.sqrt(d_in)
-  a = jax.random.uniform(
-    key, (*lead, *site.a_shape), jnp.float32, -bound, bound
-  )
-  return a, jnp.zeros((*lead, *site.b_shape), jnp.float32)
+  a = jax.random.uniform(key, (*lead, *a_shape), jnp.float32, -bound, bound)
+  return a, jnp.zeros((*lead, *b_shape), jnp.float32)
 
 
 def attach(model, rules, *args, variables=None, seed: int = 0, **kwargs):
@@ -325,7 +326,7 @@ def attach(model, rules, *args, variables=None, seed: int = 0, **kwargs):
   done = set()
   for i, site in enumerate(found):
     cfg = lspec.configs[site.rule]
-    path = (*site.module_path, site.param)
+    path = site.param_path
     value = lora.leaf(path)
     if holder_entries(value) is not None:  # a frozen base
       ref_ndim, full = holder_ref_ndim(value), holder_full_shape(value)
@@ -335,8 +336,8 @@ def attach(model, rules, *args, variables=None, seed: int = 0, **kwargs):
     else:
       full = jnp.shape(value)
     lead = tuple(full[: len(full) - len(site.weight.shape)])
-    a, b = initial(jax.random.fold_in(key, i), site, lead)
-    an, bn = site.names
-    lora.add_param((*site.module_path, an), a, Adapter)
-    lora.add_param((*site.module_path, bn), b, Adapter)
+    a, b = initial(jax.random.fold_in(key, i), site, cfg.rank, lead)
+    an, bn = adapter_names(site)
+    lora.add_param((*site.op_module, an), a, Adapter)
+    lora.add_param((*site.op_module, bn), b, Adapter)
   return lora.result()

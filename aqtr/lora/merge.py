@@ -45,10 +45,12 @@ from aqtr.flax.frozen import (
   holder_ref_ndim,
   kernel_bytes,
 )
+from aqtr.flax.sites import WeightSite
 from aqtr.freezers import configure, lifecycle
 from aqtr.lora import adapters as adapters_lib
 from aqtr.lora.config import base_config
 from aqtr.lora.requant import check_solver, requantized
+from aqtr.lora.session import adapter_names, adapter_shapes
 
 __all__ = [
   'Bytes',
@@ -59,9 +61,9 @@ __all__ = [
 ]
 
 
-def dequantized(holder, site: adapters_lib.Site, cfg) -> jax.Array:
+def dequantized(holder, site: WeightSite, cfg) -> jax.Array:
   """The frozen base of `site` in float, shaped like its kernel."""
-  entries = holder.entries()[f'{site.op_id}_{site.side}']
+  entries = holder.entries()[site.key]
   (entry,) = entries.values()
   wcfg = configure(cfg, rhs='weights')
   parts = codecs.decode_parts(entry['rhs'], wcfg.fwd.rhs.numerics)
@@ -72,7 +74,7 @@ def dequantized(holder, site: adapters_lib.Site, cfg) -> jax.Array:
     call = lifecycle.DotCall(
       jnp.zeros(site.other.shape, site.other.dtype),
       jnp.zeros(site.weight.shape, site.weight.dtype),
-      site.dn,
+      site.dimension_numbers,
       wcfg,
     )
     qt = call.operand('rhs').qtensor(
@@ -92,15 +94,16 @@ def dequantized(holder, site: adapters_lib.Site, cfg) -> jax.Array:
   return fn(parts)
 
 
-def delta(site: adapters_lib.Site, a, b, scale: float) -> jax.Array:
+def delta(site: WeightSite, a, b, scale: float) -> jax.Array:
   """A B * scale in the layout of the op's weight operand (lead kept)."""
-  lead = a.shape[: a.ndim - len(site.a_shape)]
-  cin, cout = site.a_shape[:-1], site.b_shape[1:]
-  a2 = a.reshape(*lead, math.prod(cin), site.a_shape[-1])
-  b2 = b.reshape(*lead, site.b_shape[0], math.prod(cout))
+  a_shape, b_shape = adapter_shapes(site, a.shape[-1])
+  lead = a.shape[: a.ndim - len(a_shape)]
+  cin, cout = a_shape[:-1], b_shape[1:]
+  a2 = a.reshape(*lead, math.prod(cin), a_shape[-1])
+  b2 = b.reshape(*lead, b_shape[0], math.prod(cout))
   d = jnp.einsum('...ir,...rj->...ij', a2, b2) * scale
   d = d.reshape(*lead, *cin, *cout)
-  (_, rc), _ = site.dn
+  (_, rc), _ = site.dimension_numbers
   free = [i for i in range(len(site.weight.shape)) if i not in rc]
   perm = np.argsort([*rc, *free])
   n = len(lead)
@@ -111,15 +114,16 @@ def _weight(value):
   return value.unbox() if isinstance(value, FrozenBox) else value
 
 
-def _given(adapters, site: adapters_lib.Site, names):
+def _given(adapters, site: WeightSite, rank: int):
   """The (A, B) `adapters` holds for `site`, checked against it."""
   flat = {
     tuple(map(str, k)): v
     for k, v in traverse_util.flatten_dict(adapters).items()
   }
   got = []
-  for name, shape in zip(names, (site.a_shape, site.b_shape), strict=True):
-    key = tuple(map(str, (*site.module_path, name)))
+  names, shapes = adapter_names(site), adapter_shapes(site, rank)
+  for name, shape in zip(names, shapes, strict=True):
+    key = tuple(map(str, (*site.op_module, name)))
     if key not in flat:
       raise ValueError(
         f'aqtr.lora.merge: the adapters have no {"/".join(key)!r}; merge '
@@ -129,7 +133,7 @@ def _given(adapters, site: adapters_lib.Site, names):
     if tuple(v.shape[v.ndim - len(shape) :]) != tuple(shape):
       raise ValueError(
         f'aqtr.lora.merge: adapter {"/".join(key)!r} has shape {v.shape} '
-        f'but the model needs {shape} (rank {site.a_shape[-1]}); merge '
+        f'but the model needs {shape} (rank {rank}); merge '
         'adapters of the same rank and shapes.'
       )
     got.append(v)
@@ -211,22 +215,22 @@ def merge(
   bases = {}
   for site in found:
     cfg = lspec.configs[site.rule]
-    mpath, names = tuple(site.module_path), site.names
+    mpath, names = site.op_module, adapter_names(site)
     a, b = (
       (out.leaf((*mpath, names[0])), out.leaf((*mpath, names[1])))
       if adapters is None
-      else _given(adapters, site, names)
+      else _given(adapters, site, cfg.rank)
     )
-    holder = out.leaf((*mpath, site.param))
+    holder = out.leaf(site.param_path)
     if holder_entries(holder) is not None:
       w = dequantized(holder, site, base_config(cfg.base))
-      bases['/'.join(map(str, (*mpath, site.op_id)))] = w
+      bases[site.op_path] = w
     else:
       w = _weight(holder)
     w = (w + delta(site, a, b, cfg.scale)).astype(site.weight.dtype)
     for name in names:
       out.remove_param((*mpath, name))
-    out.set_leaf((*mpath, site.param), w)
+    out.set_leaf(site.param_path, w)
   rules = _formats(adapters_lib.base_rules_of(lspec), requantize)
   out.model.__class__ = type(model).aqtr_base
   served = out.result()
@@ -305,7 +309,7 @@ def sizes(model, *args, variables=None, **kwargs) -> Bytes:
   found = adapters_lib.sites(
     model, *args, variables=variables, caller='aqtr.lora.sizes', **kwargs
   )
-  bases = {(*s.module_path, s.param) for s in found}
+  bases = {s.param_path for s in found}
   ad = base = base_float = other = 0
   for path, v in host.leaves():
     if str(path[-1]).startswith((adapters_lib.A_PREFIX, adapters_lib.B_PREFIX)):

@@ -50,6 +50,7 @@ from aqtr.lora import adapters as adapters_lib
 from aqtr.lora import storage
 from aqtr.lora.config import base_config
 from aqtr.lora.pax_op import KEY, LoraEinsum, nodes, sites
+from aqtr.lora.session import adapter_names
 from aqtr.pax import ops, paths
 
 __all__ = ['attach', 'qvalue_ndim', 'tree_get', 'tree_put']
@@ -178,14 +179,15 @@ def attach(template, rules, *args, variables=None, seed: int = 0, **kwargs):
     node, cfg = found_nodes[ps.index], ps.lora
     table = adapters_lib.codebook_table(cfg)
     if node.config is not None and (table is not None or cfg.double_quant):
-      raw = tree_get(out[aqtr_linen.FROZEN], ps.site.module_path)
+      raw = tree_get(out[aqtr_linen.FROZEN], ps.op_module)
       stored, shapes = storage.encode(
         {KEY: raw}, table, cfg.double_quant, qvalue_ndim(raw)
       )
-      tree_put(out[aqtr_linen.FROZEN], ps.site.module_path, stored[KEY])
+      tree_put(out[aqtr_linen.FROZEN], ps.op_module, stored[KEY])
       node.table, node.scale_shapes = table, tuple(sorted(shapes.items()))
-    a, b = adapters_lib.initial(jax.random.fold_in(key, ps.index), ps.site)
-    names = ps.site.names
-    tree_put(out['params'], (*ps.site.module_path, names[0]), a)
-    tree_put(out['params'], (*ps.site.module_path, names[1]), b)
+    k = jax.random.fold_in(key, ps.index)
+    a, b = adapters_lib.initial(k, ps, cfg.rank)
+    names = adapter_names(ps)
+    tree_put(out['params'], (*ps.op_module, names[0]), a)
+    tree_put(out['params'], (*ps.op_module, names[1]), b)
   return t, out

@@ -35,12 +35,18 @@ from flax import traverse_util
 
 import aqtr.flax.linen as aqtr_linen
 from aqtr.flax.frozen import FrozenBox, is_removed
+from aqtr.flax.sites import WeightSite
 from aqtr.freezers import Mode, lifecycle
 from aqtr.lora.config import base_config
 from aqtr.lora.merge import Bytes, delta, dequantized
 from aqtr.lora.pax import qvalue_ndim, tree_get, tree_put
-from aqtr.lora.pax_op import KEY, LoraEinsum, PaxSite, nodes, sites
-from aqtr.lora.session import A_PREFIX, B_PREFIX
+from aqtr.lora.pax_op import KEY, LoraEinsum, nodes, sites
+from aqtr.lora.session import (
+  A_PREFIX,
+  B_PREFIX,
+  adapter_names,
+  adapter_shapes,
+)
 from aqtr.pax import ops, paths
 from aqtr.rules import Rule
 
@@ -56,13 +62,14 @@ def _dotted(template) -> dict[int, str]:
   }
 
 
-def _pair(tree, ps: PaxSite, given: bool):
-  """(A, B) of `ps` in `tree` (params or given adapters), shape-checked."""
-  s, got = ps.site, []
-  for name, shape in zip(s.names, (s.a_shape, s.b_shape), strict=True):
-    where = '/'.join(map(str, (*s.module_path, name)))
+def _pair(tree, s: WeightSite, given: bool):
+  """(A, B) of `s` in `tree` (params or given adapters), shape-checked."""
+  got, rank = [], s.lora.rank
+  shapes = adapter_shapes(s, rank)
+  for name, shape in zip(adapter_names(s), shapes, strict=True):
+    where = '/'.join(map(str, (*s.op_module, name)))
     try:
-      v = jnp.asarray(nn.meta.unbox(tree_get(tree, (*s.module_path, name))))
+      v = jnp.asarray(nn.meta.unbox(tree_get(tree, (*s.op_module, name))))
     except (KeyError, TypeError):
       raise ValueError(
         f'aqtr.lora.merge: the adapters have no {where!r}; merge adapters '
@@ -71,7 +78,7 @@ def _pair(tree, ps: PaxSite, given: bool):
     if given and tuple(v.shape) != tuple(shape):
       raise ValueError(
         f'aqtr.lora.merge: adapter {where!r} has shape {v.shape} but the '
-        f'model needs {shape} (rank {s.a_shape[-1]}); merge adapters of '
+        f'model needs {shape} (rank {rank}); merge adapters of '
         'the same rank and shapes.'
       )
     got.append(v)
@@ -107,32 +114,32 @@ def float_merged(template, *args, variables, adapters=None, **kwargs):
   params = flax.core.unfreeze(variables['params'])
   frozen = flax.core.unfreeze(variables.get(aqtr_linen.FROZEN, {}))
   rules, bases = [], {}
-  for ps in found:
-    s, node = ps.site, found_nodes[ps.index]
+  for s in found:
+    node = found_nodes[s.index]
     src = params if adapters is None else flax.core.unfreeze(adapters)
-    a, b = _pair(src, ps, adapters is not None)
-    base = base_config(ps.lora.base)
+    a, b = _pair(src, s, adapters is not None)
+    base = base_config(s.lora.base)
     if node.config is not None:
       holder = FrozenBox(
-        {KEY: tree_get(frozen, s.module_path)},
+        {KEY: tree_get(frozen, s.op_module)},
         shape=s.weight.shape,
         dtype=s.weight.dtype,
-        ref_ndim=qvalue_ndim(tree_get(frozen, s.module_path)),
+        ref_ndim=qvalue_ndim(tree_get(frozen, s.op_module)),
         scale_shapes=node.scale_shapes,
       )
       w = dequantized(holder, s, base)
-      bases['/'.join(map(str, s.module_path))] = w
-      tree_get(frozen, s.module_path[:-1]).pop(s.module_path[-1])
+      bases['/'.join(map(str, s.op_module))] = w
+      tree_get(frozen, s.op_module[:-1]).pop(s.op_module[-1])
     else:
-      w = nn.meta.unbox(tree_get(params, (*ps.layer, s.param)))
-    w = (w + delta(s, a, b, ps.lora.scale)).astype(s.weight.dtype)
-    tree_put(params, (*ps.layer, s.param), w)
-    op_params = tree_get(params, s.module_path)
-    for name in s.names:
+      w = nn.meta.unbox(tree_get(params, s.param_path))
+    w = (w + delta(s, a, b, s.lora.scale)).astype(s.weight.dtype)
+    tree_put(params, s.param_path, w)
+    op_params = tree_get(params, s.op_module)
+    for name in adapter_names(s):
       op_params.pop(name, None)
     if not op_params:
-      tree_get(params, ps.layer).pop(s.module_path[-1])
-    rules.append(Rule(base, path=re.escape(dotted[ps.index]), weight=True))
+      tree_get(params, s.module_path).pop(s.op_module[-1])
+    rules.append(Rule(base, path=re.escape(dotted[s.index]), weight=True))
   out = copy.deepcopy(template)
   for node in selectors.select(out, LoraEinsum):
     fdl.update_callable(node, ops.EinsumOp, drop_invalid_args=True)
@@ -153,13 +160,13 @@ def sizes(template, *args, variables=None, **kwargs) -> Bytes:
   params = flax.core.unfreeze(variables['params'])
   frozen = variables.get(aqtr_linen.FROZEN, {})
   floats, base, base_float = set(), 0, 0
-  for ps in sites(template, *args, **kwargs):
-    key = (*ps.layer, ps.site.param)
+  for s in sites(template, *args, **kwargs):
+    key = s.param_path
     if not is_removed(tree_get(params, key)):
       floats.add(key)
       continue
-    w = ps.site.weight
-    base += lifecycle.nbytes(tree_get(frozen, ps.site.module_path))
+    w = s.weight
+    base += lifecycle.nbytes(tree_get(frozen, s.op_module))
     base_float += math.prod(w.shape) * jnp.dtype(w.dtype).itemsize
   ad = other = 0
   for path, v in traverse_util.flatten_dict(params).items():

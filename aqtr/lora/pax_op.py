@@ -12,7 +12,8 @@ the frozen base from the collection 'aqtr', decoded from
 and `B` [r, output axes...] params of the op (`lora_a_einsum`,
 `lora_b_einsum`). `aqtr.lora.pax.attach` puts it in a template's slots;
 `sites` records, by tracing a LoRA template abstractly, where each adapter
-sits (`PaxSite`).
+sits (an `aqtr.flax.sites.WeightSite`: `op_module` the op's path, where A
+and B live; `module_path` the layer holding the weight; `index`, `lora`).
 
 Example:
   >>> import jax.numpy as jnp
@@ -25,7 +26,6 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Any, NamedTuple
 
@@ -38,12 +38,13 @@ from fiddle import selectors
 import aqtr.flax.linen as aqtr_linen
 from aqtr.core import einsum as einsum_lib
 from aqtr.flax import intercept
+from aqtr.flax.sites import WeightSite
 from aqtr.lora import storage
 from aqtr.lora.config import LoraConfig
-from aqtr.lora.session import A_PREFIX, B_PREFIX, Site, low_rank
+from aqtr.lora.session import A_PREFIX, B_PREFIX, low_rank
 from aqtr.pax import ops
 
-__all__ = ['KEY', 'LoraEinsum', 'PaxSite', 'nodes', 'sites']
+__all__ = ['KEY', 'LoraEinsum', 'nodes', 'sites']
 
 _OP = 'einsum'  # The adapters' op id: params lora_a_einsum, lora_b_einsum.
 KEY = f'{_OP}_rhs'  # The stored entries' op key (`aqtr.lora.storage`).
@@ -163,7 +164,7 @@ class LoraEinsum(ops.EinsumOp):
       return self.param(name, init, shape)
     return self.param(name, nn.initializers.zeros_init(), shape)
 
-  def _site(self, plan: _Plan, lhs, rhs, where: str) -> PaxSite:
+  def _site(self, plan: _Plan, lhs, rhs, where: str) -> WeightSite:
     """This call's site (recording): the weight's name in the layer."""
     own = self.parent.variables.get('params', {}) if self.parent else {}
     leaves = {k: v for k, v in own.items() if not isinstance(v, dict)}
@@ -181,40 +182,19 @@ class LoraEinsum(ops.EinsumOp):
         'layer that calls it; adapters need a parameter: exclude this op '
         'from the LoRA rules.'
       )
-    site = Site(
-      tuple(self.path),
-      _OP,
-      'rhs',
-      name,
-      -1,  # Pax sites carry their LoraConfig itself (PaxSite.lora).
-      plan.a_shape,
-      plan.b_shape,
-      plan.dn,
-      jax.ShapeDtypeStruct(jnp.shape(rhs), jnp.result_type(rhs)),
-      jax.ShapeDtypeStruct(jnp.shape(lhs), jnp.result_type(lhs)),
+    return WeightSite(
+      op_path=where,
+      op_id=_OP,
+      op_module=tuple(self.path),
+      module_path=tuple(self.path)[:-1],
+      param=name,
+      kind='einsum',
+      dimension_numbers=plan.dn,
+      weight=jax.ShapeDtypeStruct(jnp.shape(rhs), jnp.result_type(rhs)),
+      other=jax.ShapeDtypeStruct(jnp.shape(lhs), jnp.result_type(lhs)),
+      index=self.index,
+      lora=self.lora,
     )
-    return PaxSite(site, self.index, self.lora)
-
-
-@dataclasses.dataclass(frozen=True)
-class PaxSite:
-  """One adapter of a Pax model.
-
-  Attributes:
-    site: its `Site` (`module_path`: the op's path, where A and B live;
-      `param`: the weight's name in the op's parent layer).
-    index: the op's `LoraEinsum.index`.
-    lora: its LoraConfig.
-  """
-
-  site: Site
-  index: int
-  lora: LoraConfig
-
-  @property
-  def layer(self) -> tuple:
-    """The path of the layer holding the weight."""
-    return self.site.module_path[:-1]
 
 
 def nodes(template) -> list:
@@ -223,7 +203,7 @@ def nodes(template) -> list:
   return list(got)
 
 
-def sites(template, *args, **kwargs) -> list[PaxSite]:
+def sites(template, *args, **kwargs) -> list[WeightSite]:
   """The adapters of one call of a LoRA template (traced abstractly)."""
   model = fdl.build(template)
   intercept.context().lora_sites = []
@@ -232,7 +212,7 @@ def sites(template, *args, **kwargs) -> list[PaxSite]:
     found = intercept.context().lora_sites
   finally:
     intercept.context().lora_sites = None
-  out: dict[int, PaxSite] = {}
+  out: dict[int, WeightSite] = {}
   for s in found:
     out.setdefault(s.index, s)
   return [out[i] for i in sorted(out)]

@@ -141,7 +141,7 @@ class BaseGrid(methods.Method):
     self.then.check(site)
 
   def solve(self, site, grid: Grid, stats) -> gptq.Solution:
-    w = self.weights.get(site.path)
+    w = self.weights.get(site.op_path)
     if w is None:
       return self.then.solve(site, grid, stats)
     base = Grid.of(site, w)

@@ -10,12 +10,15 @@ engine, or float) and adds the low-rank term
 reading A and B from the module running the op (linen params / nnx
 `Adapter` variables `lora_a_<op>`, `lora_b_<op>`). The weight operand's
 contracted axes meet A's leading axes, its output axes follow B's first
-(`Site`). Recording (`LoraSpec.recording`) notes each op's `Site` instead.
+(`adapter_shapes`). Recording (`LoraSpec.recording`) notes each op's
+`aqtr.flax.sites.WeightSite` instead.
 
 Example:
-  >>> Site((), 'dot_general0', 'rhs', 'kernel', 0, (4, 2), (2, 3),
-  ...      None, None, None).names
-  ('lora_a_dot_general0', 'lora_b_dot_general0')
+  >>> site = WeightSite(op_path='dot_general0', op_id='dot_general0',
+  ...                   dimension_numbers=(((1,), (0,)), ((), ())),
+  ...                   weight=jax.ShapeDtypeStruct((4, 3), jnp.float32))
+  >>> adapter_names(site), adapter_shapes(site, 2)
+  (('lora_a_dot_general0', 'lora_b_dot_general0'), ((4, 2), (2, 3)))
 """
 
 from __future__ import annotations
@@ -24,7 +27,6 @@ import contextlib
 import dataclasses
 import functools
 import math
-from typing import Any
 
 import flax.linen as nn
 import jax
@@ -36,6 +38,7 @@ from aqtr.flax import intercept
 from aqtr.flax.frozen import is_holder
 from aqtr.flax.hosts import own_params, path_of
 from aqtr.flax.session import OpSite, Session, swapped
+from aqtr.flax.sites import WeightSite
 from aqtr.lora.config import LoraConfig, adapter_config
 from aqtr.rules import Rule
 
@@ -46,6 +49,8 @@ __all__ = [
   'LoraSession',
   'LoraSpec',
   'Site',
+  'adapter_names',
+  'adapter_shapes',
   'dropout',
   'low_rank',
   'raw_entries',
@@ -74,39 +79,27 @@ def dropout(key: jax.Array):
     ctx.lora_key = before
 
 
-@dataclasses.dataclass(frozen=True)
-class Site:
-  """One weight op with an adapter.
+# An adapter's site is the common weight site: `op_module` (where A and B
+# live), `op_id` (their names), `param_path` (the base weight), `side`,
+# `rule` (linen / nnx: the LoRA rule that set it; Pax: `index` and `lora`),
+# `dimension_numbers` (weight on the rhs), `weight` and `other` (one
+# layer's shapes).
+Site = WeightSite
 
-  Attributes:
-    module_path: the module's path; op_id: '<kind><n>' within it.
-    side: which operand of the op is the weight ('lhs' / 'rhs').
-    param: the weight parameter's name.
-    rule: index of the LoRA rule that set it.
-    a_shape, b_shape: of one layer's A [d_in..., r] and B [r, d_out...].
-    dn: the dot's dimension numbers with the weight as rhs.
-    weight, other: shapes / dtypes of one layer's weight and input.
-  """
 
-  module_path: tuple
-  op_id: str
-  side: str
-  param: str
-  rule: int
-  a_shape: tuple[int, ...]
-  b_shape: tuple[int, ...]
-  dn: Any
-  weight: jax.ShapeDtypeStruct
-  other: jax.ShapeDtypeStruct
+def adapter_names(site: WeightSite) -> tuple[str, str]:
+  """The adapter parameters' names (A, B) of a weight site."""
+  return A_PREFIX + site.op_id, B_PREFIX + site.op_id
 
-  @property
-  def where(self) -> str:
-    return '/'.join(map(str, (*self.module_path, self.op_id)))
 
-  @property
-  def names(self) -> tuple[str, str]:
-    """The adapter parameters' names (A, B)."""
-    return A_PREFIX + self.op_id, B_PREFIX + self.op_id
+def adapter_shapes(site: WeightSite, rank: int) -> tuple[tuple, tuple]:
+  """One layer's (A, B) shapes: [contracted weight axes..., rank] and
+  [rank, the weight's other axes...] (the contracted axes in the dot's
+  order, the others in the weight's)."""
+  (_, rc), _ = site.dimension_numbers
+  shape = tuple(site.weight.shape)
+  free = [d for d in range(len(shape)) if d not in rc]
+  return (*(shape[d] for d in rc), rank), (rank, *(shape[d] for d in free))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,7 +122,7 @@ class LoraSession(Session):
   def __init__(self, spec_, lspec: LoraSpec, weights=None, stored=None):
     super().__init__(spec_, weights, stored=stored)
     self.lspec = lspec
-    self.sites: list[Site] = []
+    self.sites: list[WeightSite] = []
     self.activation_hits: set[int] = set()
     self.conv_hits: set[int] = set()
     self.n = 0
@@ -181,8 +174,8 @@ class LoraSession(Session):
       None,
     )
     if param is None and weight is not None and weight.direct:
-      name = weight.path[-1]
-      if tuple(weight.path[:-1]) == tuple(path_of(module)) and name in own:
+      name = weight.param
+      if weight.module_path == tuple(path_of(module)) and name in own:
         param = name
     if param is None:
       raise ValueError(
@@ -202,9 +195,20 @@ class LoraSession(Session):
           f'{label}: the weight has batch axes {rb}; adapters need a weight '
           'of contracted and output axes only.'
         )
-      free = [d for d in range(rhs.ndim) if d not in rc]
-      a_shape = (*(rhs.shape[d] for d in rc), cfg.rank)
-      b_shape = (cfg.rank, *(rhs.shape[d] for d in free))
+      site = WeightSite(
+        op_path='/'.join(map(str, (*mpath, op_id))),
+        op_id=op_id,
+        op_module=mpath,
+        module_path=mpath,
+        param=param,
+        side=side,
+        kind=op.kind,
+        dimension_numbers=dn,
+        weight=jax.ShapeDtypeStruct(rhs.shape, rhs.dtype),
+        other=jax.ShapeDtypeStruct(jnp.shape(lhs), jnp.result_type(lhs)),
+        rule=e.rule,
+      )
+      a_shape, b_shape = adapter_shapes(site, cfg.rank)
       d_in, d_out = math.prod(a_shape[:-1]), math.prod(b_shape[1:])
       if cfg.rank > min(d_in, d_out):
         raise ValueError(
@@ -212,20 +216,7 @@ class LoraSession(Session):
           f'min({d_in}, {d_out}); use rank <= {min(d_in, d_out)}.'
         )
       if ab is None:
-        self.sites.append(
-          Site(
-            mpath,
-            op_id,
-            side,
-            param,
-            e.rule,
-            a_shape,
-            b_shape,
-            dn,
-            jax.ShapeDtypeStruct(rhs.shape, rhs.dtype),
-            jax.ShapeDtypeStruct(jnp.shape(lhs), jnp.result_type(lhs)),
-          )
-        )
+        self.sites.append(site)
         nl = jnp.ndim(lhs) - len(lc)
         shape = (
           *(jnp.shape(lhs)[d] for d in range(nl + len(lc)) if d not in lc),

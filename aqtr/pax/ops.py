@@ -44,6 +44,7 @@ from aqtr.core import slot_state
 from aqtr.core.config import DotGeneralConfig, TensorConfig
 from aqtr.flax import common, intercept, linen_convert
 from aqtr.flax.linen import LinenOpHost
+from aqtr.flax.sites import WeightSite
 from aqtr.freezers import Mode
 
 __all__ = [
@@ -177,7 +178,14 @@ class EinsumOp(Op):
     if rec is not None and self._weight_op() and not self.is_initializing():
       dn, _ = common.einsum_plan(eqn, jnp.ndim(lhs), jnp.ndim(rhs))
       where = '/'.join(map(str, self.path))
-      rec.record_op(where, dn, self.config, lhs, rhs, ())
+      site = WeightSite(
+        op_path=where,
+        op_module=tuple(self.path),
+        kind='einsum',
+        dimension_numbers=dn,
+        config=self.config,
+      )
+      rec.record_op(site, lhs, rhs)
       with intercept.quiet():
         return jnp.einsum(eqn, lhs, rhs)
     if self._frozen_modes():

@@ -201,7 +201,7 @@ def quantize(
     parts = grid.parts(sol.q, sol.scale, sol.zero)
     if not isinstance(meth, methods.Rtn):  # Stored as CONVERT stores.
       parts = codecs.encode_parts(parts, grid.numerics)
-      served.put_frozen(site.path, site.holder, _entry(site), parts)
+      served.put_frozen(site.op_path, site.holder, _entry(site), parts)
     w2 = grid.w2
     rtn = rtn0.get(path)
     if rtn is None:

@@ -10,7 +10,7 @@ The hook is where each adapter hands a weight op to the engine, with its
 activation, weight, dimension numbers and config in hand:
 
   * models quantized by rules (`aqtr.flax.quantize`, linen and nnx): the
-    interception `Session` calls a tap with each `WeightUse` (the weights
+    interception `Session` calls a tap with each `WeightSite` (the weights
     `aqtr.flax.convert` freezes) instead of the quantized dot;
   * Pax-style templates (`aqtr.pax` ops injected with `aqtr.pax.inject`):
     every `EinsumOp` whose config quantizes its weight (rhs) reports to
@@ -40,52 +40,26 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Iterable
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from aqtr.core.config import DotGeneralConfig
 from aqtr.flax import hosts, intercept
-from aqtr.flax.session import WeightUse, swapped
+from aqtr.flax.session import swapped
+from aqtr.flax.sites import WeightSite
 from aqtr.ptq.stats import LayerStats, merge
 
-
-@dataclasses.dataclass(frozen=True)
-class Site:
-  """One weight op the pass met (static; the weight is the dot's rhs).
-
-  Attributes:
-    path: the op's path ('dense/dot_general0'; a Pax op: its module path).
-    dimension_numbers: of the dot, weight on the rhs.
-    config: the op's DotGeneralConfig.
-    lhs: shape and dtype of the activation operand (one call).
-    rhs: shape and dtype of the weight operand.
-    holder: rules models: (module path, parameter, op key) of the frozen
-      entry `aqtr.flax.convert` writes; Pax: ().
-  """
-
-  path: str
-  dimension_numbers: Any
-  config: DotGeneralConfig
-  lhs: jax.ShapeDtypeStruct
-  rhs: jax.ShapeDtypeStruct
-  holder: tuple = ()
-
-  def __post_init__(self):  # Hashable: a static argument of jit.
-    (lc, rc), (lb, rb) = self.dimension_numbers
-    dn = ((tuple(lc), tuple(rc)), (tuple(lb), tuple(rb)))
-    object.__setattr__(self, 'dimension_numbers', dn)
-
-  @property
-  def contracting(self) -> tuple[int, ...]:
-    """The weight's contraction dims."""
-    return tuple(self.dimension_numbers[0][1])
+# The pass's record of one weight op is the common weight site: its
+# `op_path`, `dimension_numbers` (weight on the rhs), `config`, `other`
+# (the activation operand) and `weight` as the pass's dot read them, and
+# `holder` (rules models: where `aqtr.flax.convert` writes its entry).
+Site = WeightSite
 
 
 @dataclasses.dataclass
 class Collected:
-  """What the pass found: {path: Site}, {path: LayerStats}, {path: W}."""
+  """What the pass found: {op path: WeightSite}, {op path: LayerStats},
+  {op path: W}."""
 
   sites: dict
   stats: dict
@@ -124,59 +98,55 @@ class _Recorder:
   """
 
   def __init__(self, host: dict):
-    self.sites: dict[str, Site] = {}
+    self.sites: dict[str, WeightSite] = {}
     self.host = host
 
-  def record_op(self, path, dn, config, lhs, rhs, holder) -> None:
-    """One weight op (`aqtr.flax.intercept.recorder`): record its input."""
-    self.record(
-      Site(
-        path,
-        dn,
-        config,
-        jax.ShapeDtypeStruct(jnp.shape(lhs), jnp.result_type(lhs)),
-        jax.ShapeDtypeStruct(jnp.shape(rhs), jnp.result_type(rhs)),
-        holder,
-      ),
-      lhs,
-      rhs,
-    )
+  def record_op(self, site: WeightSite, lhs, rhs) -> None:
+    """One weight op (`aqtr.flax.intercept.recorder`): record its input.
 
-  def record(self, site: Site, lhs, rhs) -> None:
-    s = LayerStats.from_activations(input_matrix(lhs, site.dimension_numbers))
-    self.sites.setdefault(site.path, site)
+    Args:
+      site: the op (its dimension numbers: weight on the rhs).
+      lhs, rhs: the activation and the weight, as the dot reads them.
+    """
+    site = dataclasses.replace(
+      site,
+      other=jax.ShapeDtypeStruct(jnp.shape(lhs), jnp.result_type(lhs)),
+      weight=jax.ShapeDtypeStruct(jnp.shape(rhs), jnp.result_type(rhs)),
+      op=None,
+    )
+    x = input_matrix(lhs, site.dimension_numbers)
+    s = LayerStats.from_activations(x)
+    self.sites.setdefault(site.op_path, site)
     jax.debug.callback(
-      functools.partial(_host_record, self.host, site.path), tuple(s), rhs
+      functools.partial(_host_record, self.host, site.op_path), tuple(s), rhs
     )
 
   def append(self, session) -> None:
     """As an interception observer: tap each new Session."""
-    session.tap = lambda use: self.tap(use)
+    session.tap = self.tap
 
-  def tap(self, use: WeightUse):
+  def tap(self, site: WeightSite):
     """One weight op of a rules model: record, then run it in float."""
-    if use.info is not None and use.info.in_loop:
+    if site.in_loop:
       raise ValueError(
-        f'aqtr.ptq: {use.where} runs inside a loop body (scan over layers); '
-        'the calibration pass needs the layers unrolled.'
+        f'aqtr.ptq: {site.op_path} runs inside a loop body (scan over '
+        'layers); the calibration pass needs the layers unrolled.'
       )
-    path = use.where
 
     def dot(lhs, rhs, dn, precision, preferred):
-      holder = (tuple(use.module_path), use.param, use.key)
-      self.record_op(path, dn, use.config, lhs, rhs, holder)
+      self.record_op(dataclasses.replace(site, dimension_numbers=dn), lhs, rhs)
       return jax.lax.dot_general(
         lhs, rhs, dn, precision=precision, preferred_element_type=preferred
       )
 
-    op = use.call
-    run = swapped(dot) if use.side == 'lhs' else dot
+    op = site.op
+    run = swapped(dot) if site.side == 'lhs' else dot
     with intercept.quiet():
       return op.run(run, op.lhs, op.rhs)
 
 
 def _host_record(host: dict, path: str, stats, weight) -> None:
-  """Host side of `_Recorder.record`: merge one op's statistics."""
+  """Host side of `_Recorder.record_op`: merge one op's statistics."""
   s = LayerStats(*(jnp.asarray(x) for x in stats))
   old = host['stats'].get(path)
   host['stats'][path] = s if old is None else merge(old, s)
@@ -230,8 +200,8 @@ def collect(target: hosts.Host, batches: Iterable) -> Collected:
       the first one's shapes and dtypes.
 
   Returns:
-    `Collected`: per weight op path its Site, merged LayerStats and the
-    weight as the op read it.
+    `Collected`: per weight op path its WeightSite, merged LayerStats and
+    the weight as the op read it.
 
   Raises:
     ValueError: no batch, a batch of other shapes than the first, a batch

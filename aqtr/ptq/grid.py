@@ -16,12 +16,13 @@ registered numerics works unchanged.
 
 Example:
   >>> import jax, jax.numpy as jnp, aqtr
-  >>> from aqtr.ptq.collect import Site
+  >>> from aqtr.flax.sites import WeightSite
   >>> w = jax.random.normal(jax.random.key(0), (8, 4))
-  >>> s = Site('op', (((1,), (0,)), ((), ())),
-  ...          aqtr.presets.int8_weight_only(),
-  ...          jax.ShapeDtypeStruct((2, 8), jnp.float32),
-  ...          jax.ShapeDtypeStruct((8, 4), jnp.float32))
+  >>> s = WeightSite(
+  ...   op_path='op', dimension_numbers=(((1,), (0,)), ((), ())),
+  ...   config=aqtr.presets.int8_weight_only(),
+  ...   other=jax.ShapeDtypeStruct((2, 8), jnp.float32),
+  ...   weight=jax.ShapeDtypeStruct((8, 4), jnp.float32))
   >>> g = Grid.of(s, w)
   >>> q, wq = g.quantize(g.w2)
   >>> bool((g.parts(q)['qvalue'] == g.rtn['qvalue']).all())
@@ -98,7 +99,7 @@ class Grid:
 
   @classmethod
   def of(cls, site, w: jax.Array) -> Grid:
-    """The engine's grid of weight `w` of op `site` (a `collect.Site`)."""
+    """The engine's grid of weight `w` of op `site` (a `WeightSite`)."""
     w = jnp.asarray(w)
     call = _call(site, jax.ShapeDtypeStruct(w.shape, w.dtype))
     parts = _engine(site, w)
@@ -216,7 +217,7 @@ class Regroup:
 
 def _call(site, w):
   cfg = weight_config(site.config)
-  return lifecycle.DotCall(site.lhs, w, site.dimension_numbers, cfg).operand(
+  return lifecycle.DotCall(site.other, w, site.dimension_numbers, cfg).operand(
     'rhs'
   )
 
@@ -224,7 +225,7 @@ def _call(site, w):
 def _engine(site, w) -> dict:
   """The engine's frozen parts of `w` (RTN: what CONVERT stores)."""
   dn = site.dimension_numbers
-  return _engine_jit(dn, site.config, site.lhs, w)
+  return _engine_jit(dn, site.config, site.other, w)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))

@@ -94,7 +94,7 @@ class Method:
 
   def check(self, site) -> None:
     """Raises one line when the method cannot solve `site`'s config."""
-    check_config(site.config, site.path, type(self).__name__)
+    check_config(site.config, site.op_path, type(self).__name__)
 
   def solve(self, site, grid: Grid, stats: LayerStats) -> gptq.Solution:
     """The weight's solution on `grid`."""
@@ -162,7 +162,7 @@ class Gptq(Method):
         raise TypeError(f'Gptq.{name} must be True or False, got {v!r}.')
 
   def solve(self, site, grid: Grid, stats: LayerStats) -> gptq.Solution:
-    check_data(site.path, stats, 'GPTQ')
+    check_data(site.op_path, stats, 'GPTQ')
     try:
       group, regroup = (0, None) if self.static_groups else grid.regroup()
       return gptq.solve(
@@ -178,7 +178,7 @@ class Gptq(Method):
         regroup=regroup,
       )
     except ValueError as e:
-      raise ValueError(f'aqtr.ptq: GPTQ of {site.path}: {e}') from None
+      raise ValueError(f'aqtr.ptq: GPTQ of {site.op_path}: {e}') from None
 
 
 __all__ = [

@@ -2,10 +2,10 @@
 
 `aqtr.ptq.quantize` hands a method its target (a model quantized by
 rules, or an injected Pax template, with its variables) and the
-calibration pass's `Collected` (per weight op: `Site`, `LayerStats`, the
-weight). The scale solvers work on a nested dict of parameters and on
-stats keyed by weight PARAMETER path (the paths `fold` maps name). This
-module translates both ways:
+calibration pass's `Collected` (per weight op: `WeightSite`,
+`LayerStats`, the weight). The scale solvers work on a nested dict of
+parameters and on stats keyed by weight PARAMETER path (the paths `fold`
+maps name). This module translates both ways:
 
   params_of(target)               the target's parameters (nested dict)
   weight_paths(target, got)       {op path: its weight's parameter path}
@@ -68,8 +68,9 @@ def _by_value(params: Mapping, op_path: str, w) -> str:
 def weight_paths(target, got: Collected) -> dict[str, str]:
   """{op path: the parameter path of its weight} for every collected op.
 
-  A rules model's op names its parameter (`Site.holder`); an injected Pax
-  op (no holder) reads a parameter of its own module, found by value.
+  A rules model's op names its parameter (`WeightSite.holder`); an
+  injected Pax op (no holder) reads a parameter of its own module, found
+  by value.
   """
   out, params = {}, None
   for path, site in got.sites.items():

@@ -13,10 +13,14 @@
 - The engine calls the contractions `aqtr.core.prims` captured at import.
 - One frozen container per framework (`aqtr.flax.frozen`): nnx `Frozen`,
   linen `FrozenBox`.
+- One weight-site record (`aqtr.flax.sites.WeightSite`): provenance,
+  interception, convert, PTQ and LoRA (linen / nnx and Pax) describe an op
+  that reads a weight with it.
 """
 
 from __future__ import annotations
 
+import ast
 import pathlib
 import re
 
@@ -141,3 +145,36 @@ def test_one_frozen_container_per_framework():
   frozen = {k: v for k, v in found.items() if k not in _NOT_FROZEN}
   assert frozen == {'Frozen': 'flax/frozen.py', 'FrozenBox': 'flax/frozen.py'}
   assert {k: found.get(k) for k in _NOT_FROZEN} == _NOT_FROZEN
+
+
+# Field names that make a class a record of an op reading a weight.
+_WEIGHT_FIELDS = {'param', 'param_path', 'module_path', 'side', 'holder'}
+# What a rule matches (an op by where it runs; a Pax config slot): not
+# weight sites, they hold no parameter path.
+_RULE_VIEWS = {'flax/session.py:OpSite', 'pax/paths.py:OpSite'}
+
+
+def _records() -> dict[str, set[str]]:
+  """{'file:Class': its annotated fields} of every class in aqtr named
+  *Site / *Use, or holding a field that names a weight's parameter."""
+  found = {}
+  for f, s in _sources():
+    for node in ast.walk(ast.parse(s)):
+      if not isinstance(node, ast.ClassDef):
+        continue
+      fields = {
+        a.target.id
+        for a in node.body
+        if isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name)
+      }
+      if node.name.endswith(('Site', 'Use')) or fields & _WEIGHT_FIELDS:
+        found[f'{f}:{node.name}'] = fields
+  return found
+
+
+def test_one_weight_site_record():
+  """Every feature describes a weight op with `WeightSite` (no copies)."""
+  found = _records()
+  assert set(found) - _RULE_VIEWS == {'flax/sites.py:WeightSite'}
+  for view in _RULE_VIEWS:
+    assert not found[view] & _WEIGHT_FIELDS, view

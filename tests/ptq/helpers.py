@@ -12,8 +12,8 @@ from flax import nnx
 import aqtr
 import aqtr.ptq as ptq
 from aqtr.flax import hosts
+from aqtr.flax.sites import WeightSite
 from aqtr.ptq import gptq
-from aqtr.ptq.collect import Site
 from aqtr.ptq.grid import Grid, weight_config
 from aqtr.tilings.per_channel import PerChannel
 from aqtr.tilings.subchannel import SubChannel
@@ -50,14 +50,14 @@ def configs() -> dict:
   }
 
 
-def site(config, d_in, d_out, tokens=8) -> Site:
+def site(config, d_in, d_out, tokens=8) -> WeightSite:
   """A plain [tokens, d_in] x [d_in, d_out] weight op."""
-  return Site(
-    'op',
-    DN,
-    config,
-    jax.ShapeDtypeStruct((tokens, d_in), jnp.float32),
-    jax.ShapeDtypeStruct((d_in, d_out), jnp.float32),
+  return WeightSite(
+    op_path='op',
+    dimension_numbers=DN,
+    config=config,
+    other=jax.ShapeDtypeStruct((tokens, d_in), jnp.float32),
+    weight=jax.ShapeDtypeStruct((d_in, d_out), jnp.float32),
   )
 
 
