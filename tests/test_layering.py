@@ -286,3 +286,37 @@ def test_the_core_loads_no_fiddle_flax_or_training_code():
     cwd=ROOT,
   )
   assert out.stdout.strip() == '[]', out.stdout
+
+
+def test_no_import_cycle_between_modules():
+  """No module imports one that imports it back, function-level imports
+  included (a package's `__init__`, which re-exports, is left out)."""
+  packages = {_module_name(p) for p in AQTR.rglob('__init__.py')}
+  mods = _modules()
+  graph: dict[str, set[str]] = {}
+  for name in mods:
+    if name in packages:
+      continue
+    for _, module, names in _imports(name):
+      if module.split('.')[0] != 'aqtr':
+        continue
+      subs = [f'{module}.{n}' for n in names if f'{module}.{n}' in mods]
+      for target in subs or [module]:
+        if target in mods and target not in packages and target != name:
+          graph.setdefault(name, set()).add(target)
+
+  state: dict[str, int] = {}  # 1: on the path, 2: done
+
+  def visit(node, path):
+    state[node] = 1
+    for nxt in sorted(graph.get(node, ())):
+      if state.get(nxt) == 1:
+        cycle = path[path.index(nxt) :] + [nxt]
+        raise AssertionError('module import cycle: ' + ' -> '.join(cycle))
+      if nxt not in state:
+        visit(nxt, path + [nxt])
+    state[node] = 2
+
+  for start in sorted(graph):
+    if start not in state:
+      visit(start, [start])

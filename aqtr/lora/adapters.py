@@ -33,9 +33,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import math
 import warnings
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -49,8 +47,15 @@ from aqtr.flax.frozen import (
   is_compact,
 )
 from aqtr.flax.quantized import intercepting, quantize, spec_of
+from aqtr.lora import pax as pax_lora
 from aqtr.lora import storage
 from aqtr.lora.config import LoraConfig, base_config
+from aqtr.lora.selection import (
+  check_used,
+  codebook_table,
+  initial,
+  lora_rules,
+)
 from aqtr.lora.session import (
   A_PREFIX,
   B_PREFIX,
@@ -59,11 +64,9 @@ from aqtr.lora.session import (
   LoraSpec,
   Site,
   adapter_names,
-  adapter_shapes,
   dropout,
   raw_entries,
 )
-from aqtr.numerics.codebook import Codebook
 from aqtr.rules import Rule
 
 __all__ = [
@@ -81,50 +84,6 @@ __all__ = [
   'sites',
   'spec',
 ]
-
-
-def lora_rules(rules: Any) -> tuple[tuple[Rule, LoraConfig], ...]:
-  """`rules` as (selector, LoraConfig) pairs.
-
-  Args:
-    rules: a LoraConfig (every weight op), {path regex: LoraConfig}, or a
-      sequence of (Rule, LoraConfig) pairs (the Rule selects ops by
-      path / layer / op kind; its `config` must be None).
-  """
-  if isinstance(rules, LoraConfig):
-    rules = [(Rule(), rules)]
-  elif isinstance(rules, dict):
-    rules = [(Rule(path=p), c) for p, c in rules.items()]
-  if not isinstance(rules, list | tuple) or not rules:
-    raise TypeError(
-      'aqtr.lora: rules must be a LoraConfig, {path regex: LoraConfig} or '
-      f'a non-empty list of (Rule, LoraConfig) pairs, got {rules!r}.'
-    )
-  out = []
-  for pair in rules:
-    if (
-      not isinstance(pair, tuple | list)
-      or len(pair) != 2
-      or not isinstance(pair[0], Rule)
-      or not isinstance(pair[1], LoraConfig)
-    ):
-      raise TypeError(
-        f'aqtr.lora: each rule must be a (Rule, LoraConfig) pair, got {pair!r}.'
-      )
-    sel, cfg = pair
-    if sel.config is not None:
-      raise ValueError(
-        f'aqtr.lora: {sel.label()} sets a config; the base format is '
-        'LoraConfig.base: leave Rule.config None.'
-      )
-    if sel.weight is False:
-      raise ValueError(
-        f'aqtr.lora: {sel.label()} selects ops without a weight operand '
-        '(activation x activation); adapters need a parameter: drop '
-        'weight=False.'
-      )
-    out.append((sel, cfg))
-  return tuple(out)
 
 
 def _base_rules(pairs) -> list[Rule]:
@@ -208,45 +167,6 @@ def sites(
   return out
 
 
-def check_used(
-  selectors, used: set[int], hits: set[int], convs: frozenset = frozenset()
-) -> None:
-  """One line for the first rule that set no adapter.
-
-  Args:
-    selectors: the rules' selectors, in order.
-    used: indices of rules that set an adapter.
-    hits: indices of rules that matched activation x activation ops.
-    convs: indices of rules that matched convolutions (no adapters).
-  """
-  for i, sel in enumerate(selectors):
-    if i in used:
-      continue
-    if i in convs:
-      raise ValueError(
-        f'aqtr.lora: rule {i} {sel.label()} matches only convolutions; '
-        'adapters go on dot_general / einsum weight ops (Dense, Einsum, '
-        'attention projections), not on convolutions: point it at those.'
-      )
-    if i in hits:
-      raise ValueError(
-        f'aqtr.lora: rule {i} {sel.label()} matches only ops without a '
-        'weight operand (activation x activation, e.g. attention scores); '
-        'adapters need a parameter: point it at the weight ops.'
-      )
-    raise ValueError(
-      f'aqtr.lora: rule {i} {sel.label()} matches no weight op (or only '
-      'ops an earlier rule took); fix its path / layer / op.'
-    )
-
-
-def codebook_table(cfg: LoraConfig) -> tuple[float, ...] | None:
-  """The base's codebook values when it is stored as codes (nf4), or None."""
-  bc = base_config(cfg.base)
-  n = None if bc is None else bc.fwd.rhs.numerics
-  return tuple(n.table) if isinstance(n, Codebook) else None
-
-
 def _compact(holder, cfg: LoraConfig, ref_ndim: int):
   """A converted holder stored compactly (4-bit codes, 8-bit scales)."""
   table = codebook_table(cfg)
@@ -254,15 +174,6 @@ def _compact(holder, cfg: LoraConfig, ref_ndim: int):
     raw_entries(holder), table, cfg.double_quant, ref_ndim
   )
   return compact(holder, stored, tuple(sorted(shapes.items())))
-
-
-def initial(key, site: Site, rank: int, lead: tuple[int, ...] = ()):
-  """A: Kaiming-uniform (bound 1/sqrt(d_in)); B: zeros."""
-  a_shape, b_shape = adapter_shapes(site, rank)
-  d_in = math.prod(a_shape[:-1])
-  bound = 1.0 / math.sqrt(d_in)
-  a = jax.random.uniform(key, (*lead, *a_shape), jnp.float32, -bound, bound)
-  return a, jnp.zeros((*lead, *b_shape), jnp.float32)
 
 
 def attach(model, rules, *args, variables=None, seed: int = 0, **kwargs):
@@ -274,7 +185,8 @@ def attach(model, rules, *args, variables=None, seed: int = 0, **kwargs):
       or a served model whose frozen weights are the bases as they are
       (`aqtr.checkpoints.load`; see `aqtr.checkpoints.qlora`).
     rules: a LoraConfig (every weight op), {path regex: LoraConfig}, or
-      (Rule, LoraConfig) pairs, first match wins (`lora_rules`).
+      (Rule, LoraConfig) pairs, first match wins
+      (`aqtr.lora.selection.lora_rules`).
     *args, **kwargs: sample inputs of one call (shapes matter).
     variables: linen: the float variables (e.g. a pretrained checkpoint).
     seed: PRNG seed of the A matrices.
@@ -289,9 +201,7 @@ def attach(model, rules, *args, variables=None, seed: int = 0, **kwargs):
   """
   host = hosts.of(model, variables, who='aqtr.lora.attach')
   if host.by_injection:  # A Pax template: Fiddle injection.
-    from aqtr.lora import pax  # noqa: PLC0415 (pax builds on this module)
-
-    return pax.attach(
+    return pax_lora.attach(
       model, rules, *args, variables=variables, seed=seed, **kwargs
     )
   pairs = lora_rules(rules)

@@ -46,10 +46,15 @@ from fiddle import selectors
 import aqtr.flax.linen as aqtr_linen
 from aqtr.core import codecs
 from aqtr.freezers import Mode, configure
-from aqtr.lora import adapters as adapters_lib
 from aqtr.lora import storage
 from aqtr.lora.config import base_config
 from aqtr.lora.pax_op import KEY, LoraEinsum, nodes, sites
+from aqtr.lora.selection import (
+  check_used,
+  codebook_table,
+  initial,
+  lora_rules,
+)
 from aqtr.lora.session import adapter_names
 from aqtr.pax import ops, paths
 
@@ -99,7 +104,7 @@ def _swap(template, pairs) -> None:
     site.replace(node)
     used.add(rule)
     n += 1
-  adapters_lib.check_used([sel for sel, _ in pairs], used, hits)
+  check_used([sel for sel, _ in pairs], used, hits)
 
 
 def tree_get(tree, path):
@@ -167,7 +172,7 @@ def attach(template, rules, *args, variables=None, seed: int = 0, **kwargs):
       'aqtr.lora.attach: a Pax template needs variables= (its float '
       "variables, with 'params')."
     )
-  pairs = adapters_lib.lora_rules(rules)
+  pairs = lora_rules(rules)
   t = copy.deepcopy(template)
   paths.unshare(t)
   _swap(t, pairs)
@@ -177,7 +182,7 @@ def attach(template, rules, *args, variables=None, seed: int = 0, **kwargs):
   key = jax.random.key(seed)
   for ps in found:
     node, cfg = found_nodes[ps.index], ps.lora
-    table = adapters_lib.codebook_table(cfg)
+    table = codebook_table(cfg)
     if node.config is not None and (table is not None or cfg.double_quant):
       raw = tree_get(out[aqtr_linen.FROZEN], ps.op_module)
       stored, shapes = storage.encode(
@@ -186,7 +191,7 @@ def attach(template, rules, *args, variables=None, seed: int = 0, **kwargs):
       tree_put(out[aqtr_linen.FROZEN], ps.op_module, stored[KEY])
       node.table, node.scale_shapes = table, tuple(sorted(shapes.items()))
     k = jax.random.fold_in(key, ps.index)
-    a, b = adapters_lib.initial(k, ps, cfg.rank)
+    a, b = initial(k, ps, cfg.rank)
     names = adapter_names(ps)
     tree_put(out['params'], (*ps.op_module, names[0]), a)
     tree_put(out['params'], (*ps.op_module, names[1]), b)

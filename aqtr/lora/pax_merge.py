@@ -38,7 +38,7 @@ from aqtr.flax.frozen import FrozenBox, is_removed
 from aqtr.flax.sites import WeightSite
 from aqtr.freezers import Mode, lifecycle
 from aqtr.lora.config import base_config
-from aqtr.lora.merge import Bytes, delta, dequantized
+from aqtr.lora.folding import Bytes, delta, dequantized
 from aqtr.lora.pax import qvalue_ndim, tree_get, tree_put
 from aqtr.lora.pax_op import KEY, LoraEinsum, nodes, sites
 from aqtr.lora.session import (
