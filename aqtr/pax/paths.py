@@ -66,7 +66,11 @@ def _is_op(value: Any) -> bool:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class OpSite:
-  """One op slot of a config tree.
+  """One op slot of a config tree: what an `aqtr.pax.Rule` matches.
+
+  Not a weight site (`aqtr.flax.sites.WeightSite`): a slot is matched
+  before the template is built or traced, for every op, with or without a
+  weight; it holds no parameter path.
 
   Attributes:
     path: dotted path of the op (`layers[0].ffn.wi.einsum`).
