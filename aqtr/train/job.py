@@ -279,7 +279,7 @@ def run(
   say(text)
   for row in rows:
     if row['status'] != 'ok':
-      what = 'FAILED' if row['run'].startswith('ptq:') else 'DIVERGED'
+      what = row.get('failure', 'DIVERGED')  # a PTQ stage says FAILED
       say(f'{row["run"]} {what}: {row["status"]} (its numbers are not shown)')
   say(
     f'\n{len(run_list)} run(s) in {time.perf_counter() - t_start:.0f} s; '

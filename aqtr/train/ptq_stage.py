@@ -98,7 +98,7 @@ def run(exp, task, template, float_run, out: pathlib.Path, say) -> list:
         )
       except ValueError as e:  # E.g. a group size the model cannot take.
         say(f'  {name}: FAILED: {e}', flush=True)
-        rows.append({'run': name, 'status': str(e)})
+        rows.append({'run': name, 'status': str(e), 'failure': 'FAILED'})
         continue
       secs = time.perf_counter() - t0
       model = models.build(tmpl)
