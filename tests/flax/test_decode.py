@@ -251,6 +251,16 @@ def test_bad_decoder_arguments_are_one_line(lm):
     bad.generate(variables, [PROMPT], 2)
 
 
+def test_step_tokens_are_checked(lm):
+  model, variables = lm
+  dec = Decoder(model, length=LEN, vocab=32)
+  _, cache, start = dec.prefill(variables, [PROMPT])
+  with pytest.raises(TypeError, match='step: tokens must be one int token'):
+    dec.step(variables, [2.5], cache, len(PROMPT), start)
+  with pytest.raises(ValueError, match=r'token 32 is outside the vocab'):
+    dec.step(variables, [32], cache, len(PROMPT), start)
+
+
 def test_nan_weights_do_not_silently_decode_token_0(lm):
   model, variables = lm
   nan = jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), variables)
