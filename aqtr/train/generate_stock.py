@@ -105,7 +105,7 @@ def _rule(f: dict) -> kv_cache.CacheRule:
     raise ValueError(
       f"--kv_scales must be 'token' or 'block', got {f['kv_scales'].value!r}"
     )
-  if f['kv_read'].value != 'dequantize':
+  if f['kv_read'].value not in ('auto', 'dequantize'):
     raise ValueError(
       '--kv_read: a stock model reads its cache dequantized (its own '
       'attention code); use --kv_read=dequantize'
