@@ -167,26 +167,27 @@ def pad(prompts: Any, length: int, vocab: int) -> tuple[np.ndarray, ...]:
   return ids, start
 
 
-def step_tokens(tokens: Any, vocab: int, method: str = 'step') -> jax.Array:
-  """The tokens [b] of one decode step as int32, checked (one line each).
+def step_tokens(
+  tokens: Any, vocab: int, method: str = 'step', ndim: int = 1
+) -> jax.Array:
+  """Token ids of a decode step ([b]) or a prefill ([b, P]) as int32,
+  checked (one line each).
 
-  Raises for tokens that are not a flat list of ints (a float token used
-  to be truncated) or lie outside [0, vocab) (one used to give NaN logits).
+  Raises for ids that are not ints of `ndim` axes (a float token used to
+  be truncated) or lie outside [0, vocab) (one used to give NaN logits).
   Under a trace only the dtype and shape are checked.
 
   Example:
     >>> step_tokens([3, 1], vocab=8).tolist()
     [3, 1]
   """
-  where = f'Decoder.{method}: tokens'
-  if isinstance(tokens, jax.core.Tracer):
-    arr = tokens
-  else:
-    arr = np.asarray(tokens)
-  if arr.ndim != 1 or not jnp.issubdtype(arr.dtype, jnp.integer):
+  where = f'Decoder.{method}: tokens' if ndim == 1 else f'Decoder.{method}: ids'
+  want = '[batch]' if ndim == 1 else '[batch, length]'
+  arr = tokens if isinstance(tokens, jax.core.Tracer) else np.asarray(tokens)
+  if arr.ndim != ndim or not jnp.issubdtype(arr.dtype, jnp.integer):
     raise TypeError(
-      f'{where} must be one int token id per sequence ([batch] ints), got '
-      f'{arr.dtype} of shape {arr.shape}.'
+      f'{where} must be int token ids of shape {want} (one row per '
+      f'sequence), got {arr.dtype} of shape {arr.shape}.'
     )
   if not isinstance(arr, jax.core.Tracer):
     bad = arr[(arr < 0) | (arr >= vocab)]

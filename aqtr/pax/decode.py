@@ -158,8 +158,9 @@ class Decoder(BaseDecoder):
   def prefill(self, variables: Any, ids: Any, start: Any) -> tuple:
     """(logits [b, P, V], cache) of left-padded prompts (see `pad`)."""
     _check_variables(variables, 'prefill')
+    ids = step_tokens(ids, self.vocab, 'prefill', ndim=2)
     cache = self.init(len(ids), start)
-    return self._extend(variables, jnp.asarray(ids, jnp.int32), cache)
+    return self._extend(variables, ids, cache)
 
   def step(self, variables: Any, tokens: Any, cache: Cache) -> tuple:
     """(logits [b, V], cache) of one new token per sequence."""

@@ -255,7 +255,7 @@ def test_step_tokens_are_checked(lm):
   model, variables = lm
   dec = Decoder(model, length=LEN, vocab=32)
   _, cache, start = dec.prefill(variables, [PROMPT])
-  with pytest.raises(TypeError, match='step: tokens must be one int token'):
+  with pytest.raises(TypeError, match='step: tokens must be int token ids'):
     dec.step(variables, [2.5], cache, len(PROMPT), start)
   with pytest.raises(ValueError, match=r'token 32 is outside the vocab'):
     dec.step(variables, [32], cache, len(PROMPT), start)

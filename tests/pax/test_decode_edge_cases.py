@@ -76,8 +76,12 @@ def test_a_decoder_reused_with_other_dtypes_recompiles():
 @pytest.mark.parametrize(
   'tokens, error, match',
   [
-    ([1.7], TypeError, r'step: tokens must be one int token id per sequen'),
-    ([[1]], TypeError, r'step: tokens must be one int token id .*\(1, 1\)'),
+    (
+      [1.7],
+      TypeError,
+      r'step: tokens must be int token ids of shape \[batch\]',
+    ),
+    ([[1]], TypeError, r'step: tokens must be int token ids .*\(1, 1\)'),
     ([V], ValueError, rf'step: tokens: token {V} is outside the vocabulary'),
     ([-1], ValueError, r'token -1 is outside the vocabulary \[0, 16\)'),
   ],
@@ -91,6 +95,16 @@ def test_step_tokens_are_checked(tokens, error, match):
   with pytest.raises(error, match=match) as e:
     dec.step(params, tokens, cache)
   assert '\n' not in str(e.value)
+
+
+def test_prefill_ids_are_checked():
+  lm, params = _model()
+  dec = decode.Decoder(lm)
+  start = jnp.zeros(1, jnp.int32)
+  with pytest.raises(TypeError, match=r'prefill: ids must be int token ids'):
+    dec.prefill(params, [[1.5, 2.0]], start)
+  with pytest.raises(ValueError, match=rf'prefill: ids: token {V} is outsi'):
+    dec.prefill(params, [[1, V]], start)
 
 
 def test_a_step_on_a_full_cache_is_refused():
