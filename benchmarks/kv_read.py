@@ -18,9 +18,7 @@ Run: python benchmarks/kv_read.py [--batches 1 2 4 8] [--contexts 256
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import sys
 import time
 
 import host
@@ -73,9 +71,7 @@ def main() -> None:
   p.add_argument('--contexts', type=int, nargs='+', default=[256, 1024])
   p.add_argument('--rounds', type=int, default=8)
   args = p.parse_args()
-  print(f'CPU: {host.cpu_model()}; jax {jax.__version__}; {jax.devices()[0]}')
-  print(f'command: python benchmarks/kv_read.py {" ".join(sys.argv[1:])}')
-  print(f'date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC')
+  host.header('kv_read.py')
   rng = np.random.default_rng(0)
   cells = {
     (s, b, name): cell(cfg, b, s, rng)
