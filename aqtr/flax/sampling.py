@@ -177,6 +177,15 @@ def step_tokens(
   be truncated) or lie outside [0, vocab) (one used to give NaN logits).
   Under a trace only the dtype and shape are checked.
 
+  Args:
+    tokens: the ids (a list, NumPy or JAX array).
+    vocab: the vocabulary size.
+    method: the Decoder method the message names.
+    ndim: 1 for a step's tokens, 2 for a prefill's ids.
+
+  Returns:
+    The ids as an int32 JAX array.
+
   Example:
     >>> step_tokens([3, 1], vocab=8).tolist()
     [3, 1]
