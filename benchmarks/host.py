@@ -6,8 +6,12 @@ Run as scripts (`python benchmarks/x.py`), the benchmarks import this as
 
 from __future__ import annotations
 
+import datetime
 import platform
 import subprocess
+import sys
+
+import jax
 
 
 def cpu_model() -> str:
@@ -24,3 +28,14 @@ def cpu_model() -> str:
   if 'CPU family' in info:
     name += f' (family {info["CPU family"]}, model {info.get("Model", "?")})'
   return f'{name}, {info.get("CPU(s)", "?")} CPUs'
+
+
+def header(script: str) -> None:
+  """Prints what every table states: CPU model, jax, command, UTC time.
+
+  Args:
+    script: the benchmark's file name ('kv_read.py').
+  """
+  print(f'CPU: {cpu_model()}; jax {jax.__version__}; {jax.devices()[0]}')
+  print(f'command: python benchmarks/{script} {" ".join(sys.argv[1:])}')
+  print(f'date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC')

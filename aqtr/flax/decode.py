@@ -34,19 +34,18 @@ Example (a Hugging Face Flax LM; its params are the default variables):
 
 from __future__ import annotations
 
-import dataclasses
-import time
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from aqtr.flax import kv_cache, stock_lm
 from aqtr.flax.kv_cache import CacheRule, StoredCache
-from aqtr.flax.sampling import Generation, Sampling, pad, sample
+from aqtr.flax.sampling import BaseDecoder, pad, step_tokens
+from aqtr.flax.sampling import Generation as Generation
+from aqtr.flax.sampling import Sampling as Sampling
 
 # Sampling, Generation and pad are re-exported from aqtr.flax.sampling.
 __all__ = [
@@ -127,8 +126,11 @@ def rules_of(kv: Any, names: tuple[str, ...]) -> tuple[CacheRule, ...]:
   return rules
 
 
-class Decoder:
+class Decoder(BaseDecoder):
   """Prefill, decode steps and generation of one stock LM and cache rule.
+
+  `generate` (prefill, then a compiled loop of steps; greedy, temperature
+  or top-k sampling) is `aqtr.flax.sampling.BaseDecoder`'s.
 
   Args:
     model: a Hugging Face Flax LM (or its module), a gemma Transformer,
@@ -156,10 +158,8 @@ class Decoder:
     self.length, self.vocab = length, self.lm.vocab
     self.rules = rules_of(kv, self.lm.names)
     self._extend = jax.jit(self._extend_impl)
-    self._first = jax.jit(self._first_impl, static_argnames='sampling')
-    self._loop = jax.jit(self._loop_impl, static_argnames='sampling')
     self._checked = False
-    self._compiled = {}
+    self._setup()
 
   def _variables(self, variables: Any, method: str) -> Any:
     if variables is None and self.lm.variables is not None:
@@ -238,7 +238,7 @@ class Decoder:
       raise ValueError(
         f'Decoder.step: slot {slot} is outside the cache [0, {self.length}).'
       )
-    ids = jnp.asarray(tokens, jnp.int32)[:, None]
+    ids = step_tokens(tokens, self.vocab)[:, None]
     logits, cache = self._extend(
       variables, cache, ids, jnp.int32(slot), jnp.asarray(start)
     )
@@ -254,129 +254,25 @@ class Decoder:
       )
     return ids, start
 
-  def _first_impl(self, variables, cache, ids, start, key, *, sampling):
-    logits, cache = self._extend_impl(variables, cache, ids, 0, start)
-    key, sub = jax.random.split(key)
-    ok = jnp.isfinite(logits[:, -1]).all()
-    return sample(logits[:, -1], sub, sampling), cache, key, ok
+  # The BaseDecoder hooks (generate is BaseDecoder's).
 
-  def _loop_impl(self, variables, token, cache, key, p, start, n, *, sampling):
-    """(tokens [b, S + 1], count, cache, whether every logit was finite)."""
-    b = token.shape[0]
-    out = jnp.zeros((b, self.length + 1), jnp.int32).at[:, 0].set(token)
+  def _prefill_inputs(self, variables, ids, start) -> tuple:
+    return self.init(variables, len(ids)), ids, start
 
-    def cond(c):
-      i = c[0]
-      return (i < n) & (p + i - 1 < self.length)
+  def _prefill(self, variables, cache, ids, start):
+    return self._extend_impl(variables, cache, ids, 0, start)
 
-    def body(c):
-      i, token, cache, out, key, ok = c
-      slot = p + i - 1
-      logits, cache = self._call(variables, cache, token[:, None], slot[None],
-                                 start)  # fmt: skip
-      key, sub = jax.random.split(key)
-      token = sample(logits[:, 0], sub, sampling)
-      out = lax.dynamic_update_slice(out, token[:, None], (0, i))
-      ok = ok & jnp.isfinite(logits[:, 0]).all()
-      return i + 1, token, cache, out, key, ok
+  def _loop_inputs(self, p, start) -> tuple:
+    return jnp.int32(p), start
 
-    init = (jnp.ones((), jnp.int32), token, cache, out, key, jnp.bool_(True))
-    i, _, cache, out, _, ok = lax.while_loop(cond, body, init)
-    return out, i, cache, ok
+  def _room(self, cache, i, p, start):
+    return p + i - 1 < self.length
 
-  def _compile(self, args: tuple, sampling: Sampling) -> tuple:
-    """The compiled prefill and loop for these shapes (cached)."""
-    leaves, treedef = jax.tree.flatten(args)
-    spec = tuple((jnp.shape(x), jnp.result_type(x)) for x in leaves)
-    key = (spec, treedef, sampling)  # (no repr: nnx states may hold
-    try:  # frozen kernels that refuse to be read as values)
-      hash(key)
-    except TypeError:  # Unhashable static metadata: compile anew.
-      key = object()
-    if key not in self._compiled:
-      lowered = self._first.lower(*args, sampling=sampling)
-      token, cache, rng, _ = lowered.out_info
-      i32 = jax.ShapeDtypeStruct((), jnp.int32)
-      loop = self._loop.lower(
-        args[0], token, cache, rng, i32, args[3], i32, sampling=sampling
-      )
-      self._compiled[key] = (lowered.compile(), loop.compile())
-    return self._compiled[key]
+  def _next(self, variables, token, cache, i, p, start):
+    slot = p + i - 1
+    logits, cache = self._call(variables, cache, token[:, None], slot[None],
+                               start)  # fmt: skip
+    return logits[:, 0], cache
 
-  def generate(
-    self,
-    variables: Any,
-    prompts: Sequence[Sequence[int]],
-    max_new: int,
-    sampling: Sampling | None = None,
-  ) -> Generation:
-    """New tokens of each prompt: prefill, then decode steps in a loop.
-
-    Args:
-      variables: the model's variables (None: the model's own, for a
-        Hugging Face model with params or an nnx model).
-      prompts: token-id lists (different lengths when the model masks
-        padding).
-      max_new: new tokens per prompt (>= 1); fewer when the cache fills,
-        with `Generation.stopped` saying so.
-      sampling: greedy by default.
-
-    Returns:
-      An `aqtr.flax.sampling.Generation`.
-
-    Raises:
-      ValueError: one line for bad prompts or arguments, and when the
-        model computes NaN or inf logits (NaN weights).
-    """
-    sampling = Sampling() if sampling is None else sampling
-    if not isinstance(sampling, Sampling):
-      raise TypeError(f'sampling must be a Sampling, got {sampling!r}.')
-    if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 1:
-      raise ValueError(f'max_new must be an int >= 1, got {max_new!r}.')
-    if sampling.top_k > self.vocab:
-      raise ValueError(
-        f'Sampling.top_k={sampling.top_k} exceeds the vocabulary size '
-        f'{self.vocab}; use 0 (all) or at most {self.vocab}.'
-      )
-    variables = self._variables(variables, 'generate')
-    ids, start = self._pad(prompts)
-    p = ids.shape[1]
-    room = self.length - p + 1
-    n_new, stopped = max_new, None
-    if max_new > room:
-      n_new = room
-      stopped = (
-        f'the cache is full ({self.length} slots) after {room} new token(s) '
-        f'of the {max_new} asked; generation stopped.'
-      )
-    key = jax.random.key(sampling.seed)
-    sampling = dataclasses.replace(sampling, seed=0)  # Static: one compile.
-    ids, start = jnp.asarray(ids), jnp.asarray(start)
-    cache = self.init(variables, len(ids))
-    args = (variables, cache, ids, start, key)
-    t0 = time.perf_counter()
-    first, loop = self._compile(args, sampling)
-    t1 = time.perf_counter()
-    token, cache, key, ok = first(*args)
-    token.block_until_ready()
-    t2 = time.perf_counter()
-    out, n, cache, ok2 = loop(
-      variables, token, cache, key, jnp.int32(p), start, jnp.int32(n_new)
-    )
-    out = np.asarray(out)
-    t3 = time.perf_counter()
-    if not (bool(ok) and bool(ok2)):
-      raise ValueError(
-        'Decoder.generate: the model computed non-finite logits (NaN or '
-        'inf), so the tokens would be meaningless; check the variables '
-        '(NaN or inf weights?).'
-      )
-    n = int(n)
-    return Generation(
-      tokens=[row[:n].tolist() for row in out],
-      stopped=stopped,
-      compile_s=t1 - t0,
-      prefill_s=t2 - t1,
-      decode_s=t3 - t2,
-      kv_bytes=kv_cache.cache_bytes(cache),
-    )
+  def _kv_bytes(self, cache) -> int:
+    return kv_cache.cache_bytes(cache)

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -41,11 +40,16 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from aqtr.flax import kinds
 from aqtr.flax import sampling as sampling_lib
-from aqtr.flax.sampling import Generation, Sampling, sample
+from aqtr.flax.sampling import (
+  BaseDecoder,
+  Generation,
+  Sampling,
+  sample,
+  step_tokens,
+)
 from aqtr.pax import kv_cache
 from aqtr.pax.kv_cache import Cache, KVCacheConfig
 
@@ -76,8 +80,11 @@ def _check_variables(variables: Any, method: str) -> None:
     )
 
 
-class Decoder:
+class Decoder(BaseDecoder):
   """Prefill, decode steps and generation of one LM with one cache config.
+
+  `generate` (prefill, then a compiled loop of steps; greedy, temperature
+  or top-k sampling) is `aqtr.flax.sampling.BaseDecoder`'s.
 
   Args:
     lm: a built `aqtr.pax.TransformerLm` (any op configs or modes).
@@ -119,9 +126,7 @@ class Decoder:
     self.init(1, np.zeros(1, np.int32))  # Checks the cache shape early.
     extend = functools.partial(lm.apply, method='extend')
     self._extend = jax.jit(lambda v, ids, c: extend(v, ids, c, kv))
-    self._first = jax.jit(self._first_impl, static_argnames='sampling')
-    self._loop = jax.jit(self._loop_impl, static_argnames='sampling')
-    self._compiled = {}
+    self._setup()
 
   def init(self, batch: int, start: Any) -> Cache:
     """An empty cache for `batch` sequences starting at slots `start`."""
@@ -153,8 +158,9 @@ class Decoder:
   def prefill(self, variables: Any, ids: Any, start: Any) -> tuple:
     """(logits [b, P, V], cache) of left-padded prompts (see `pad`)."""
     _check_variables(variables, 'prefill')
+    ids = step_tokens(ids, self.vocab, 'prefill', ndim=2)
     cache = self.init(len(ids), start)
-    return self._extend(variables, jnp.asarray(ids, jnp.int32), cache)
+    return self._extend(variables, ids, cache)
 
   def step(self, variables: Any, tokens: Any, cache: Cache) -> tuple:
     """(logits [b, V], cache) of one new token per sequence."""
@@ -164,9 +170,14 @@ class Decoder:
         'Decoder.step: cache must be the Cache that prefill or step '
         f'returned (or Decoder.init(batch, start)), got {cache!r}.'
       )
-    logits, cache = self._extend(
-      variables, jnp.asarray(tokens, jnp.int32)[:, None], cache
-    )
+    if not isinstance(cache.index, jax.core.Tracer):
+      if int(cache.index) >= self.length:
+        raise ValueError(
+          f'Decoder.step: the cache is full ({self.length} slots); a step '
+          'would overwrite its last slot. Use a longer cache (length=).'
+        )
+    ids = step_tokens(tokens, self.vocab)[:, None]
+    logits, cache = self._extend(variables, ids, cache)
     return logits[:, 0], cache
 
   def logits(self, variables: Any, ids: Any) -> jax.Array:
@@ -176,113 +187,33 @@ class Decoder:
     """
     return self.prefill(variables, ids, np.zeros(len(ids), np.int32))[0]
 
-  def _first_impl(self, variables, ids, start, key, *, sampling):
+  # The BaseDecoder hooks (generate is BaseDecoder's).
+
+  def _variables(self, variables: Any, method: str) -> Any:
+    _check_variables(variables, method)
+    return variables
+
+  def _pad(self, prompts):
+    return self.pad(prompts)
+
+  def _prefill_inputs(self, variables, ids, start) -> tuple:
+    return ids, start
+
+  def _prefill(self, variables, ids, start):
     cache = self.init(ids.shape[0], start)
+    return self.lm.apply(variables, ids, cache, self.kv, method='extend')
+
+  def _loop_inputs(self, p, start) -> tuple:
+    return ()
+
+  def _room(self, cache, i):
+    return cache.index < self.length
+
+  def _next(self, variables, token, cache, i):
     logits, cache = self.lm.apply(
-      variables, ids, cache, self.kv, method='extend'
+      variables, token[:, None], cache, self.kv, method='extend'
     )
-    key, sub = jax.random.split(key)
-    ok = jnp.isfinite(logits[:, -1]).all()
-    return sample(logits[:, -1], sub, sampling), cache, key, ok
+    return logits[:, 0], cache
 
-  def _loop_impl(self, variables, token, cache, key, n_new, *, sampling):
-    """(tokens [b, S + 1], count, cache, whether every logit was finite)."""
-    b = token.shape[0]
-    out = jnp.zeros((b, self.length + 1), jnp.int32).at[:, 0].set(token)
-
-    def cond(c):
-      i, _, cache, _, _, _ = c
-      return (i < n_new) & (cache.index < self.length)
-
-    def body(c):
-      i, token, cache, out, key, ok = c
-      logits, cache = self.lm.apply(
-        variables, token[:, None], cache, self.kv, method='extend'
-      )
-      key, sub = jax.random.split(key)
-      token = sample(logits[:, 0], sub, sampling)
-      out = lax.dynamic_update_slice(out, token[:, None], (0, i))
-      ok = ok & jnp.isfinite(logits[:, 0]).all()
-      return i + 1, token, cache, out, key, ok
-
-    init = (jnp.ones((), jnp.int32), token, cache, out, key, jnp.bool_(True))
-    i, _, cache, out, _, ok = lax.while_loop(cond, body, init)
-    return out, i, cache, ok
-
-  def _compile(self, args: tuple, sampling: Sampling) -> tuple:
-    """The compiled prefill and loop for these shapes (cached)."""
-    # Variables of other shapes or dtypes (another model size, bf16)
-    # compile anew.
-    spec = jax.tree.map(lambda x: (jnp.shape(x), jnp.result_type(x)), args[:3])
-    key = (str(spec), str(jax.tree.structure(args[0])), sampling)
-    if key not in self._compiled:
-      lowered = self._first.lower(*args, sampling=sampling)
-      first, shapes = lowered.compile(), lowered.out_info
-      n = jax.ShapeDtypeStruct((), jnp.int32)
-      loop = self._loop.lower(args[0], *shapes[:3], n, sampling=sampling)
-      self._compiled[key] = (first, loop.compile())
-    return self._compiled[key]
-
-  def generate(
-    self,
-    variables: Any,
-    prompts: Sequence[Sequence[int]],
-    max_new: int,
-    sampling: Sampling | None = None,
-  ) -> Generation:
-    """New tokens of each prompt: prefill, then decode steps in a loop.
-
-    Args:
-      variables: the model's variables.
-      prompts: token lists (different lengths allowed).
-      max_new: new tokens per prompt (>= 1); fewer when the cache fills,
-        with `Generation.stopped` saying so.
-      sampling: greedy by default.
-
-    Returns:
-      A `Generation`.
-    """
-    sampling = Sampling() if sampling is None else sampling
-    if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 1:
-      raise ValueError(f'max_new must be an int >= 1, got {max_new!r}.')
-    if sampling.top_k > self.vocab:
-      raise ValueError(
-        f'top_k={sampling.top_k} exceeds the vocabulary size {self.vocab}.'
-      )
-    _check_variables(variables, 'generate')
-    ids, start = self.pad(prompts)
-    room = self.length - ids.shape[1] + 1
-    n_new, stopped = max_new, None
-    if max_new > room:
-      n_new = room
-      stopped = (
-        f'the cache is full ({self.length} slots) after {room} new token(s) '
-        f'of the {max_new} asked; generation stopped.'
-      )
-    key = jax.random.key(sampling.seed)
-    sampling = dataclasses.replace(sampling, seed=0)  # Static: one compile.
-    args = (variables, jnp.asarray(ids), jnp.asarray(start), key)
-    t0 = time.perf_counter()
-    first, loop = self._compile(args, sampling)
-    t1 = time.perf_counter()
-    token, cache, key, ok = first(*args)
-    token.block_until_ready()
-    t2 = time.perf_counter()
-    out, n, cache, ok2 = loop(variables, token, cache, key, jnp.int32(n_new))
-    out = np.asarray(out)
-    t3 = time.perf_counter()
-    n = int(n)
-    if not (bool(ok) and bool(ok2)):
-      raise ValueError(
-        'Decoder.generate: the model computed non-finite logits (NaN or '
-        'inf), so the tokens would be meaningless; check the variables '
-        '(NaN or inf weights?).'
-      )
-    return Generation(
-      tokens=[row[:n].tolist() for row in out],
-      stopped=stopped,
-      compile_s=t1 - t0,
-      prefill_s=t2 - t1,
-      decode_s=t3 - t2,
-      kv_bytes=kv_cache.nbytes(cache.layers),
-    )
+  def _kv_bytes(self, cache) -> int:
+    return kv_cache.nbytes(cache.layers)

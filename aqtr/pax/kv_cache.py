@@ -29,7 +29,12 @@ recomputes the block's bound over old and new values and requantizes the
 block: old codes whose bound grew are rounded again.
 
 Attention reads the cache by dequantizing (`read='dequantize'`), or for
-int8 with integer dots (`read='int8_dots'`): the query is quantized per
+int8 with integer dots (`read='int8_dots'`). The default `read='auto'`
+takes integer dots for an int8 cache in a decode step (one query per
+sequence) whose attention einsums are float, and dequantizes otherwise
+(prefill, other numerics, quantized attention einsums): on XLA:CPU the
+dequantizing read writes the float32 cache before its dots, so it moves
+more bytes than a float cache. Integer dots: the query is quantized per
 token and head, `logits = (q_c . k_c) * s_q * s_k` (int8 x int8 -> int32),
 and for PV the value scales are folded into the probabilities, which are
 quantized per row: `out = (p'_c . v_c) * s_p`, `p' = p * s_v`.
@@ -72,13 +77,14 @@ __all__ = [
   'init_layer',
   'nbytes',
   'read',
+  'reads_int8',
   'write',
 ]
 
 NUMERICS = ('none', 'int8', 'int4', 'fp8')
 SCALES = ('token', 'block')
 CALIBRATIONS = ('absmax', 'static')
-READS = ('dequantize', 'int8_dots')
+READS = ('auto', 'dequantize', 'int8_dots')
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -93,7 +99,9 @@ class KVCacheConfig:
     block_size: slots per scale when `scales='block'`.
     calibration: 'absmax' (the group's max |x|) or 'static' (`bound`).
     bound: the static bound (> 0), used when `calibration='static'`.
-    read: 'dequantize', or 'int8_dots' (int8 only): integer QK^T and PV.
+    read: 'dequantize', 'int8_dots' (int8 only): integer QK^T and PV,
+      or 'auto': int8 dots for an int8 cache in decode steps (one query)
+      with float attention einsums, else dequantize (`reads_int8`).
 
   Example:
     >>> KVCacheConfig(numerics='int8', read='int8_dots').quantized
@@ -105,7 +113,7 @@ class KVCacheConfig:
   block_size: int = 16
   calibration: str = 'absmax'
   bound: float = 0.0
-  read: str = 'dequantize'
+  read: str = 'auto'
 
   def __post_init__(self):
     for name, allowed in (
@@ -397,6 +405,39 @@ def _int_dot(a: jax.Array, b: jax.Array, b_contract: int) -> jax.Array:
   return out[:, :, :1] if one else out
 
 
+def _float_op(op: Any) -> bool:
+  return op is None or getattr(op, 'config', None) is None
+
+
+def reads_int8(
+  cfg: KVCacheConfig,
+  queries: int,
+  qk_op: ops.EinsumOp | None = None,
+  pv_op: ops.EinsumOp | None = None,
+) -> bool:
+  """Whether `attend` reads the cache with int8 x int8 dots.
+
+  `read='int8_dots'`: always. `read='auto'`: for an int8 cache when each
+  sequence has one query (a decode step) and the attention einsums are
+  float (a quantized einsum op keeps its own numerics on the dequantized
+  cache).
+
+  Example:
+    >>> reads_int8(KVCacheConfig(numerics='int8'), queries=1)
+    True
+    >>> reads_int8(KVCacheConfig(numerics='int8'), queries=8)
+    False
+  """
+  if cfg.read != 'auto':
+    return cfg.read == 'int8_dots'
+  return (
+    cfg.numerics == 'int8'
+    and queries == 1
+    and _float_op(qk_op)
+    and _float_op(pv_op)
+  )
+
+
 def attend(
   cfg: KVCacheConfig,
   layer: LayerCache,
@@ -412,13 +453,14 @@ def attend(
     layer: the layer's cache (S slots).
     q: queries, already multiplied by head_dim^-1/2.
     mask: [b, 1, t, S] bool, True where a query may read a slot.
-    qk_op, pv_op: the attention's einsum ops (used when dequantizing).
+    qk_op, pv_op: the attention's einsum ops (used when dequantizing; a
+      quantized one keeps `read='auto'` dequantizing).
 
   Returns:
     [b, t, n, h] attention output, q's dtype.
   """
   neg = jnp.finfo(jnp.float32).min
-  if cfg.read == 'int8_dots':
+  if reads_int8(cfg, q.shape[1], qk_op, pv_op):
     qc, qs = _int8_rows(q.astype(jnp.float32), axis=-1)  # [b, t, n, 1]
     kc = layer.k.codes
     dots = _int_dot(jnp.transpose(qc, (0, 2, 1, 3)), kc, 3)  # [b, n, t, S]

@@ -61,7 +61,7 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> dict:
     ('string', 'kv', 'none', f'KV cache numerics: {kv_cache.NUMERICS}.'),
     ('string', 'kv_scales', 'token', f'KV scales: {kv_cache.SCALES}.'),
     ('int', 'kv_block', 16, 'Slots per scale with --kv_scales=block.'),
-    ('string', 'kv_read', 'dequantize', f'KV read: {kv_cache.READS}.'),
+    ('string', 'kv_read', 'auto', f'KV read: {kv_cache.READS}.'),
     ('float', 'kv_bound', 0.0, 'A static bound (> 0) instead of absmax.'),
   ]
   for kind, name, default, help_ in specs:

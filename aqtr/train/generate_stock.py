@@ -105,10 +105,10 @@ def _rule(f: dict) -> kv_cache.CacheRule:
     raise ValueError(
       f"--kv_scales must be 'token' or 'block', got {f['kv_scales'].value!r}"
     )
-  if f['kv_read'].value != 'dequantize':
+  if f['kv_read'].value not in ('auto', 'dequantize'):
     raise ValueError(
       '--kv_read: a stock model reads its cache dequantized (its own '
-      'attention code); use --kv_read=dequantize'
+      'attention code); use --kv_read=auto (or dequantize)'
     )
   b = f['kv_bound'].value
   if b != 0 and not (math.isfinite(b) and b > 0):

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from jax import lax
-from test_kv_cache import HEAD, HEADS, LEN, LM, NnxLM
+from test_kv_cache import HEAD, HEADS, LEN, LM, Attention, NnxLM
 
 import aqtr.flax
 from aqtr.flax import stock_lm
@@ -249,6 +249,32 @@ def test_bad_decoder_arguments_are_one_line(lm):
   bad = Decoder(model, length=LEN, kv=CacheRule(path='decoder/.*'), vocab=32)
   with pytest.raises(ValueError, match='kv rule 0 .* matched no cache var'):
     bad.generate(variables, [PROMPT], 2)
+
+
+def test_step_tokens_are_checked(lm):
+  model, variables = lm
+  dec = Decoder(model, length=LEN, vocab=32)
+  _, cache, start = dec.prefill(variables, [PROMPT])
+  with pytest.raises(TypeError, match='step: tokens must be int token ids'):
+    dec.step(variables, [2.5], cache, len(PROMPT), start)
+  with pytest.raises(ValueError, match=r'token 32 is outside the vocab'):
+    dec.step(variables, [32], cache, len(PROMPT), start)
+
+
+class _OddHeadLM(nn.Module):
+  @nn.compact
+  def __call__(self, ids, positions, init_cache: bool = False):
+    x = nn.Embed(32, 5)(ids)
+    x = x + Attention(heads=1, head=5, name='h_0')(x, init_cache)
+    return nn.Dense(32)(x)
+
+
+def test_packed_int4_cache_of_an_odd_head_size_is_one_line():
+  model, zeros = _OddHeadLM(), jnp.zeros((1, LEN), jnp.int32)
+  variables = {'params': model.init(jax.random.key(0), zeros, zeros)['params']}
+  dec = Decoder(model, length=LEN, kv='int4', vocab=32)
+  with pytest.raises(ValueError, match=r'h_0/cached_key has head size 5 \(od'):
+    dec.generate(variables, [PROMPT], 2)
 
 
 def test_nan_weights_do_not_silently_decode_token_0(lm):

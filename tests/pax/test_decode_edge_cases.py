@@ -71,3 +71,46 @@ def test_a_decoder_reused_with_other_dtypes_recompiles():
   half = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
   assert len(dec.generate(half, [[1, 2]], 3).tokens[0]) == 3
   assert dec.generate(params, [[1, 2]], 3).tokens == want
+
+
+@pytest.mark.parametrize(
+  'tokens, error, match',
+  [
+    (
+      [1.7],
+      TypeError,
+      r'step: tokens must be int token ids of shape \[batch\]',
+    ),
+    ([[1]], TypeError, r'step: tokens must be int token ids .*\(1, 1\)'),
+    ([V], ValueError, rf'step: tokens: token {V} is outside the vocabulary'),
+    ([-1], ValueError, r'token -1 is outside the vocabulary \[0, 16\)'),
+  ],
+)
+def test_step_tokens_are_checked(tokens, error, match):
+  # A float token was truncated and an out-of-vocabulary one gave NaN
+  # logits, silently.
+  lm, params = _model()
+  dec = decode.Decoder(lm)
+  _, cache = dec.prefill(params, *dec.pad([[1, 2]]))
+  with pytest.raises(error, match=match) as e:
+    dec.step(params, tokens, cache)
+  assert '\n' not in str(e.value)
+
+
+def test_prefill_ids_are_checked():
+  lm, params = _model()
+  dec = decode.Decoder(lm)
+  start = jnp.zeros(1, jnp.int32)
+  with pytest.raises(TypeError, match=r'prefill: ids must be int token ids'):
+    dec.prefill(params, [[1.5, 2.0]], start)
+  with pytest.raises(ValueError, match=rf'prefill: ids: token {V} is outsi'):
+    dec.prefill(params, [[1, V]], start)
+
+
+def test_a_step_on_a_full_cache_is_refused():
+  # It used to run and overwrite the last slot.
+  lm, params = _model()
+  dec = decode.Decoder(lm)
+  _, cache = dec.prefill(params, *dec.pad([[1] * L]))
+  with pytest.raises(ValueError, match=r'step: the cache is full \(8 slots'):
+    dec.step(params, [1], cache)

@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from aqtr.pax import kv_cache
+import aqtr
+from aqtr.pax import kv_cache, ops
 from aqtr.pax.kv_cache import KVCacheConfig
 
 
@@ -173,6 +174,23 @@ def test_int8_dots_are_integer_and_close_to_dequantizing():
   jaxpr = str(jax.make_jaxpr(lambda *a: _attend(dots, *a))(q, k, v, mask))
   assert jaxpr.count('preferred_element_type=int32') == 2, jaxpr
   assert jaxpr.count('i32[2,2,2,8] = dot_general') >= 1, jaxpr  # QK^T
+
+
+def test_auto_read_takes_int8_dots_in_decode_steps_only():
+  # The default read: int8 dots for one query (faster on XLA:CPU, where
+  # dequantizing writes the float32 cache first), dequantize otherwise.
+  auto = KVCacheConfig(numerics='int8')
+  dots = KVCacheConfig(numerics='int8', read='int8_dots')
+  deq = KVCacheConfig(numerics='int8', read='dequantize')
+  step = _attention_inputs(t=1)
+  np.testing.assert_array_equal(_attend(auto, *step), _attend(dots, *step))
+  prefill = _attention_inputs(t=8)
+  np.testing.assert_array_equal(_attend(auto, *prefill), _attend(deq, *prefill))
+  int8_op = ops.EinsumOp(config=aqtr.presets.int8())
+  assert kv_cache.reads_int8(auto, 1, ops.EinsumOp(), None)
+  assert not kv_cache.reads_int8(auto, 1, int8_op, None)  # Its numerics.
+  assert not kv_cache.reads_int8(KVCacheConfig(numerics='int4'), 1)
+  assert not kv_cache.reads_int8(deq, 1)
 
 
 def test_float_cache_attention_equals_plain_attention():
