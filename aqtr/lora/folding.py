@@ -51,7 +51,7 @@ def dequantized(holder, site: WeightSite, cfg) -> jax.Array:
       return w
     # Rows stored in the order perm (an act-order checkpoint's groups made
     # contiguous, `aqtr.checkpoints`): back to the kernel's own order.
-    (_, (rc, *_)), _ = site.dn
+    (_, (rc, *_)), _ = site.dimension_numbers
     return jnp.take(w, jnp.argsort(parts['perm']), axis=rc)
 
   fn = one
