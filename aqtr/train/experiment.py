@@ -54,6 +54,7 @@ from aqtr.fiddlers import (  # noqa: F401
   use_sparsity,
   use_tiling,
 )
+from aqtr.pax.host import is_template
 from aqtr.rules import Rule
 from aqtr.train import lora_job, models, ptq_stage
 from aqtr.train import mesh as mesh_lib
@@ -240,7 +241,7 @@ class Experiment:
   def __post_init__(self):
     if self.task not in TASKS:
       raise ValueError(f'task must be one of {TASKS}, got {self.task!r}.')
-    if self.model is not None and not isinstance(self.model, fdl.Buildable):
+    if self.model is not None and not is_template(self.model):
       raise ValueError(
         f'model must be a Fiddle model template or None, got {self.model!r}.'
       )
@@ -454,7 +455,7 @@ def split(cfg: fdl.Config) -> tuple[Experiment, Any, Any]:
   if not (isinstance(cfg, fdl.Config) and fdl.get_callable(cfg) is Experiment):
     raise ValueError(f'not an Experiment config: {cfg!r:.200}')
   exp = aqtr_fiddle.build(fdl.copy_with(cfg, model=None))
-  if cfg.model is not None and not isinstance(cfg.model, fdl.Buildable):
+  if cfg.model is not None and not is_template(cfg.model):
     raise ValueError(
       f'model must be a Fiddle model template or None, got {cfg.model!r}.'
     )

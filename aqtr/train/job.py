@@ -28,6 +28,7 @@ import fiddle as fdl
 
 import aqtr.pax
 from aqtr import fiddle as aqtr_fiddle
+from aqtr.pax.host import is_template
 from aqtr.train import (
   experiment,
   generate,
@@ -141,7 +142,7 @@ def _samples(r, exp, run_dir: pathlib.Path, served: bool) -> list | None:
   """The run's generated samples (from its serving checkpoint if any)."""
   if exp.task != 'lm' or not exp.sample_tokens or r.diverged:
     return None
-  if not isinstance(r.injected, fdl.Buildable):
+  if not is_template(r.injected):
     return None  # A stock nnx model: no decoding path.
   if fdl.get_callable(r.injected) is not aqtr.pax.TransformerLm:
     return None  # A custom model: no decoding path.
