@@ -31,8 +31,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from aqtr.core.boundary import fusion_boundary, fusion_fenced
 from aqtr.core.dot_general import dot_general as aqtr_dot_general
+from aqtr.core.dot_general import fenced_cotangent
 from aqtr.flax import intercept
 from aqtr.flax.frozen import FrozenBox, FrozenKernel
 from aqtr.flax.hosts import own_params, path_of
@@ -271,45 +271,12 @@ def low_rank(x, a, b, lc, cfg: LoraConfig, precision, index: int):
   x = x.astype(a.dtype)
   dn_a = ((tuple(lc), tuple(range(len(lc)))), ((), ()))
   xa = dot(x, a, dn_a, precision=precision)
-  if qc is None:
-    return _scaled_b(xa, b, cfg.scale, precision)
   dn_b = (((xa.ndim - 1,), (0,)), ((), ()))
-  return dot(xa, b, dn_b, precision=precision) * cfg.scale
-
-
-def _b_product(xa, b, scale: float, precision):
-  dn_b = (((xa.ndim - 1,), (0,)), ((), ()))
-  return jax.lax.dot_general(xa, b, dn_b, precision=precision) * scale
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _scaled_b(xa, b, scale: float, precision):
-  """(x A) B * scale, float; its VJP is the plain one, on a cotangent that
-  `boundary.fusion_boundary` first writes to a buffer of its own (CPU).
-
-  B's gradient contracts the tokens, so XLA:CPU copies the cotangent
-  transposed; without the boundary it fuses the whole elementwise chain
-  that makes the cotangent (e.g. a GELU's backward) into that
-  transposing copy and recomputes it there with strided loads: a quarter
-  of a LoRA step's CPU time (Pax LM, d_model 128). Same values, bit for
-  bit. First-order only, as the engine's quantized dots.
-  """
-  return _b_product(xa, b, scale, precision)
-
-
-def _scaled_b_fwd(xa, b, scale, precision):
-  return _b_product(xa, b, scale, precision), (xa, b)
-
-
-def _scaled_b_bwd(scale, precision, res, g):
-  spec = getattr(jax.typeof(g).sharding, 'spec', None) or ()
-  if fusion_fenced() and all(p is None for p in spec):  # Not on a mesh.
-    g = fusion_boundary(g)
-  _, vjp = jax.vjp(lambda u, v: _b_product(u, v, scale, precision), *res)
-  return vjp(g)
-
-
-_scaled_b.defvjp(_scaled_b_fwd, _scaled_b_bwd)
+  out = dot(xa, b, dn_b, precision=precision) * cfg.scale
+  # B's gradient contracts the tokens: XLA:CPU copies the cotangent
+  # transposed and, unfenced, recomputes the chain that made it (a GELU's
+  # backward) inside that copy, a quarter of a LoRA step's time.
+  return fenced_cotangent(out) if qc is None else out
 
 
 def _adapters(module, names, label):
