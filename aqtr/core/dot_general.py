@@ -48,7 +48,7 @@ import jax.numpy as jnp
 
 from aqtr.core import prims, slot_state
 from aqtr.core.backward import backward
-from aqtr.core.boundary import fusion_boundary, fusion_fenced
+from aqtr.core.boundary import cotangent_boundary
 from aqtr.core.config import DotGeneralConfig
 from aqtr.core.dimension_numbers import Broadcast
 from aqtr.core.forward import forward
@@ -85,9 +85,9 @@ def fenced_cotangent(x: jax.Array) -> jax.Array:
   """`x`, whose cotangent is written to a buffer of its own on the way back.
 
   The identity forward; backward, the cotangent passes through
-  `boundary.fusion_boundary` where that is a loop (CPU, no mesh, an
-  unsharded cotangent), so no fusion after it recomputes the elementwise
-  chain that made it. For a float product whose gradient contracts the
+  `boundary.cotangent_boundary` (a loop on CPU, no mesh, an unsharded
+  cotangent), so no fusion after it recomputes the elementwise chain that
+  made it. For a float product whose gradient contracts the
   tokens (LoRA's B): XLA:CPU copies that cotangent transposed and would
   fuse the whole chain (e.g. a GELU's backward) into the copy, with
   strided loads. Values are unchanged, bit for bit. First-order only.
@@ -105,10 +105,7 @@ def _fence_fwd(x):
 
 
 def _fence_bwd(_, g):
-  spec = getattr(jax.typeof(g).sharding, 'spec', None) or ()
-  if fusion_fenced() and all(p is None for p in spec):
-    g = fusion_boundary(g)
-  return (g,)
+  return (cotangent_boundary(g),)
 
 
 fenced_cotangent.defvjp(_fence_fwd, _fence_bwd)
