@@ -6,6 +6,7 @@ Run as scripts (`python benchmarks/x.py`), the benchmarks import this as
 
 from __future__ import annotations
 
+import os
 import platform
 import subprocess
 
@@ -24,3 +25,11 @@ def cpu_model() -> str:
   if 'CPU family' in info:
     name += f' (family {info["CPU family"]}, model {info.get("Model", "?")})'
   return f'{name}, {info.get("CPU(s)", "?")} CPUs'
+
+
+def load_average() -> str:
+  """The 1, 5 and 15 minute load averages ('?' where the OS has none)."""
+  try:
+    return ' / '.join(f'{v:.1f}' for v in os.getloadavg())
+  except (AttributeError, OSError):
+    return '?'
