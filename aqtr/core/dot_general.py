@@ -90,7 +90,8 @@ def fenced_cotangent(x: jax.Array) -> jax.Array:
   made it. For a float product whose gradient contracts the
   tokens (LoRA's B): XLA:CPU copies that cotangent transposed and would
   fuse the whole chain (e.g. a GELU's backward) into the copy, with
-  strided loads. Values are unchanged, bit for bit. First-order only.
+  strided loads. Values are unchanged, bit for bit; derivatives of any
+  order are those of the identity.
 
   Example:
     >>> x = jnp.arange(3.0)
@@ -104,8 +105,20 @@ def _fence_fwd(x):
   return x, None
 
 
+@jax.custom_jvp
+def _fence(g):
+  return cotangent_boundary(g)
+
+
+@_fence.defjvp
+def _fence_jvp(primals, tangents):
+  # The loop is the identity: so is its derivative (a gradient of this
+  # gradient, any order, differentiates no loop).
+  return _fence(primals[0]), tangents[0]
+
+
 def _fence_bwd(_, g):
-  return (cotangent_boundary(g),)
+  return (_fence(g),)
 
 
 fenced_cotangent.defvjp(_fence_fwd, _fence_bwd)
