@@ -7,6 +7,7 @@ Run as scripts (`python benchmarks/x.py`), the benchmarks import this as
 from __future__ import annotations
 
 import datetime
+import os
 import platform
 import subprocess
 import sys
@@ -39,3 +40,11 @@ def header(script: str) -> None:
   print(f'CPU: {cpu_model()}; jax {jax.__version__}; {jax.devices()[0]}')
   print(f'command: python benchmarks/{script} {" ".join(sys.argv[1:])}')
   print(f'date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC')
+
+
+def load_average() -> str:
+  """The 1, 5 and 15 minute load averages ('?' where the OS has none)."""
+  try:
+    return ' / '.join(f'{v:.1f}' for v in os.getloadavg())
+  except (AttributeError, OSError):
+    return '?'

@@ -14,11 +14,13 @@ jitted step (forward, backward, AdamW update) as:
   qlora_nf4_fp32_scales   the same without double quantization
 
 Columns: median step time over interleaved rounds (ms; same process),
-its ratio to full fine-tuning, and bytes (`aqtr.lora.sizes`): trainable
-adapters, AdamW state, the frozen adapted weights as stored (bits per
-weight), the other float parameters (embedding, norms), and the training
-total (adapters + optimizer + frozen base + other) over full
-fine-tuning's (float weights + two AdamW moments).
+its ratio to full fine-tuning, the same in process CPU time (all
+threads; steadier than wall time on a shared machine), and bytes
+(`aqtr.lora.sizes`): trainable adapters, AdamW state, the frozen adapted
+weights as stored (bits per weight), the other float parameters
+(embedding, norms), and the training total (adapters + optimizer +
+frozen base + other) over full fine-tuning's (float weights + two AdamW
+moments). Last line: QLoRA's step over LoRA's, wall (cpu).
 
 Run: python benchmarks/lora.py [--model=stock|pax] [--rounds 5] [--steps 5]
 """
@@ -110,51 +112,58 @@ def bench(rounds: int, steps: int, model: str = 'stock'):
   x = jax.random.randint(key, (BATCH, SEQ), 0, VOCAB)
   y = jnp.roll(x, -1, axis=1)
   tx = optax.adamw(1e-3)
-  compiled, state, times, sizes = {}, {}, {}, {}
+  compiled, state, times, cpu, sizes = {}, {}, {}, {}, {}
   setups = _setups_pax(x) if model == 'pax' else _setups_stock(x)
   for name, (apply, p, rest, sz) in setups.items():
     o = tx.init(p)
     c = jax.jit(_step(apply, tx), donate_argnums=(0, 2))
     compiled[name] = c.lower(p, rest, o, x, y).compile()
     state[name] = jax.tree.map(jnp.copy, (p, rest, o))  # Unshared buffers.
-    times[name] = []
+    times[name], cpu[name] = [], []
     sizes[name] = sz
   for _ in range(rounds):
     for name, c in compiled.items():
       p, rest, o = state[name]
       p, o, loss = c(p, rest, o, x, y)
       jax.block_until_ready(loss)
-      t = time.perf_counter()
+      t, u = time.perf_counter(), time.process_time()
       for _ in range(steps):
         p, o, loss = c(p, rest, o, x, y)
       jax.block_until_ready(loss)
       times[name].append((time.perf_counter() - t) / steps * 1e3)
+      cpu[name].append((time.process_time() - u) / steps * 1e3)
       state[name] = (p, rest, o)
-  return {n: statistics.median(t) for n, t in times.items()}, sizes
+  med = {
+    n: (statistics.median(times[n]), statistics.median(cpu[n])) for n in times
+  }
+  return med, sizes
 
 
 def table(times, sizes, model: str = 'stock') -> str:
+  """Markdown rows; `times`: {run: (wall ms, process CPU ms)} per step."""
   full = next(s for s in sizes.values() if s is not None).full
+  fw, fc = times['full']
   lines = [
-    f'Host: {host.cpu_model()}; model: {model}',
+    f'Host: {host.cpu_model()}; model: {model}; load average '
+    f'{host.load_average()}',
     '',
-    '| run | step ms | x full | trainable B | AdamW B | frozen base B | '
-    'bits/base weight | other B | total / full FT |',
-    '|---|---:|---:|---:|---:|---:|---:|---:|---:|',
+    '| run | step ms | x full | cpu ms | cpu x full | trainable B | AdamW B '
+    '| frozen base B | bits/base weight | other B | total / full FT |',
+    '|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|',
   ]
-  for name, ms in times.items():
+  for name, (ms, cms) in times.items():
     s = sizes[name]
+    head = f'| {name} | {ms:.1f} | {ms / fw:.2f} | {cms:.1f} | {cms / fc:.2f} '
     if s is None:
-      lines.append(
-        f'| {name} | {ms:.1f} | 1.00 | {full // 3} | {2 * full // 3} | | '
-        '32 | | 1.000 |'
-      )
+      lines.append(head + f'| {full // 3} | {2 * full // 3} | | 32 | | 1.000 |')
       continue
     lines.append(
-      f'| {name} | {ms:.1f} | {ms / times["full"]:.2f} | {s.adapters} | '
-      f'{s.optimizer} | {s.base} | {s.base_bits:.3f} | {s.other} | '
-      f'{s.ratio:.3f} |'
+      head + f'| {s.adapters} | {s.optimizer} | {s.base} | '
+      f'{s.base_bits:.3f} | {s.other} | {s.ratio:.3f} |'
     )
+  if 'lora' in times and 'qlora_nf4' in times:
+    (lw, lc), (qw, qc) = times['lora'], times['qlora_nf4']
+    lines += ['', f'qlora_nf4 / lora: {qw / lw:.2f} (cpu {qc / lc:.2f})']
   return '\n'.join(lines)
 
 

@@ -17,7 +17,9 @@ Qwix appear when installed (`pip install -e '.[bench]'`).
 
 One process, interleaved rounds (each implementation is timed once per
 round, in turn), minimum over rounds; `x float` = float min time / min
-time (higher is faster), compile time as measured by AOT compilation.
+time (higher is faster); `cpu ms` / `cpu x` the same in process CPU time
+(all threads; steadier than wall time on a shared machine); compile time
+as measured by AOT compilation.
 
 Run: python benchmarks/train_step.py [--rounds 10] [--models mlp lm]
 """
@@ -28,6 +30,7 @@ import argparse
 import time
 from collections.abc import Callable
 
+import host
 import jax
 import jax.numpy as jnp
 import optax
@@ -256,11 +259,13 @@ def bench(model: str, rounds: int) -> list[dict]:
     jax.block_until_ready(c(p, state, x, y))  # Warm up.
     fns[name] = (c, (p, state, x, y))
   best = dict.fromkeys(fns, float('inf'))
+  cpu = dict.fromkeys(fns, float('inf'))
   for _ in range(rounds):
     for name, (c, args) in fns.items():
-      t = time.perf_counter()
+      t, u = time.perf_counter(), time.process_time()
       jax.block_until_ready(c(*args))
       best[name] = min(best[name], time.perf_counter() - t)
+      cpu[name] = min(cpu[name], time.process_time() - u)
   rows = []
   for name in fns:
     base = 'float (pax LM)' if 'pax' in name else 'float'
@@ -270,6 +275,8 @@ def bench(model: str, rounds: int) -> list[dict]:
         impl=name,
         ms=best[name] * 1e3,
         speed=best[base] / best[name],
+        cpu_ms=cpu[name] * 1e3,
+        cpu_speed=cpu[base] / cpu[name],
         compile_s=compile_s[name],
         compile_x=compile_s[name] / compile_s[base],
       )
@@ -287,19 +294,23 @@ def main(argv=None) -> None:
     f'rounds={a.rounds}; x float = float min time / min time '
     '(higher is faster)'
   )
+  print(f'Host: {host.cpu_model()}; load average {host.load_average()}')
   print(
     f'| {"model":<5} | {"impl":<19} | {"ms/step":>8} | {"x float":>7} '
-    f'| {"compile s":>9} | {"compile x":>9} |'
+    f'| {"cpu ms":>7} | {"cpu x":>5} | {"compile s":>9} | {"compile x":>9} |'
   )
-  print('|' + '|'.join('-' * n for n in (7, 21, 10, 9, 11, 11)) + '|')
+  widths = (7, 21, 10, 9, 9, 7, 11, 11)
+  print('|' + '|'.join('-' * n for n in widths) + '|')
   for m in a.models:
     for r in bench(m, a.rounds):
       print(
         f'| {r["model"]:<5} | {r["impl"]:<19} | {r["ms"]:>8.2f} | '
-        f'{r["speed"]:>7.2f} | {r["compile_s"]:>9.2f} | '
+        f'{r["speed"]:>7.2f} | {r["cpu_ms"]:>7.2f} | '
+        f'{r["cpu_speed"]:>5.2f} | {r["compile_s"]:>9.2f} | '
         f'{r["compile_x"]:>9.2f} |',
         flush=True,
       )
+  print(f'(end: load average {host.load_average()})')
 
 
 if __name__ == '__main__':

@@ -14,8 +14,9 @@ reaches across. The forward puts each quantized operand's scales behind
 one in both programs, so everything after it is the same code on the same
 arrays: XLA fuses it alike, and the outputs are equal bit for bit.
 
-Internal API (for `forward.py`, `aqtr.flax.serving` and
-`aqtr.pax.kv_cache`): `fusion_boundary`, `fusion_fenced`.
+Internal API (for `forward.py`, `dot_general.py`,
+`aqtr.flax.serving` and `aqtr.pax.kv_cache`): `fusion_boundary`,
+`fusion_fenced`, `cotangent_boundary`.
 """
 
 from __future__ import annotations
@@ -134,3 +135,22 @@ def fusion_boundary(tree, transposed: jax.Array | None = None):
 def _first_trips(tree) -> jax.Array:
   first = [x for x in jax.tree.leaves(tree) if x.size][0]
   return _trips(first.reshape(-1)[0])
+
+
+def cotangent_boundary(g: jax.Array) -> jax.Array:
+  """`g` written to a buffer of its own where `fusion_boundary` is a loop
+  (`fusion_fenced`) and `g` is not sharded; else `g` as it is.
+
+  For a cotangent read by several fusions: XLA:CPU otherwise fuses the
+  elementwise chain that makes it (a GELU's backward, say) into each of
+  them, and recomputes it there, with strided loads where one of them
+  copies it transposed. The values are unchanged.
+
+  Example:
+    >>> cotangent_boundary(jnp.ones(2)).tolist()
+    [1.0, 1.0]
+  """
+  spec = getattr(jax.typeof(g).sharding, 'spec', None) or ()
+  if g.size and fusion_fenced() and all(p is None for p in spec):
+    return fusion_boundary(g)
+  return g

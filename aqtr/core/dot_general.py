@@ -1,4 +1,4 @@
-"""Quantized `dot_general`: the one custom VJP of aqtr.
+"""Quantized `dot_general`: the custom VJPs of aqtr (and `fenced_cotangent`).
 
 Math. Operands are brought to canonical 3-D layouts (`dimension_numbers.py`):
 L [B, M, K], R [B, N, K] or [B, K, N]. With per-group scales constant along K
@@ -48,6 +48,7 @@ import jax.numpy as jnp
 
 from aqtr.core import prims, slot_state
 from aqtr.core.backward import backward
+from aqtr.core.boundary import cotangent_boundary
 from aqtr.core.config import DotGeneralConfig
 from aqtr.core.dimension_numbers import Broadcast
 from aqtr.core.forward import forward
@@ -77,6 +78,50 @@ def _qdot(lhs, rhs, key, state, groups, plan: Plan):
 
 
 _qdot.defvjp(_fwd, _bwd)
+
+
+@jax.custom_vjp
+def fenced_cotangent(x: jax.Array) -> jax.Array:
+  """`x`, whose cotangent is written to a buffer of its own on the way back.
+
+  The identity forward; backward, the cotangent passes through
+  `boundary.cotangent_boundary` (a loop on CPU, no mesh, an unsharded
+  cotangent), so no fusion after it recomputes the elementwise chain that
+  made it. For a float product whose gradient contracts the
+  tokens (LoRA's B): XLA:CPU copies that cotangent transposed and would
+  fuse the whole chain (e.g. a GELU's backward) into the copy, with
+  strided loads. Values are unchanged, bit for bit; derivatives of any
+  order are those of the identity.
+
+  Example:
+    >>> x = jnp.arange(3.0)
+    >>> jax.grad(lambda x: (fenced_cotangent(x) ** 2).sum())(x).tolist()
+    [0.0, 2.0, 4.0]
+  """
+  return x
+
+
+def _fence_fwd(x):
+  return x, None
+
+
+@jax.custom_jvp
+def _fence(g):
+  return cotangent_boundary(g)
+
+
+@_fence.defjvp
+def _fence_jvp(primals, tangents):
+  # The loop is the identity: so is its derivative (a gradient of this
+  # gradient, any order, differentiates no loop).
+  return _fence(primals[0]), tangents[0]
+
+
+def _fence_bwd(_, g):
+  return (_fence(g),)
+
+
+fenced_cotangent.defvjp(_fence_fwd, _fence_bwd)
 # (lhs, rhs, key, typed state, group sizes, plan) -> (out, new typed
 # state); group sizes: a ragged plan's (`aqtr.ragged_dot`), else None.
 quantized_dot = jax.jit(_qdot, static_argnums=(5,))

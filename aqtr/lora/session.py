@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from aqtr.core.dot_general import dot_general as aqtr_dot_general
+from aqtr.core.dot_general import fenced_cotangent
 from aqtr.flax import intercept
 from aqtr.flax.frozen import is_holder
 from aqtr.flax.hosts import own_params, path_of
@@ -256,7 +257,11 @@ def low_rank(x, a, b, lc, cfg: LoraConfig, precision, index: int):
   dn_a = ((tuple(lc), tuple(range(len(lc)))), ((), ()))
   xa = dot(x, a, dn_a, precision=precision)
   dn_b = (((xa.ndim - 1,), (0,)), ((), ()))
-  return dot(xa, b, dn_b, precision=precision) * cfg.scale
+  out = dot(xa, b, dn_b, precision=precision) * cfg.scale
+  # B's gradient contracts the tokens: XLA:CPU copies the cotangent
+  # transposed and, unfenced, recomputes the chain that made it (a GELU's
+  # backward) inside that copy, a quarter of a LoRA step's time.
+  return fenced_cotangent(out) if qc is None else out
 
 
 def _adapters(module, names, label):
