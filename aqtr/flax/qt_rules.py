@@ -57,7 +57,7 @@ def check(model, chosen, *args, variables=None, **kwargs) -> None:
   for s in serving.trace(model, fn):
     configs = {e.path: e.config for e in s.entries}
     for where, w in s.weights.items():
-      path = '/'.join(map(str, w.path))
+      path = '/'.join(map(str, w.param_path))
       reads.setdefault(path, []).append(
         (where, configs.get(where) is not None, w.elsewhere)
       )
