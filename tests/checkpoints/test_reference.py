@@ -36,6 +36,21 @@ EYE = jnp.eye(D_IN)
 Packed = ct_pack.PackedQuantizationCompressor
 
 
+def _write_compressed(folder, out, scheme, fmt, meta=False):
+  """Writes the reference compressor's `out` as a compressed-tensors
+  checkpoint of format `fmt`; (its tensors, its quantization config)."""
+  tensors = {f'fc.{k}': v.contiguous() for k, v in out.items()}
+  extra = {'metadata': {'format': 'pt'}} if meta else {}
+  st.save_file(tensors, str(folder / files.WEIGHTS), **extra)
+  qc = ct_quant.QuantizationConfig(
+    config_groups={'group_0': scheme},
+    format=fmt,
+    quantization_status='compressed',
+  ).to_dict()
+  json.dump({'quantization_config': qc}, open(folder / files.CONFIG, 'w'))
+  return tensors, qc
+
+
 def _linear():
   return nnx.Linear(D_IN, D_OUT, use_bias=False, rngs=nnx.Rngs(0))
 
@@ -258,14 +273,7 @@ def _reference_checkpoint(folder, bits, sym, group, scale_dtype):
   if not sym:
     sd['weight_zero_point'] = zp
   out = Packed.compress(sd, scheme)
-  tensors = {f'fc.{k}': v.contiguous() for k, v in out.items()}
-  st.save_file(tensors, str(folder / files.WEIGHTS), metadata={'format': 'pt'})
-  qc = ct_quant.QuantizationConfig(
-    config_groups={'group_0': scheme},
-    format='pack-quantized',
-    quantization_status='compressed',
-  ).to_dict()
-  json.dump({'quantization_config': qc}, open(folder / files.CONFIG, 'w'))
+  _write_compressed(folder, out, scheme, 'pack-quantized', meta=True)
   return _ct_reference(folder, 'fc')
 
 
@@ -353,14 +361,7 @@ def test_reference_mxfp4_checkpoint_loads_and_serves(tmp_path):
   out = MXFP4PackedCompressor.compress(
     {'weight': w, 'weight_scale': scale}, scheme
   )
-  tensors = {f'fc.{k}': v.contiguous() for k, v in out.items()}
-  st.save_file(tensors, str(tmp_path / files.WEIGHTS))
-  qc = ct_quant.QuantizationConfig(
-    config_groups={'group_0': scheme},
-    format='mxfp4-pack-quantized',
-    quantization_status='compressed',
-  ).to_dict()
-  json.dump({'quantization_config': qc}, open(tmp_path / files.CONFIG, 'w'))
+  tensors, _ = _write_compressed(tmp_path, out, scheme, 'mxfp4-pack-quantized')
   ref = MXFP4PackedCompressor.decompress(out, scheme)['weight']
   served = ck.load(
     nnx.eval_shape(_linear), str(tmp_path), EYE, names=lambda p: 'fc.weight'
@@ -418,14 +419,7 @@ def test_reference_nvfp4_checkpoint_loads_serves_and_exports(tmp_path):
   out = NVFP4PackedCompressor.compress(
     {'weight': w, 'weight_scale': scale, 'weight_global_scale': gs}, scheme
   )
-  tensors = {f'fc.{k}': v.contiguous() for k, v in out.items()}
-  st.save_file(tensors, str(tmp_path / files.WEIGHTS))
-  qc = ct_quant.QuantizationConfig(
-    config_groups={'group_0': scheme},
-    format='nvfp4-pack-quantized',
-    quantization_status='compressed',
-  ).to_dict()
-  json.dump({'quantization_config': qc}, open(tmp_path / files.CONFIG, 'w'))
+  tensors, qc = _write_compressed(tmp_path, out, scheme, 'nvfp4-pack-quantized')
   f32, bf16 = _nv_reference(tensors, qc)
   served = ck.load(
     nnx.eval_shape(_linear), str(tmp_path), EYE, names=lambda p: 'fc.weight'
