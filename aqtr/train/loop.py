@@ -97,6 +97,25 @@ class RunResult:
   # (stateful calibrations: amax histories, running statistics).
   collections: dict = dataclasses.field(default_factory=dict)
 
+  @classmethod
+  def of(cls, fitted: Fitted, **fields) -> RunResult:
+    """The result of a run `fit` trained: its metrics and timings, its
+    params and logits unless `fields` (name, config, injected, report,
+    and any other field) say otherwise."""
+    got = {
+      'params': fitted.params,
+      'step': fitted.step,
+      'train_loss': fitted.train_loss,
+      'final': fitted.final,
+      'history': fitted.history,
+      'steps_per_s': fitted.steps_per_s,
+      'compile_s': fitted.compile_s,
+      'train_s': fitted.train_s,
+      'logits_fn': fitted.logits,
+      'diverged': fitted.diverged,
+    }
+    return cls(**(got | fields))
+
 
 # Ctrl-C: the first SIGINT asks the job to stop at the next step boundary
 # (raised from the loop, never from inside a garbage-collector callback,

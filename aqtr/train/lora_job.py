@@ -323,21 +323,15 @@ def run(
   pathlib.Path(run_dir, 'lora.json').write_text(json.dumps(info, indent=1))
   cfg = _config(run, exp)
   rules = STOCK_RULES if run.stock else PAX_RULES
-  result = loop.RunResult(
+  result = loop.RunResult.of(
+    fitted,
     name=name,
     config=run.config(),
     injected=None,
     report=f'{name}: {cfg} on {rules} (family {exp.finetune_family})',
     params=tuned.params,
-    step=fitted.step,
-    train_loss=fitted.train_loss,
     final=final,
-    history=fitted.history,
-    steps_per_s=fitted.steps_per_s,
-    compile_s=fitted.compile_s,
-    train_s=fitted.train_s,
     logits_fn=train_fn,
-    diverged=fitted.diverged,
     param_opt_bytes=sizes.total,
   )
   serve = {  # Served as trained: frozen base + adapters + other params.

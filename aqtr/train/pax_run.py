@@ -140,21 +140,14 @@ def train(
     show_progress=show_progress,
   )
   stored = qt.tree_bytes(f.params) + qt.tree_bytes(f.opt_state)
-  return RunResult(
+  return RunResult.of(
+    f,
     name=name,
     config=config,
     injected=injected,
     report=report,
     params=qt.dequantize(f.params),
-    step=f.step,
-    train_loss=f.train_loss,
-    final=f.final,
-    history=f.history,
-    steps_per_s=f.steps_per_s,
-    compile_s=f.compile_s,
-    train_s=f.train_s,
     logits_fn=f.logits,  # (float params, x), the trained collections.
     param_opt_bytes=stored,
-    diverged=f.diverged,
     collections=f.state,
   )

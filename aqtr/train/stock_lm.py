@@ -249,21 +249,12 @@ def train(
     on_record=on_record,
     show_progress=show_progress,
   )
-  return loop.RunResult(
+  return loop.RunResult.of(
+    f,
     name=name,
     config=aqtr.presets.float(),
     injected=nnx.merge(graphdef, f.params),
     report=report,
-    params=f.params,
-    step=f.step,
-    train_loss=f.train_loss,
-    final=f.final,
-    history=f.history,
-    steps_per_s=f.steps_per_s,
-    compile_s=f.compile_s,
-    train_s=f.train_s,
-    logits_fn=f.logits,
-    diverged=f.diverged,
     param_opt_bytes=_nbytes(f.params) + _nbytes(f.opt_state),
   )
 
