@@ -57,18 +57,9 @@ import optax
 import train_step as ts
 from jax.extend import core as jex_core
 
+from aqtr.core.lowering import sub_jaxprs
+
 ROWS = ('mlp', 'lm', 'pax')
-
-
-def _sub_jaxprs(value):
-  """The jaxprs held by one equation parameter (possibly in a sequence)."""
-  if isinstance(value, jex_core.ClosedJaxpr):
-    yield value.jaxpr
-  elif isinstance(value, jex_core.Jaxpr):
-    yield value
-  elif isinstance(value, tuple | list):
-    for v in value:
-      yield from _sub_jaxprs(v)
 
 
 def count_eqns(jaxpr: jex_core.Jaxpr) -> int:
@@ -80,9 +71,8 @@ def count_eqns(jaxpr: jex_core.Jaxpr) -> int:
   n = 0
   for eqn in jaxpr.eqns:
     n += 1
-    for v in eqn.params.values():
-      for sub in _sub_jaxprs(v):
-        n += count_eqns(sub)
+    for sub in sub_jaxprs(eqn):  # A platform cond: its CPU branch.
+      n += count_eqns(sub)
   return n
 
 
@@ -92,9 +82,8 @@ def count_int8_dots(jaxpr: jex_core.Jaxpr) -> int:
   for eqn in jaxpr.eqns:
     if eqn.primitive.name == 'dot_general':
       n += any(getattr(v.aval, 'dtype', None) == jnp.int8 for v in eqn.invars)
-    for v in eqn.params.values():
-      for sub in _sub_jaxprs(v):
-        n += count_int8_dots(sub)
+    for sub in sub_jaxprs(eqn):
+      n += count_int8_dots(sub)
   return n
 
 

@@ -44,6 +44,7 @@ import zoo  # noqa: E402
 import aqtr.flax as af  # noqa: E402
 import aqtr.lora as lora  # noqa: E402
 import aqtr.ptq as ptq  # noqa: E402
+from aqtr.core.lowering import sub_jaxprs  # noqa: E402
 from aqtr.flax import Rule, hosts  # noqa: E402
 from aqtr.flax.serving import check_served  # noqa: E402
 from aqtr.freezers import lifecycle  # noqa: E402
@@ -87,7 +88,7 @@ def _count(jaxpr, found=None) -> collections.Counter:
       eqn.params.get('new_dtype')
     ):
       found['int4'] += 1
-    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+    for sub in sub_jaxprs(eqn):
       _count(sub, found)
   return found
 

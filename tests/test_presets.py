@@ -11,6 +11,7 @@ import pytest
 
 import aqtr
 from aqtr import calibrations, numerics, presets, tilings
+from aqtr.core.lowering import sub_jaxprs
 
 NAMES = sorted(presets.__all__)
 PASSES = ('fwd', 'dlhs', 'drhs')
@@ -249,13 +250,9 @@ def _dot_dtypes(jaxpr) -> dict:
     if eqn.primitive.name == 'dot_general':
       key = tuple(str(v.aval.dtype) for v in eqn.invars[:2])
       found[key] = found.get(key, 0) + 1
-    for value in eqn.params.values():
-      subs = value if isinstance(value, tuple | list) else (value,)
-      for sub in subs:
-        sub = getattr(sub, 'jaxpr', sub)
-        if hasattr(sub, 'eqns'):
-          for k, n in _dot_dtypes(sub).items():
-            found[k] = found.get(k, 0) + n
+    for sub in sub_jaxprs(eqn):
+      for k, n in _dot_dtypes(sub).items():
+        found[k] = found.get(k, 0) + n
   return found
 
 

@@ -10,7 +10,8 @@ different multiply and the add after it into one fused multiply-add
 (NVFP4 tile sums, int8 / fp8 rescales of real Hugging Face LMs).
 
 `fusion_boundary` writes arrays to buffers of their own that no fusion
-reaches across. The forward puts each quantized operand's scales behind
+reaches across (lowered for CPU; for GPU an `optimization_barrier`, see
+`lowering.py`). The forward puts each quantized operand's scales behind
 one in both programs, so everything after it is the same code on the same
 arrays: XLA fuses it alike, and the outputs are equal bit for bit.
 
@@ -25,6 +26,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.sharding import get_abstract_mesh
+
+from aqtr.core.lowering import loops_allowed, per_platform
 
 
 def fusion_fenced() -> bool:
@@ -96,15 +99,16 @@ def one_trip_loop(tree, count):
 def fusion_boundary(tree, transposed: jax.Array | None = None):
   """`tree`'s arrays as buffers of their own that no fusion reaches across.
 
-  Where `fusion_fenced`, a one-trip while loop whose trip count XLA
-  cannot fold (XLA:CPU drops `optimization_barrier`s before fusion, but
-  keeps a loop); elsewhere an `optimization_barrier`. The values are
-  unchanged.
+  Lowered for CPU outside a mesh, a one-trip while loop whose trip count
+  XLA cannot fold (XLA:CPU drops `optimization_barrier`s before fusion,
+  but keeps a loop); elsewhere an `optimization_barrier`
+  (`lowering.per_platform`). The values are unchanged.
 
-  `transposed` (fenced, and `copyable`): an array [B, T, X, Y]
-  that the same loop also makes a buffer of its own, then copied as
-  [B, T, Y, X] (the job of `passes.with_transposed_copy` without a loop
-  of its own: each loop costs compile time).
+  `transposed` (`copyable`): an array [B, T, X, Y] also returned as
+  [B, T, Y, X]. For CPU the same loop makes it a buffer of its own, then
+  a plain copy transposes it (the job of `passes.with_transposed_copy`
+  without a loop of its own: each loop costs compile time); for GPU it is
+  transposed as it is (a 1-byte array, no loop).
 
   Args:
     tree: a pytree of arrays (None leaves allowed).
@@ -112,7 +116,8 @@ def fusion_boundary(tree, transposed: jax.Array | None = None):
 
   Returns:
     The same tree, same values; with `transposed`, `(tree, values,
-    values_t)` (`values_t` None where no loop makes its buffer).
+    values_t)` (`values_t` None where it is not `copyable`, or under a
+    mesh).
 
   Example:
     >>> s = jnp.array([0.5, 2.0])
@@ -120,16 +125,31 @@ def fusion_boundary(tree, transposed: jax.Array | None = None):
     [0.5, 2.0]
   """
   copies = transposed is not None
-  fenced = fusion_fenced()
-  if copies and fenced and copyable(transposed):
-    tree, values = one_trip_loop((tree, transposed), lambda t: copy_trips(t[1]))
-    return tree, values, swap_last(values)
-  if any(x.size for x in jax.tree.leaves(tree)):
-    if not fenced:
-      tree = lax.optimization_barrier(tree)
-    else:
-      tree = one_trip_loop(tree, _first_trips)
+  loops = loops_allowed()
+  if copies and loops and copyable(transposed):
+
+    def cpu(tree, values):
+      tree, values = one_trip_loop((tree, values), lambda t: copy_trips(t[1]))
+      return tree, values, swap_last(values)
+
+    def gpu(tree, values):
+      return _barrier(tree), values, swap_last(values)
+
+    return per_platform(tree, transposed, cpu=cpu, gpu=gpu)
+  if not loops:
+    tree = _barrier(tree)
+  elif any(x.size for x in jax.tree.leaves(tree)):
+    tree = per_platform(
+      tree, cpu=lambda t: one_trip_loop(t, _first_trips), gpu=_barrier
+    )
   return (tree, transposed, None) if copies else tree
+
+
+def _barrier(tree):
+  """`tree` behind an `optimization_barrier` (if it holds any values)."""
+  if any(x.size for x in jax.tree.leaves(tree)):
+    return lax.optimization_barrier(tree)
+  return tree
 
 
 def _first_trips(tree) -> jax.Array:
@@ -138,8 +158,8 @@ def _first_trips(tree) -> jax.Array:
 
 
 def cotangent_boundary(g: jax.Array) -> jax.Array:
-  """`g` written to a buffer of its own where `fusion_boundary` is a loop
-  (`fusion_fenced`) and `g` is not sharded; else `g` as it is.
+  """`g` written to a buffer of its own (a one-trip loop) where lowered for
+  CPU outside a mesh and `g` is not sharded; else `g` as it is.
 
   For a cotangent read by several fusions: XLA:CPU otherwise fuses the
   elementwise chain that makes it (a GELU's backward, say) into each of
@@ -151,6 +171,8 @@ def cotangent_boundary(g: jax.Array) -> jax.Array:
     [1.0, 1.0]
   """
   spec = getattr(jax.typeof(g).sharding, 'spec', None) or ()
-  if g.size and fusion_fenced() and all(p is None for p in spec):
-    return fusion_boundary(g)
+  if g.size and loops_allowed() and all(p is None for p in spec):
+    return per_platform(
+      g, cpu=lambda g: one_trip_loop(g, _first_trips), gpu=lambda g: g
+    )
   return g

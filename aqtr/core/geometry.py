@@ -49,7 +49,8 @@ from jax import lax
 
 from aqtr.core import passes, prims, zero_point
 from aqtr.core.config import DotGeneralRaw
-from aqtr.core.passes import QuantizedOperand, low_precision, quantize_tiled
+from aqtr.core.lowering import low_precision
+from aqtr.core.passes import QuantizedOperand, quantize_tiled
 from aqtr.core.slots import Side, Slot
 
 # L [M, K] . R [G, K, N] -> [M, N]; and R as [G, N, K] (contract its last).

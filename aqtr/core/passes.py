@@ -18,12 +18,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import operator
 
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import get_abstract_mesh
 
 from aqtr.core import prims
 from aqtr.core.boundary import (
@@ -34,6 +32,17 @@ from aqtr.core.boundary import (
 )
 from aqtr.core.config import DotGeneralRaw, TensorConfig
 from aqtr.core.dimension_numbers import OperandLayout
+from aqtr.core.lowering import (
+  batched_dot,
+  dot_kind,
+  is_fp8,
+  is_int,
+  loops_allowed,
+  low_precision,
+  per_platform,
+  tile_sum,
+  tn_dot,
+)
 from aqtr.core.qtensor import from_view, to_view
 from aqtr.core.quantizer import quantize_view
 from aqtr.core.slots import Slot
@@ -89,12 +98,17 @@ def with_transposed_copy(values: jax.Array) -> tuple[jax.Array, jax.Array]:
   bits), the loop makes `values` a buffer of their own that the transpose
   then copies, and that every other consumer reads (no recomputation).
   The forward pass writes its copy in its fusion boundary's loop instead
-  (`boundary.fusion_boundary`).
+  (`boundary.fusion_boundary`). Lowered for GPU, a plain transpose (no
+  loop; `lowering.py`).
   """
   if not copyable(values):
     return values, swap_last(values)
-  values = one_trip_loop(values, copy_trips)
-  return values, swap_last(values)
+
+  def cpu(values):
+    values = one_trip_loop(values, copy_trips)
+    return values, swap_last(values)
+
+  return per_platform(values, cpu=cpu, gpu=lambda v: (v, swap_last(v)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,78 +270,45 @@ def quantize_tiled(op: Operand, tile: int | None) -> QuantizedOperand:
   )
 
 
-def _is_int(dtype) -> bool:
-  return jnp.issubdtype(dtype, jnp.integer)
+def _merged(va, vb, a: QuantizedOperand, b: QuantizedOperand, t: int):
+  """The tiled views with their tiles merged into the batch (as the dot's
+  types): [B*T, F_a, t] and [B*T, F_b, t] / [B*T, t, F_b]."""
+  bsz, n = va.shape[:2]
+  qa = va.reshape(bsz * n, va.shape[2], t).astype(a.dot_dtype)
+  qb = vb.reshape((bsz * n,) + vb.shape[2:]).astype(b.dot_dtype)
+  return qa, qb
 
 
-def _is_fp8(dtype) -> bool:
-  return jnp.dtype(dtype).itemsize == 1 and jnp.issubdtype(dtype, jnp.floating)
+def _zero_fns(za, zb, b_contract: int):
+  """`low_precision`'s zero-point pair (None for symmetric operands)."""
+  if za is None and zb is None:
+    return None
+  return (
+    functools.partial(subtract_rows, za=za, zb=zb, b_contract=b_contract),
+    functools.partial(int_corrections, za=za, zb=zb, b_contract=b_contract),
+  )
 
 
-def _kind(da, db, raw: DotGeneralRaw) -> str:
-  """'int' (int x int -> int32), 'fp8' (fp8 x fp8 -> f32) or 'float'."""
-  if _is_int(da) and _is_int(db) and raw.accumulator != 'float32':
-    return 'int'
-  if _is_fp8(da) and _is_fp8(db) and raw.accumulator != 'int32':
-    return 'fp8'
-  return 'float'
-
-
-def low_precision(
-  qa, qb, dot, raw: DotGeneralRaw, precision, zero=None, pinned=False
-):
-  """`dot(qa, qb, preferred, precision)` in the operands' own types -> f32.
-
-  The one dtype dispatch of the engine (dot_general and ragged_dot):
-  int x int runs an int32-accumulating dot, fp8 x fp8 an f32-accumulating
-  one (both on operands pinned by an optimization barrier, so XLA keeps
-  the low-precision dot), anything else a float dot in the operands'
-  float type. `zero` (affine operands) is a pair of functions:
-  `subtract(qa, qb)` before a float dot, `correct(out, qa, qb)` of an
-  int32 result (exact integer corrections, `zero_point.py`). `pinned`:
-  the caller has pinned the operands already.
-  """
-  kind = _kind(qa.dtype, qb.dtype, raw)
-  if kind == 'float':
-    floats = [d for d in (qa.dtype, qb.dtype) if not (_is_int(d) or _is_fp8(d))]
-    ct = jnp.result_type(*floats) if floats else jnp.float32
-    qa, qb = qa.astype(ct), qb.astype(ct)
-    if zero is not None:  # Subtracted in float: exact for integer values.
-      qa, qb = zero[0](qa, qb)
-    return dot(qa, qb, jnp.float32, precision)
-  if not pinned:
-    qa, qb = lax.optimization_barrier((qa, qb))
-  if kind == 'fp8':
-    return dot(qa, qb, jnp.float32, None)
-  out = dot(qa, qb, jnp.int32, None)
-  if zero is not None:
-    out = zero[1](out, qa, qb)
-  return out.astype(jnp.float32)
-
-
-def _batched_dot(b_contract: int):
-  dn = (((2,), (b_contract,)), ((0,), (0,)))
-
-  def dot(qa, qb, preferred, precision):
-    return prims.dot_general(
-      qa, qb, dn, precision=precision, preferred_element_type=preferred
-    )
-
-  return dot
+def _int_corrected(out, qa, qb, za, zb, b_contract: int):
+  """An integer dot's `out` with the zero points' exact corrections."""
+  if za is None and zb is None or out.dtype != jnp.int32:
+    return out
+  return int_corrections(out, qa, qb, za=za, zb=zb, b_contract=b_contract)
 
 
 def dense_tiles() -> bool:
   """Whether a float dot over tiles runs as one dot of dequantized operands
   (nf4 codes, int4 against float activations: train and serve alike).
 
-  True on CPU outside a mesh context; elsewhere, and for int8 / fp8 dots,
-  the per-tile form (`tile_sum`) stays.
+  True outside a mesh context; under a mesh, and for int8 / fp8 dots
+  lowered for CPU, the per-tile form (`tile_sum`) stays. Lowered for GPU
+  the int8 / fp8 dots over tiles run dense too (`contract`).
 
   Example:
-    >>> dense_tiles()  # On the CPU backend, no mesh set.
+    >>> dense_tiles()  # No mesh set.
     True
   """
-  return jax.default_backend() == 'cpu' and get_abstract_mesh().empty
+  return loops_allowed()
 
 
 def dequantized(q: QuantizedOperand, dtype) -> jax.Array:
@@ -351,7 +332,7 @@ def dequantized(q: QuantizedOperand, dtype) -> jax.Array:
 def _dense_contract(a: QuantizedOperand, b: QuantizedOperand, precision):
   """One float dot of the dequantized operands -> [B, F_a, F_b] f32."""
   floats = [
-    d for d in (a.dot_dtype, b.dot_dtype) if not (_is_int(d) or _is_fp8(d))
+    d for d in (a.dot_dtype, b.dot_dtype) if not (is_int(d) or is_fp8(d))
   ]
   dtype = jnp.result_type(*floats) if floats else jnp.float32
   for q in (a, b):
@@ -377,70 +358,66 @@ def contract(
   tiles runs as one dot of the dequantized operands (`dense_tiles`).
   """
   bsz, n, fa, t = a.values.shape
-  if (
-    n > 1 and _kind(a.dot_dtype, b.dot_dtype, raw) == 'float' and dense_tiles()
-  ):
+  kind = dot_kind(a.dot_dtype, b.dot_dtype, raw)
+  dense = n > 1 and dense_tiles()
+  if dense and kind == 'float':
     return _dense_contract(a, b, precision)
+  if dense:  # int8 / fp8 tiles: one dense dot where lowered for GPU.
+    return per_platform(
+      a,
+      b,
+      cpu=lambda a, b: _tiled_contract(a, b, raw, precision),
+      gpu=lambda a, b: _dense_contract(a, b, precision),
+    )
+  return _tiled_contract(a, b, raw, precision)
+
+
+def _tiled_contract(a: QuantizedOperand, b: QuantizedOperand, raw, precision):
+  """`contract` as one dot per tile, scaled, then summed over tiles."""
+  bsz, n, fa, t = a.values.shape
   va, za = as_int8(a.values, a.zero_point)
   vb, zb = as_int8(b.values, b.zero_point)
   za = None if za is None else per_row(za, a.values.shape, a.form)
   zb = None if zb is None else per_row(zb, b.values.shape, b.form)
-  kind = _kind(a.dot_dtype, b.dot_dtype, raw)
-  # XLA:CPU runs a one-row integer dot as a slow int32 loop: add a zero
-  # row (integer sums are exact: same bits) and drop its output.
-  one_row = za is None and zb is None and fa == 1 and kind == 'int'
-  if one_row:
-    va = jnp.concatenate([va, jnp.zeros_like(va)], axis=2)
-  if kind != 'float':
+  kind = dot_kind(a.dot_dtype, b.dot_dtype, raw)
+  b_contract = 2 if b.form == 'fk' else 1
+  if kind == 'float':
+    qa, qb = _merged(va, vb, a, b, t)
+    zero = _zero_fns(za, zb, b_contract)
+    out = low_precision(qa, qb, batched_dot(b_contract), raw, precision, zero)
+  else:
     # Widened to the dot's type first (int4 codes -> int8: exact), so a
     # stored weight's widening depends on the weight alone and XLA can
-    # hoist it out of a decode loop; then pinned as they lie (a reshape of
-    # a pinned array is a copy on CPU).
+    # hoist it out of a decode loop.
     va, vb = va.astype(a.dot_dtype), vb.astype(b.dot_dtype)
-    va, vb = lax.optimization_barrier((va, vb))
-  qa = va.reshape(bsz * n, va.shape[2], t).astype(a.dot_dtype)
-  qb = vb.reshape((bsz * n,) + vb.shape[2:]).astype(b.dot_dtype)
-  fb, b_contract = (qb.shape[1], 2) if b.form == 'fk' else (qb.shape[2], 1)
-  zero = None
-  if za is not None or zb is not None:
-    zero = (
-      functools.partial(subtract_rows, za=za, zb=zb, b_contract=b_contract),
-      functools.partial(int_corrections, za=za, zb=zb, b_contract=b_contract),
-    )
-  dot = _batched_dot(b_contract)
-  out = low_precision(qa, qb, dot, raw, precision, zero, pinned=True)
-  if one_row:
-    out = out[:, :1]
+    pref = jnp.int32 if kind == 'int' else jnp.float32
+
+    def cpu(va, vb):
+      # XLA:CPU runs a one-row integer dot as a slow int32 loop: add a
+      # zero row (integer sums are exact: same bits) and drop its output.
+      one_row = za is None and zb is None and fa == 1 and kind == 'int'
+      if one_row:
+        va = jnp.concatenate([va, jnp.zeros_like(va)], axis=2)
+      # Pinned as they lie (a reshape of a pinned array is a copy on CPU).
+      va, vb = lax.optimization_barrier((va, vb))
+      qa, qb = _merged(va, vb, a, b, t)
+      out = batched_dot(b_contract)(qa, qb, pref, None)
+      out = _int_corrected(out, qa, qb, za, zb, b_contract)
+      return out[:, :1] if one_row else out
+
+    def gpu(va, vb):  # Both contracting their minor axis; no barrier.
+      qa, qb = _merged(va, vb, a, b, t)
+      out = tn_dot(qa, qb, b_contract, pref)
+      return _int_corrected(out, qa, qb, za, zb, b_contract)
+
+    out = per_platform(va, vb, cpu=cpu, gpu=gpu).astype(jnp.float32)
+  fb = out.shape[2]
   out = out.reshape(bsz, n, fa, fb)
   if a.scale is not None:
     out = out * a.scale
   if b.scale is not None:
     out = out * (b.scale.transpose(0, 1, 3, 2) if b.form == 'fk' else b.scale)
   return tile_sum(out)
-
-
-_FAN = 32  # Slices one unrolled add sums (bounds the program's size).
-
-
-def tile_sum(x: jax.Array) -> jax.Array:
-  """`x.sum(axis=1)` over tiles; on CPU outside a mesh as chained adds of
-  slices (`_FAN` at a time, zero-padded chunks): XLA:CPU reduces a
-  non-minor axis element by element, 10-200x slower
-  (benchmarks/subchannel_sum.py); the order differs from `sum`'s in the
-  last bits. Under a mesh the tile axis may be split: one all-reduce."""
-  if x.shape[1] == 1:
-    return x[:, 0]
-  if jax.default_backend() != 'cpu' or not get_abstract_mesh().empty:
-    return x.sum(axis=1)
-  while x.shape[1] > _FAN:
-    n = x.shape[1]
-    m = -(-n // _FAN)
-    if m * _FAN > n:
-      pad = jnp.zeros((x.shape[0], m * _FAN - n, *x.shape[2:]), x.dtype)
-      x = jnp.concatenate([x, pad], axis=1)
-    x = x.reshape(x.shape[0], m, _FAN, *x.shape[2:])
-    x = functools.reduce(operator.add, [x[:, :, i] for i in range(_FAN)])
-  return functools.reduce(operator.add, [x[:, i] for i in range(x.shape[1])])
 
 
 def qdot(a: Operand, b: Operand, raw: DotGeneralRaw, precision, tile):

@@ -18,11 +18,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
-from jax.extend import core as jex_core
 
 import aqtr
 from aqtr import presets
 from aqtr.core import conv as conv_lib
+from aqtr.core.lowering import sub_jaxprs
 
 # (lhs shape, rhs shape, strides, padding, lhs_dil, rhs_dil, dnums, groups)
 CASES = {
@@ -278,7 +278,7 @@ def _dots(fn, *args):
     for e in jaxpr.eqns:
       if e.primitive.name == 'dot_general':
         yield tuple(str(v.aval.dtype) for v in e.invars)
-      for sub in jex_core.jaxprs_in_params(e.params):
+      for sub in sub_jaxprs(e):
         yield from walk(sub)
 
   return list(walk(jax.make_jaxpr(fn)(*args).jaxpr))

@@ -27,11 +27,11 @@ import pytest
 from hypothesis import strategies as st
 from jax import lax
 from jax._src.interpreters import partial_eval as pe  # DCE for jaxpr checks
-from jax.extend import core as jex_core
 
 import aqtr
 from aqtr import calibrations, numerics, presets, tilings
 from aqtr.core import dot_general as dg_lib
+from aqtr.core.lowering import sub_jaxprs
 
 MK_KN = (((1,), (0,)), ((), ()))  # rhs [K, N]: the engine's 'kf' path.
 MK_NK = (((1,), (1,)), ((), ()))  # rhs [N, K]: the engine's 'fk' path.
@@ -165,7 +165,7 @@ def all_eqns(jaxpr):
   """Every eqn of `jaxpr`, recursing into sub-jaxprs (pjit, custom_vjp...)."""
   for eqn in jaxpr.eqns:
     yield eqn
-    for sub in jex_core.jaxprs_in_params(eqn.params):
+    for sub in sub_jaxprs(eqn):
       yield from all_eqns(sub)
 
 

@@ -15,6 +15,7 @@ from jax import lax
 import aqtr
 from aqtr import calibrations, numerics, presets, tilings
 from aqtr.core import einsum as einsum_lib
+from aqtr.core.lowering import sub_jaxprs
 
 
 def tensor(quantized=True) -> aqtr.TensorConfig:
@@ -216,8 +217,15 @@ def test_int8_einsum_runs_int8_dots():
       (0, 1),
     )(x, w)
 
-  text = str(jax.make_jaxpr(f)(x, w))
-  assert text.count('preferred_element_type=int32') == 3
+  def int32_dots(jaxpr):  # As lowered for CPU (`lowering.sub_jaxprs`).
+    n = 0
+    for e in jaxpr.eqns:
+      pref = e.params.get('preferred_element_type')
+      n += e.primitive.name == 'dot_general' and pref == jnp.int32
+      n += sum(int32_dots(sub) for sub in sub_jaxprs(e))
+    return n
+
+  assert int32_dots(jax.make_jaxpr(f)(x, w).jaxpr) == 3
 
 
 def test_stochastic_rounding_needs_key():

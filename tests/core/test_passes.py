@@ -1,4 +1,4 @@
-"""The tile sum of the sub-channel dots (`aqtr.core.passes.tile_sum`) and
+"""The tile sum of the sub-channel dots (`aqtr.core.lowering.tile_sum`) and
 the one dot of dequantized operands that replaces it for float dots."""
 
 from __future__ import annotations
@@ -11,18 +11,19 @@ import numpy as np
 import pytest
 
 import aqtr
-from aqtr.core import passes
+from aqtr.core import lowering
+from aqtr.core.lowering import sub_jaxprs
 from aqtr.tilings.subchannel import SubChannel
 
 
 @pytest.mark.parametrize('n', [1, 2, 7, 32, 33, 70])
 def test_tile_sum_is_the_sum_over_tiles(n):
   x = jax.random.normal(jax.random.key(n), (2, n, 5, 3))
-  got = jax.jit(passes.tile_sum)(x)
+  got = jax.jit(lowering.tile_sum)(x)
   assert got.shape == (2, 5, 3)
   np.testing.assert_allclose(got, x.sum(axis=1), rtol=1e-5, atol=1e-5)
   ints = jnp.arange(2 * n * 15).reshape(2, n, 5, 3)
-  np.testing.assert_array_equal(passes.tile_sum(ints), ints.sum(axis=1))
+  np.testing.assert_array_equal(lowering.tile_sum(ints), ints.sum(axis=1))
 
 
 @pytest.mark.skipif(jax.device_count() < 2, reason='needs 2 host devices')
@@ -30,7 +31,7 @@ def test_under_a_mesh_it_is_sum_itself():
   x = jax.random.normal(jax.random.key(0), (1, 40, 4, 4))
   mesh = jax.make_mesh((2,), ('k',))
   with jax.set_mesh(mesh):
-    got = jax.jit(passes.tile_sum)(x)
+    got = jax.jit(lowering.tile_sum)(x)
   np.testing.assert_array_equal(got, jax.jit(lambda x: x.sum(axis=1))(x))
 
 
@@ -76,11 +77,8 @@ def _dots(jaxpr) -> list:
   for eqn in jaxpr.eqns:
     if eqn.primitive.name == 'dot_general':
       out.append(eqn)
-    for v in eqn.params.values():
-      for sub in v if isinstance(v, tuple | list) else (v,):
-        sub = getattr(sub, 'jaxpr', sub)
-        if hasattr(sub, 'eqns'):
-          out += _dots(sub)
+    for sub in sub_jaxprs(eqn):
+      out += _dots(sub)
   return out
 
 

@@ -17,10 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
-from jax.extend import core as jex_core
 
 import aqtr
 from aqtr import presets, tilings
+from aqtr.core.lowering import sub_jaxprs
 
 MK_KN = (((1,), (0,)), ((), ()))
 GROUPS = [(4, 0, 6), (0, 10, 0), (3, 3, 4), (10, 0, 0)]
@@ -142,7 +142,7 @@ def test_gradients_close_to_float(name):
 def all_eqns(jaxpr):
   for eqn in jaxpr.eqns:
     yield eqn
-    for sub in jex_core.jaxprs_in_params(eqn.params):
+    for sub in sub_jaxprs(eqn):
       yield from all_eqns(sub)
 
 

@@ -17,6 +17,7 @@ import numpy as np
 
 import aqtr
 import aqtr.flax as af
+from aqtr.core.lowering import sub_jaxprs
 from aqtr.flax import Rule
 
 B, T, H, D = 2, 8, 4, 16
@@ -49,9 +50,8 @@ def _int8_dots(jaxpr) -> int:
   for eqn in jaxpr.eqns:
     if eqn.primitive.name == 'dot_general':
       n[str(eqn.invars[0].aval.dtype)] += 1
-    for p in eqn.params.values():
-      if isinstance(p, jax.extend.core.ClosedJaxpr):
-        n['int8'] += _int8_dots(p.jaxpr)
+    for sub in sub_jaxprs(eqn):
+      n['int8'] += _int8_dots(sub)
   return n['int8']
 
 

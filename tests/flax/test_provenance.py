@@ -15,6 +15,7 @@ import pytest
 from flax import nnx
 
 import aqtr.flax as af
+from aqtr.core.lowering import sub_jaxprs
 from aqtr.flax import Rule, provenance
 
 V, D = 32, 16
@@ -27,7 +28,7 @@ def _int8_dots(jaxpr) -> int:
   for eqn in jaxpr.eqns:
     if eqn.primitive.name == 'dot_general':
       n += str(eqn.invars[0].aval.dtype) == 'int8'
-    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+    for sub in sub_jaxprs(eqn):
       n += _int8_dots(sub)
   return n
 

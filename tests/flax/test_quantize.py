@@ -16,6 +16,7 @@ from flax import nnx
 import aqtr
 import aqtr.flax as af
 import aqtr.pax
+from aqtr.core.lowering import sub_jaxprs
 from aqtr.flax import Rule
 from aqtr.flax.frozen import FrozenBox, is_holder
 
@@ -30,12 +31,8 @@ def _dots(jaxpr) -> collections.Counter:
   for eqn in jaxpr.eqns:
     if eqn.primitive.name in ('dot_general', 'ragged_dot_general'):
       found[(eqn.primitive.name, str(eqn.invars[0].aval.dtype))] += 1
-    for v in eqn.params.values():
-      for sub in v if isinstance(v, tuple | list) else (v,):
-        if isinstance(sub, jax.extend.core.ClosedJaxpr):
-          found += _dots(sub.jaxpr)
-        elif isinstance(sub, jax.extend.core.Jaxpr):
-          found += _dots(sub)
+    for sub in sub_jaxprs(eqn):
+      found += _dots(sub)
   return found
 
 

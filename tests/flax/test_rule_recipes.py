@@ -9,6 +9,7 @@ from flax import nnx
 
 import aqtr
 import aqtr.flax
+from aqtr.core.lowering import sub_jaxprs
 from aqtr.rules import Rule
 
 X = jax.random.normal(jax.random.key(0), (16, 32))  # 16 tokens
@@ -33,7 +34,7 @@ def fp8_dots(fn, *args) -> int:
         'float8' in str(v.aval.dtype) for v in e.invars
       ):
         n += 1
-      for sub in jax.extend.core.jaxprs_in_params(e.params):
+      for sub in sub_jaxprs(e):
         n += count(sub)
     return n
 

@@ -30,6 +30,7 @@ import zoo
 import aqtr.flax as af
 import aqtr.lora as lora
 import aqtr.ptq as ptq
+from aqtr.core.lowering import sub_jaxprs
 from aqtr.flax import Rule
 from aqtr.lora.config import base_config
 
@@ -111,12 +112,8 @@ def _count(jaxpr, found=None) -> collections.Counter:
       src = str(eqn.invars[0].aval.dtype)
       if eqn.params['new_dtype'] == jnp.int4 and src.startswith('float'):
         found['int4'] += 1
-    for v in eqn.params.values():
-      for sub in v if isinstance(v, tuple | list) else (v,):
-        if isinstance(sub, jax.extend.core.ClosedJaxpr):
-          _count(sub.jaxpr, found)
-        elif isinstance(sub, jax.extend.core.Jaxpr):
-          _count(sub, found)
+    for sub in sub_jaxprs(eqn):
+      _count(sub, found)
   return found
 
 

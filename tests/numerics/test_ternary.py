@@ -4,10 +4,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.extend import core as jex_core
 
 import aqtr
 from aqtr import calibrations, numerics
+from aqtr.core.lowering import sub_jaxprs
 from aqtr.numerics import Ternary
 
 _BITNET = aqtr.TensorConfig(
@@ -22,7 +22,7 @@ def dot_dtypes(fn, *args):
     for e in jaxpr.eqns:
       if e.primitive.name == 'dot_general':
         yield tuple(str(v.aval.dtype) for v in e.invars)
-      for sub in jex_core.jaxprs_in_params(e.params):
+      for sub in sub_jaxprs(e):
         yield from walk(sub)
 
   return list(walk(jax.make_jaxpr(fn)(*args).jaxpr))

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 import aqtr.pax
+from aqtr.core.lowering import sub_jaxprs
 from aqtr.pax import templates
 
 VOCAB, D_MODEL, LAYERS, HEADS, HIDDEN, SEQ = 32, 32, 2, 2, 64, 16
@@ -30,16 +31,6 @@ def tokens(batch: int = 2, seed: int = 0) -> jax.Array:
   return jax.random.randint(jax.random.key(seed), (batch, SEQ), 0, VOCAB)
 
 
-def _subjaxprs(value):
-  if hasattr(value, 'eqns'):
-    yield value
-  elif hasattr(value, 'jaxpr') and hasattr(value.jaxpr, 'eqns'):
-    yield value.jaxpr
-  elif isinstance(value, tuple | list):
-    for v in value:
-      yield from _subjaxprs(v)
-
-
 def dot_dtypes(jaxpr) -> collections.Counter:
   """Counts dot_general eqns by (lhs dtype, rhs dtype), recursively."""
   found = collections.Counter()
@@ -47,9 +38,8 @@ def dot_dtypes(jaxpr) -> collections.Counter:
     if eqn.primitive.name == 'dot_general':
       lhs, rhs = eqn.invars[:2]
       found[(str(lhs.aval.dtype), str(rhs.aval.dtype))] += 1
-    for value in eqn.params.values():
-      for sub in _subjaxprs(value):
-        found += dot_dtypes(sub)
+    for sub in sub_jaxprs(eqn):
+      found += dot_dtypes(sub)
   return found
 
 

@@ -10,6 +10,7 @@ import pytest
 
 import aqtr
 import aqtr.pax
+from aqtr.core.lowering import sub_jaxprs
 from aqtr.pax import moe, next_token_loss, templates
 
 from .helpers import SEQ, VOCAB, tokens
@@ -81,7 +82,7 @@ def ragged_dtypes(fn, *args):
     for eqn in jaxpr.eqns:
       if eqn.primitive.name == 'ragged_dot_general':
         found.append(tuple(str(v.aval.dtype) for v in eqn.invars[:2]))
-      for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      for sub in sub_jaxprs(eqn):
         walk(sub)
 
   walk(jax.make_jaxpr(fn)(*args).jaxpr)

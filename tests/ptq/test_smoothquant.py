@@ -12,6 +12,7 @@ import pytest
 import aqtr
 import aqtr.flax
 import aqtr.ptq
+from aqtr.core.lowering import sub_jaxprs
 from aqtr.ptq import fold, outliers, smoothquant
 from aqtr.ptq.stats import LayerStats
 from aqtr.rules import Rule
@@ -138,11 +139,8 @@ def _dots(jaxpr) -> collections.Counter:
   for eqn in jaxpr.eqns:
     if eqn.primitive.name == 'dot_general':
       found[tuple(str(v.aval.dtype) for v in eqn.invars[:2])] += 1
-    for v in eqn.params.values():
-      for j in v if isinstance(v, tuple | list) else (v,):
-        inner = getattr(j, 'jaxpr', j)
-        if hasattr(inner, 'eqns'):
-          found += _dots(inner)
+    for inner in sub_jaxprs(eqn):
+      found += _dots(inner)
   return found
 
 

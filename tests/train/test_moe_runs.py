@@ -13,6 +13,7 @@ import pytest
 from flax import nnx
 
 import aqtr.flax
+from aqtr.core.lowering import sub_jaxprs
 from aqtr.train import cli, job, runs, stock_moe
 
 LAYERS, D, VOCAB = 1, 32, 64
@@ -26,7 +27,7 @@ def fp8_eqns(jaxpr) -> dict[str, int]:
     name = e.primitive.name
     if name in n and all('float8' in str(v.aval.dtype) for v in e.invars[:2]):
       n[name] += 1
-    for sub in jax.extend.core.jaxprs_in_params(e.params):
+    for sub in sub_jaxprs(e):
       for k, v in fp8_eqns(sub).items():
         n[k] += v
   return n

@@ -10,6 +10,7 @@ from flax import nnx
 
 import aqtr.flax
 from aqtr import fiddle as aqtr_fiddle
+from aqtr.core.lowering import sub_jaxprs
 from aqtr.rules import Rule
 from aqtr.train import cli, experiment, job, stock_lm
 
@@ -70,12 +71,8 @@ def _int8_dots(jaxpr) -> int:
   for eqn in jaxpr.eqns:
     if eqn.primitive.name == 'dot_general':
       n += str(eqn.invars[0].aval.dtype) == 'int8'
-    for v in eqn.params.values():
-      for sub in v if isinstance(v, tuple | list) else (v,):
-        if isinstance(sub, jax.extend.core.ClosedJaxpr):
-          n += _int8_dots(sub.jaxpr)
-        elif isinstance(sub, jax.extend.core.Jaxpr):
-          n += _int8_dots(sub)
+    for sub in sub_jaxprs(eqn):
+      n += _int8_dots(sub)
   return n
 
 
