@@ -320,3 +320,13 @@ def test_no_import_cycle_between_modules():
   for start in sorted(graph):
     if start not in state:
       visit(start, [start])
+
+
+def test_every_module_has_at_most_500_lines():
+  """Split a module by concept before it grows past 500 lines."""
+  lines = {
+    p.relative_to(ROOT).as_posix(): len(p.read_text().splitlines())
+    for p in sorted(AQTR.rglob('*.py'))
+  }
+  long = {p: n for p, n in lines.items() if n > 500}
+  assert not long, f'modules over 500 lines: {long}'

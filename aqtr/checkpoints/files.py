@@ -5,7 +5,10 @@ reads): 8 bytes little-endian header length N, N bytes of JSON
 {name: {dtype, shape, data_offsets: [begin, end]}, '__metadata__': {..}}
 padded with spaces to a multiple of 8, then the tensors' little-endian
 bytes. Reading maps the file (`np.memmap`): a tensor is copied only when
-it is used. bfloat16 uses `ml_dtypes`.
+it is used. Writing goes to a temporary file in the same folder that then
+replaces the path (`os.replace`): arrays read from the old file keep its
+contents (truncating a mapped file in place would end them with a bus
+error). bfloat16 uses `ml_dtypes`.
 
 Example:
   >>> import numpy as np, os, tempfile
@@ -21,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import uuid
 
 import ml_dtypes
 import numpy as np
@@ -49,7 +53,11 @@ _NAMES = {v: k for k, v in _DTYPES.items()}
 
 
 def write(path: str, tensors: dict, metadata: dict | None = None) -> None:
-  """Writes `tensors` {name: numpy array} as one safetensors file."""
+  """Writes `tensors` {name: numpy array} as one safetensors file.
+
+  The file is written whole under a temporary name, then replaces `path`
+  atomically: arrays `read` from an earlier file at `path` stay valid.
+  """
   header, offset, arrays = {}, 0, []
   for name in sorted(tensors):
     a = np.ascontiguousarray(tensors[name])
@@ -66,11 +74,18 @@ def write(path: str, tensors: dict, metadata: dict | None = None) -> None:
   header['__metadata__'] = dict(metadata or {'format': 'pt'})
   text = json.dumps(header, separators=(',', ':')).encode()
   text += b' ' * (-len(text) % 8)
-  with open(path, 'wb') as f:
-    f.write(struct.pack('<Q', len(text)))
-    f.write(text)
-    for a in arrays:
-      f.write(a.tobytes())
+  tmp = f'{path}.{uuid.uuid4().hex}.tmp'
+  try:
+    with open(tmp, 'xb') as f:
+      f.write(struct.pack('<Q', len(text)))
+      f.write(text)
+      for a in arrays:
+        f.write(a.tobytes())
+    os.replace(tmp, path)  # Live maps of the old file keep its inode.
+  except BaseException:
+    if os.path.exists(tmp):
+      os.remove(tmp)
+    raise
 
 
 def read(path: str) -> dict:

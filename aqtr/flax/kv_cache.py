@@ -69,6 +69,7 @@ from aqtr.core import codecs
 from aqtr.core.config import TensorConfig
 from aqtr.core.quantizer import quantize
 from aqtr.flax import kinds
+from aqtr.flax.finite import check_finite
 from aqtr.numerics import Fp8, IntSymmetric
 from aqtr.tilings import PerChannel
 
@@ -390,6 +391,12 @@ def quantize_cache(model: Any, rules: CacheRule | Sequence[CacheRule]):
     cache quantized (use it for `init` and `apply` with the original's
     params). nnx and Hugging Face: `model` itself.
 
+  Raises:
+    ValueError: a parameter the model holds (nnx, Hugging Face) has NaN
+      or inf values (one line naming it: decoding would give token 0 at
+      every step). A linen module's variables come at `apply` (and a
+      Hugging Face model made with `_do_init=False` holds none): unchecked.
+
   Example:
     >>> import flax.linen as nn, jax, jax.numpy as jnp
     >>> attn = nn.MultiHeadDotProductAttention(num_heads=2, decode=True)
@@ -400,13 +407,19 @@ def quantize_cache(model: Any, rules: CacheRule | Sequence[CacheRule]):
     (dtype(float8_e4m3fn), 1)
   """
   rules = _as_rules(rules)
+  who = 'aqtr.flax.quantize_cache'
   if kinds.is_linen(model):
     return _linen(model, rules)
   if kinds.is_nnx(model):
+    for path, node in nnx.iter_graph(model):
+      if isinstance(node, nnx.Param):
+        check_finite(node.get_value(), who, '/'.join(map(str, path)))
     return _nnx(model, rules)
   if kinds.is_linen(getattr(model, 'module', None)) and hasattr(
     model, '_module'
   ):  # A Hugging Face Flax model: `generate` calls its linen `module`.
+    if getattr(model, '_is_initialized', True):  # (Not `_do_init=False`.)
+      check_finite(model.params, who, 'params')
     model._module = _linen(model.module, rules)
     return model
   raise TypeError(

@@ -32,6 +32,7 @@ from aqtr.core.boundary import fusion_fenced
 from aqtr.core.dimension_numbers import RAGGED
 from aqtr.core.ragged_dot import freeze_ragged
 from aqtr.flax import common, hosts, intercept, rule_state
+from aqtr.flax.finite import check_finite
 from aqtr.flax.frozen import store_key
 from aqtr.flax.quantized import set_mode, spec_of
 from aqtr.flax.session import (
@@ -271,6 +272,7 @@ def convert(
       rx.fullmatch(x) for x in rules_lib.spellings(where)
     ):
       continue
+    check_finite(host.read_param(path), 'aqtr.flax.convert', where)
     whole = (
       path not in float_read
       and all(u.direct and not u.elsewhere for u in uses)

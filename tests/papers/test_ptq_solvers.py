@@ -47,6 +47,21 @@ def test_outliers_are_exact_and_smoothing_helps(res):
   assert abs(good) < bad, sq
 
 
+def test_w8a8_and_w3g32_rows_are_separate_runs(res):
+  """Each row is its own quantized model (no reused params or config).
+
+  At `config:small` the unsmoothed W8A8 row (outliers injected) and the
+  w3g32 RTN row agree to 4 decimals (5.3450) by coincidence: 5.345002 vs
+  5.344957, their logits differ by more than either differs from float's,
+  and each moves with its own setting (outlier factors, grid)."""
+  sq = {r['run']: r['bpc'] for r in res['smoothquant']}
+  w3 = next(r['bpc'] for r in res['weights'] if r['method'] == 'rtn')
+  assert sq['W8A8 per tensor, RTN'] != w3, (sq, w3)
+  clean = sq['W8A8 per tensor, RTN (no outliers)']
+  base = res['float'][0]['bpc']
+  assert clean - base < 0.1 * (w3 - base), (clean, w3, base)
+
+
 def test_bad_grid_is_one_line():
   with pytest.raises(ValueError, match=r"Study.grids: unknown \['w5'\]"):
     study.Study(grids=('w5',))
