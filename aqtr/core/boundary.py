@@ -125,7 +125,7 @@ def fusion_boundary(tree, transposed: jax.Array | None = None):
     [0.5, 2.0]
   """
   copies = transposed is not None
-  loops = loops_allowed()
+  loops = loops_allowed(tree, transposed)
   if copies and loops and copyable(transposed):
 
     def cpu(tree, values):
@@ -170,8 +170,7 @@ def cotangent_boundary(g: jax.Array) -> jax.Array:
     >>> cotangent_boundary(jnp.ones(2)).tolist()
     [1.0, 1.0]
   """
-  spec = getattr(jax.typeof(g).sharding, 'spec', None) or ()
-  if g.size and loops_allowed() and all(p is None for p in spec):
+  if g.size and loops_allowed(g):
     return per_platform(
       g, cpu=lambda g: one_trip_loop(g, _first_trips), gpu=lambda g: g
     )

@@ -80,14 +80,23 @@ def sub_jaxprs(eqn, platform: str = 'cpu') -> list:
   raise ValueError(f'no branch of this cond is lowered for {platform!r}')
 
 
-def loops_allowed() -> bool:
-  """Whether the CPU form may use its one-trip loops (outside a mesh).
+def loops_allowed(*trees) -> bool:
+  """Whether the CPU form may use its one-trip loops: outside a mesh, and
+  no array of `trees` sharded by its type (an explicitly sharded array
+  under `jit` without `jax.set_mesh`: the loop's trip count slices its
+  first value, which a sharded type refuses).
 
   Example:
-    >>> loops_allowed()  # No mesh set.
+    >>> loops_allowed(jnp.ones(2))  # No mesh set, unsharded.
     True
   """
-  return get_abstract_mesh().empty
+  if not get_abstract_mesh().empty:
+    return False
+  for x in jax.tree.leaves(trees):
+    spec = getattr(jax.typeof(x).sharding, 'spec', None) or ()
+    if any(p is not None for p in spec):
+      return False
+  return True
 
 
 def tn_dot(qa: jax.Array, qb: jax.Array, b_contract: int, preferred):

@@ -101,7 +101,7 @@ def with_transposed_copy(values: jax.Array) -> tuple[jax.Array, jax.Array]:
   (`boundary.fusion_boundary`). Lowered for GPU, a plain transpose (no
   loop; `lowering.py`).
   """
-  if not copyable(values):
+  if not copyable(values) or not loops_allowed(values):
     return values, swap_last(values)
 
   def cpu(values):

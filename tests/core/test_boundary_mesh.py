@@ -1,11 +1,10 @@
 """fusion_boundary on an array sharded over an explicit mesh axis.
 
-Under `jit` with no mesh context (`jax.set_mesh`), `fusion_fenced()` sees
-an empty abstract mesh and takes the CPU while-loop fence, whose trip
-count reads the first element of the first leaf (`reshape(-1)[0]`): on an
-array whose type is sharded along an explicit axis that slice is refused.
-Inside `jax.set_mesh(mesh)` the fence is an `optimization_barrier` and
-the call works.
+Under `jit` with no mesh context (`jax.set_mesh`), the abstract mesh is
+empty, but an array whose type is sharded along an explicit axis cannot
+take the CPU while-loop fence (its trip count slices the first value,
+which a sharded type refuses: a ShardingTypeError until this was fixed).
+The fence is then an `optimization_barrier`, as inside a mesh.
 """
 
 from __future__ import annotations
@@ -37,14 +36,6 @@ def test_fusion_boundary_of_an_explicitly_sharded_array_in_a_mesh():
   np.testing.assert_array_equal(y, x)
 
 
-@pytest.mark.xfail(
-  strict=True,
-  reason='fusion_boundary fences with a loop whose trip count slices the '
-  "first element of a sharded leaf: ShardingTypeError ('slicing on sharded "
-  "dims ... not implemented') for an explicitly sharded array under jit "
-  'without jax.set_mesh (aqtr/core/boundary.py, owned by the lead).',
-  raises=Exception,
-)
 def test_fusion_boundary_of_an_explicitly_sharded_array_without_a_mesh():
   _, x = _sharded()
   y = jax.jit(boundary.fusion_boundary)(x)
