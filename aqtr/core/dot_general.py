@@ -36,7 +36,10 @@ get q_g^T[N, M] . q_L[M, K]; [K, N] weights get q_L^T[K, M] . q_g[M, N],
 with q_L^T written by the forward pass. A transposed operand is quantized
 as it lies and its int8 values copied transposed (`passes.qdot`,
 `QuantizedOperand.with_transposed`): XLA:CPU quantizes a transposed float
-array several times slower.
+array several times slower. That is the form lowered for CPU; lowered for
+GPU, every low-precision dot has both operands contracting their minor
+axis, with no loop or barrier before it (`core.lowering`: one traced
+function holds both forms).
 """
 
 from __future__ import annotations
