@@ -12,6 +12,7 @@ take it) and must compute what the CPU form computes.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import jax
@@ -22,6 +23,7 @@ import pytest
 import aqtr
 from aqtr import presets
 from aqtr.core import boundary, lowering, passes
+from aqtr.tilings.subchannel import SubChannel
 
 MK_KN = (((1,), (0,)), ((), ()))
 MK_NK = (((1,), (1,)), ((), ()))
@@ -102,14 +104,38 @@ def test_one_function_serves_cpu_and_cuda():
   assert ('i8', 'i8', ('2', '1')) in [d[:3] for d in _dots(cpu)]
 
 
-def test_mxfp8_on_cuda_contracts_dense_dequantized_tiles():
-  # Emulated block formats: the forward is one dot of the dequantized
-  # operands where lowered for GPU (no per-block dots and tile sums); for
-  # CPU, one fp8 dot per block of 32.
-  fwd = _dots(_stablehlo(presets.mxfp8(), MK_KN))[0]
+def _int8_tiles(tile: int = 32):
+  """int8 with scales per tile of `tile` along every contraction."""
+  cfg = presets.int8()
+  t = SubChannel(tile_size=tile, tile_count=0)
+
+  def tiled(raw):
+    return dataclasses.replace(
+      raw,
+      lhs=dataclasses.replace(raw.lhs, tiling=t),
+      rhs=dataclasses.replace(raw.rhs, tiling=t),
+    )
+
+  return dataclasses.replace(
+    cfg, fwd=tiled(cfg.fwd), dlhs=tiled(cfg.dlhs), drhs=tiled(cfg.drhs)
+  )
+
+
+def test_tiles_on_cuda_are_one_dense_dot():
+  # Sub-channel scales: lowered for GPU the forward is one dot of the
+  # dequantized operands (no per-tile dots and tile sums); for CPU, one
+  # native int8 dot per tile of 32.
+  fwd = _dots(_stablehlo(_int8_tiles(), MK_KN))[0]
   assert fwd[:2] == ('f32', 'f32') and fwd[3] == ('1x64x128', '1x128x32')
-  fwd = _dots(_stablehlo(presets.mxfp8(), MK_KN, platforms=('cpu',)))[0]
-  assert fwd[:2] == ('f8E4M3FN', 'f8E4M3FN') and fwd[3][0] == '4x64x32'
+  fwd = _dots(_stablehlo(_int8_tiles(), MK_KN, platforms=('cpu',)))[0]
+  assert fwd[:2] == ('i8', 'i8') and fwd[3][0] == '4x64x32'
+
+
+def test_mx_blocks_are_one_dense_dot_on_every_platform():
+  # Emulated fp8 blocks: dense for CPU too (XLA:CPU emulates fp8 dots).
+  for platforms in (('cpu',), ('cuda',)):
+    fwd = _dots(_stablehlo(presets.mxfp8(), MK_KN, platforms))[0]
+    assert fwd[:2] == ('f32', 'f32') and fwd[3][0] == '1x64x128', fwd
 
 
 @pytest.fixture
@@ -137,11 +163,11 @@ def _run(cfg, dn, seed=0):
 
 
 @pytest.mark.parametrize(
-  'name', ['int8', 'fp8', 'mxfp8', 'nvfp4', 'int4_weight_only']
+  'name', ['int8', 'fp8', 'mxfp8', 'nvfp4', 'int4_weight_only', 'tiles']
 )
 @pytest.mark.parametrize('dn', [MK_KN, MK_NK], ids=['mk_kn', 'mk_nk'])
 def test_the_gpu_form_computes_what_the_cpu_form_computes(name, dn, request):
-  cfg = getattr(presets, name)()
+  cfg = _int8_tiles() if name == 'tiles' else getattr(presets, name)()
   want = jax.tree.leaves(_run(cfg, dn))
   request.getfixturevalue('gpu_form')
   got = jax.tree.leaves(_run(cfg, dn))
