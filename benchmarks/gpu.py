@@ -34,6 +34,10 @@ step (minimum of `--calls` steps), steps/s, x bf16, lower s, compile s,
 the compiled step's temporary bytes, and the losses of the first
 `--steps` steps on one batch (the same initial parameters in every row).
 
+Order (what issue 41's targets rest on first): bf16, both limits, aqtr
+int8 and fp8 and Qwix fp8 at the first two `--shapes`; the train step;
+the other rows at those shapes; every row at the further shapes.
+
 Each row runs in a worker process (benchmarks/gpu_worker.py) under a
 budget (`--row-budget`, `--train-budget`, and `--budget` for the whole
 run): a row past its budget is killed, reported with the stage it was in,
@@ -61,6 +65,7 @@ import gpu_lm
 import gpu_rows
 import gpu_tables
 import host
+import jax
 from gpu_tables import Worker
 
 
@@ -95,16 +100,19 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def plan(args) -> list[dict]:
-  """The requests in run order: the main rows at every shape, the train
-  step, then the other rows at every shape."""
+  """The requests in run order.
+
+  The main rows (gpu_rows.MAIN) at the first two shapes, the train step,
+  the other rows at those shapes, then every row at the further shapes.
+  """
   main = [r for r in gpu_rows.MAIN if r in args.rows]
   rest = [r for r in gpu_rows.REST if r in args.rows]
   size = gpu_lm.SMOKE if args.smoke else gpu_lm.FULL
 
-  def dots(rows):
+  def dots(rows, shapes):
     return [
       dict(kind='dot', row=r, shape=list(s), calls=args.calls, hlo='')
-      for s in args.dims
+      for s in shapes
       for r in rows
     ]
 
@@ -118,11 +126,17 @@ def plan(args) -> list[dict]:
     )
     for r in args.train_rows
   ]
-  return dots(main) + train + dots(rest)
+  first, further = args.dims[:2], args.dims[2:]
+  return (
+    dots(main, first) + train + dots(rest, first) + dots(main + rest, further)
+  )
 
 
 def main(argv=None) -> None:
   args = parse_args(argv)
+  # Only the worker touches the accelerator (this process would otherwise
+  # take its memory if anything here made an array).
+  jax.config.update('jax_platforms', 'cpu')
   out = pathlib.Path(args.out) if args.out else None
   if out:
     (out / 'hlo').mkdir(parents=True, exist_ok=True)
@@ -144,7 +158,7 @@ def main(argv=None) -> None:
     budget = min(
       args.row_budget if req['kind'] == 'dot' else args.train_budget, left
     )
-    if budget < 10:
+    if left < 10:
       res = {'skip': 'the run budget (--budget) is spent'}
     else:
       if out and req['kind'] == 'dot':
@@ -159,7 +173,10 @@ def main(argv=None) -> None:
     if out:
       tables.write(out)
   worker.close()
-  print(f'\ntotal wall time {time.monotonic() - t_start:.0f} s', flush=True)
+  print('\n## All tables\n')
+  print('\n'.join(tables.markdown(census=False)[len(tables.header()) :]))
+  where = f'; tables and census in {out}/gpu.md' if out else ''
+  print(f'\ntotal wall time {time.monotonic() - t_start:.0f} s{where}')
 
 
 if __name__ == '__main__':

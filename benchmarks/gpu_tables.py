@@ -74,7 +74,6 @@ class Worker:
       got, _, payload = line[2:].partition(' ')
       if got == 'stage':
         stage[:] = [payload, time.monotonic()]
-        print(f'  .. {payload}', file=sys.stderr, flush=True)
       elif got == tag:
         return json.loads(payload)
 
@@ -88,7 +87,7 @@ class Worker:
     except BrokenPipeError:
       self.alive = False
       return {'error': 'worker gone before the request'}
-    return self._next('result', budget, ['queue', time.monotonic()])
+    return self._next('result', budget, ['setup', time.monotonic()])
 
   def kill(self) -> None:
     """Ends this worker process (by its own handle) and waits for it."""
@@ -230,8 +229,12 @@ class Tables:
       out += ['', f'### {title}', '', _row(cols), _row(['---'] * len(cols))]
     return out + [self.line(req, res)]
 
-  def markdown(self) -> list[str]:
-    """Every table, rows grouped by section in first-seen order."""
+  def markdown(self, census: bool = True) -> list[str]:
+    """Every table, rows grouped by section in first-seen order.
+
+    Args:
+      census: add each row's GEMMs and big kernels after the tables.
+    """
     sections: dict[str, list] = {}
     for req, res in self.rows:
       sections.setdefault(_title(req, self.meta), []).append((req, res))
@@ -240,6 +243,8 @@ class Tables:
       cols = TRAIN_COLS if rows[0][0]['kind'] == 'train' else DOT_COLS
       out += ['', f'### {title}', '', _row(cols), _row(['---'] * len(cols))]
       out += [self.line(req, res) for req, res in rows]
+    if not census:
+      return out
     out += ['', '### HLO census per row', '']
     for req, res in self.rows:
       census = res.get('census')

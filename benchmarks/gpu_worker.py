@@ -69,6 +69,7 @@ _DATA: dict = {}
 
 def dot_row(req: dict) -> dict:
   """Compiles, times and takes the census of one dot row."""
+  _say('stage', 'setup')
   shape = tuple(req['shape'])
   if shape not in _DATA:
     _DATA.clear()  # One shape's operands at a time.
@@ -107,6 +108,7 @@ def dot_row(req: dict) -> dict:
 
 def train_row(req: dict) -> dict:
   """Compiles one LM step, runs `steps` steps (losses), times `calls`."""
+  _say('stage', 'setup')
   size = gpu_lm.LmSize(**req['size'])
   step, state, batch = gpu_lm.setup(req['row'], size)
   compiled, lower_s, compile_s = _compile(step, (*state, *batch))
@@ -131,6 +133,13 @@ def train_row(req: dict) -> dict:
   }
 
 
+def _platform_version(dev) -> str:
+  try:
+    return str(dev.client.platform_version)
+  except AttributeError:
+    return ''
+
+
 def main() -> None:
   dev = jax.devices()[0]
   _say(
@@ -139,7 +148,7 @@ def main() -> None:
       'jax': jax.__version__,
       'backend': jax.default_backend(),
       'device': f'{dev.device_kind} x{jax.device_count()}',
-      'platform_version': getattr(dev.client, 'platform_version', ''),
+      'platform_version': _platform_version(dev),
     },
   )
   for line in sys.stdin:
