@@ -173,7 +173,7 @@ def main(argv=None) -> None:
     if out:
       tables.write(out)
   worker.close()
-  print('\n## All tables\n')
+  print('\n## All tables')
   print('\n'.join(tables.markdown(census=False)[len(tables.header()) :]))
   where = f'; tables and census in {out}/gpu.md' if out else ''
   print(f'\ntotal wall time {time.monotonic() - t_start:.0f} s{where}')

@@ -17,8 +17,9 @@
 set -u
 cd "$(dirname "$0")/.."
 
+PY="$(command -v python3 || command -v python)"
 if [ "${1:-}" = wheels ]; then
-  exec python -m pip download --no-deps --only-binary=:all: \
+  exec "$PY" -m pip download --no-deps --only-binary=:all: \
     --python-version 3.12 --platform manylinux_2_28_x86_64 \
     --platform manylinux_2_17_x86_64 -d .whl \
     fiddle libcst graphviz gin-config aqtp qwix
@@ -28,7 +29,7 @@ OUT="${OUT:-/tmp/gpu_out}"
 SITE="${SITE:-/tmp/site}"
 mkdir -p "$OUT"
 if compgen -G '.whl/*.whl' > /dev/null; then
-  python -m pip install --quiet --no-index --no-deps --target "$SITE" \
+  "$PY" -m pip install --quiet --no-index --no-deps --target "$SITE" \
     .whl/*.whl 2>&1 | tail -3
 else
   echo 'no .whl/*.whl here: peer rows may be skipped, aqtr needs fiddle'
@@ -36,11 +37,12 @@ fi
 export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 {
   nvidia-smi 2>&1 | head -20 || true
-  python -c 'import jax, sys; print(sys.version.split()[0], "jax",
+  date -u
+  "$PY" -c 'import jax, sys; print(sys.version.split()[0], "jax",
     jax.__version__, jax.devices())'
-  python -c 'import aqtr, aqt, qwix; print("imports ok:", aqtr.__file__)'
+  "$PY" -c 'import aqtr, aqt, qwix; print("imports ok:", aqtr.__file__)'
   echo "git: $(git log -1 --format='%h %s' 2>/dev/null || echo '?')"
   echo "XLA_FLAGS=${XLA_FLAGS:-}"
 } 2>&1 | tee "$OUT/env.txt"
-python benchmarks/gpu.py --out "$OUT" --budget "${GPU_BUDGET:-420}" "$@" \
+"$PY" benchmarks/gpu.py --out "$OUT" --budget "${GPU_BUDGET:-420}" "$@" \
   2>&1 | tee "$OUT/log.txt"

@@ -10,7 +10,7 @@ Example:
   >>> t.add(req, {'ms': 1.0, 'lower_s': 0.1, 'compile_s': 0.2,
   ...   'gemms': 'dot: bf16 x bf16 -> bf16', 'whiles': 0, 'big': '0 (0)'}
   ...   )[-1].split('|')[1:4]
-  [' bf16 ', ' 1.000 ', ' 0.0 ']
+  [' bf16 ', ' 1.000 ', ' 3.07e-06 ']
 """
 
 from __future__ import annotations

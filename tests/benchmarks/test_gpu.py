@@ -96,3 +96,21 @@ def test_smoke_run_end_to_end(tmp_path):
   data = json.loads((out / 'gpu.json').read_text())
   errors = [r['result'].get('error', '') for r in data['rows']]
   assert all(e.startswith('timed out') for e in errors), errors
+
+
+def test_peer_rows_skip_with_the_reason(monkeypatch):
+  monkeypatch.setitem(sys.modules, 'qwix', None)
+  monkeypatch.setitem(sys.modules, 'qwix._src.core', None)
+  monkeypatch.setitem(sys.modules, 'aqt', None)
+  monkeypatch.setitem(sys.modules, 'aqt.jax.v2', None)
+  d = gpu.gpu_rows.data((32, 64, 32))
+  with pytest.raises(gpu.gpu_rows.Skip, match='qwix is not installed'):
+    gpu.gpu_rows.make('qwix fp8', d)
+  with pytest.raises(gpu.gpu_rows.Skip, match='aqtp'):
+    gpu.gpu_rows.make('aqt int8', d)
+  f, args = gpu.gpu_rows.make('limit fp8', d)
+  dtypes = [str(a.dtype) for a in args]
+  assert dtypes == ['float8_e4m3fn'] * 3 + ['float8_e5m2'] * 2 + [
+    'float8_e4m3fn'
+  ]
+  assert [y.shape for y in f(*args)] == [(32, 32), (32, 64), (32, 64)]
