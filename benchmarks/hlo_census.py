@@ -32,7 +32,9 @@ import dataclasses
 import math
 import re
 
-_HEADER = re.compile(r'^(?:ENTRY\s+)?%?([\w.\-]+)\s+\(.*\)\s*->\s*.*\{\s*$')
+_HEADER = re.compile(
+  r'^(?:ENTRY\s+)?%?([\w.\-]+)\s*(?:\(.*\)\s*->\s*.*)?\{\s*$'
+)
 _INSTR = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$')
 _START = re.compile(r'^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?:\(|[a-z]\w*\[)')
 _ARRAY = re.compile(r'\b([a-z][a-z0-9]*)\[([\d,]*)\]')
@@ -40,6 +42,7 @@ _OPCODE = re.compile(r'([\w\-]+)\(')
 _TARGET = re.compile(r'custom_call_target="([^"]+)"')
 _CALLS = re.compile(r'\bcalls=%?([\w.\-]+)')
 _KIND = re.compile(r'"kind":"([\w$]+)"')
+_FUSION_KIND = re.compile(r'\bkind=(k\w+)')
 _GEMM_TARGET = re.compile(r'cublas|gemm|matmul', re.IGNORECASE)
 # Ops that move no data of their own (aliases, tuples, control flow).
 _FREE = frozenset(
@@ -79,7 +82,9 @@ class Gemm:
   Attributes:
     name: the instruction (custom call, fusion or dot) that runs it.
     kind: `custom-call <target>`, `fusion <backend kind>` or `dot`.
-    types: 'lhs x rhs -> out' element types ('s8 x s8 -> s32').
+    types: 'lhs x rhs -> out' element types ('s8 x s8 -> s32'); for a
+      fusion whose array inputs have other types (a dot on converted
+      operands), those follow: 'f16 x f16 -> f16 [inputs s8, f16]'.
   """
 
   name: str
@@ -253,9 +258,6 @@ def census(text: str, big_elements: int) -> Census:
   """
   instrs = parse(text)
   by_name = {i.name: i for i in instrs}
-  by_comp = collections.defaultdict(list)
-  for i in instrs:
-    by_comp[i.computation].append(i)
   caller = {}  # fused computation -> the fusion instruction calling it
   for i in instrs:
     if i.opcode == 'fusion':
@@ -263,8 +265,9 @@ def census(text: str, big_elements: int) -> Census:
         caller[c] = i
 
   def outermost(comp: str) -> Instr | None:
-    fusion = None
-    while comp in caller:
+    fusion, seen = None, set()
+    while comp in caller and comp not in seen:
+      seen.add(comp)
       fusion = caller[comp]
       comp = fusion.computation
     return fusion
@@ -275,17 +278,27 @@ def census(text: str, big_elements: int) -> Census:
 
   gemms, gemm_names = [], set()
   for i in instrs:
-    if i.opcode == 'dot':
+    if i.opcode in ('dot', 'scaled-dot', 'ragged-dot'):
       fusion = outermost(i.computation)
       if fusion is None:
-        gemms.append(Gemm(name=i.name, kind='dot', types=types(i)))
+        gemms.append(Gemm(name=i.name, kind=i.opcode, types=types(i)))
         gemm_names.add(i.name)
       elif fusion.name not in gemm_names:
-        kind = _KIND.search(fusion.attrs)
-        label = kind.group(1) if kind else fusion.attrs.split('kind=')[-1][:5]
-        gemms.append(
-          Gemm(name=fusion.name, kind=f'fusion {label}', types=types(i))
+        kind = _KIND.search(fusion.attrs) or _FUSION_KIND.search(fusion.attrs)
+        label = kind.group(1) if kind else '?'
+        t = types(i)
+        ins = list(
+          dict.fromkeys(
+            dt
+            for o in fusion.operands
+            if o in by_name
+            for dt, dims, _ in arrays(by_name[o].type)
+            if dims
+          )
         )
+        if set(ins) != set(t.split(' -> ')[0].split(' x ')):
+          t += f' [inputs {", ".join(ins)}]'
+        gemms.append(Gemm(name=fusion.name, kind=f'fusion {label}', types=t))
         gemm_names.add(fusion.name)
     elif i.opcode == 'custom-call' and i.computation not in caller:
       target = _TARGET.search(i.attrs)

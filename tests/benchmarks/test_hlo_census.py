@@ -65,3 +65,26 @@ def test_float_dot_gemm_is_float():
   c = hlo_census.census(text, 64)
   assert len(c.gemms) == 1 and 's8' not in c.gemms[0].types
   assert c.whiles == 0
+
+
+def test_fusion_gemm_on_converted_operands_names_its_inputs():
+  text = """\
+%triton_gemm_dot (p0: s8[64,32], p1: f16[16,32]) -> f16[64,16] {
+  %p0 = s8[64,32]{1,0} parameter(0)
+  %c = f16[64,32]{1,0} convert(s8[64,32]{1,0} %p0)
+  %p1 = f16[16,32]{1,0} parameter(1)
+  ROOT %dot = f16[64,16]{1,0} dot(f16[64,32]{1,0} %c, %p1),
+    lhs_contracting_dims={1}
+}
+
+ENTRY %e {
+  %a = s8[64,32]{1,0} parameter(0)
+  %b = f16[16,32]{1,0} parameter(1)
+  ROOT %triton = f16[64,16]{1,0} fusion(s8[64,32]{1,0} %a, %b), kind=kCustom,
+    calls=%triton_gemm_dot,
+    backend_config={"fusion_backend_config":{"kind":"__triton_gemm"}}
+}
+"""
+  (g,) = hlo_census.census(text, 1 << 30).gemms
+  assert (g.name, g.kind) == ('triton', 'fusion __triton_gemm')
+  assert g.types == 'f16 x f16 -> f16 [inputs s8, f16]'
