@@ -36,7 +36,8 @@ the compiled step's temporary bytes, and the losses of the first
 
 Order (what issue 41's targets rest on first): bf16, both limits, aqtr
 int8 and fp8 and Qwix fp8 at the first two `--shapes`; the train step;
-the other rows at those shapes; every row at the further shapes.
+the other rows at those shapes; every row at the further shapes
+(`--list` prints the plan).
 
 Each row runs in a worker process (benchmarks/gpu_worker.py) under a
 budget (`--row-budget`, `--train-budget`, and `--budget` for the whole
@@ -81,6 +82,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   ap.add_argument('--budget', type=float, default=0, help='run s (0: none)')
   ap.add_argument('--row-budget', type=float, default=150)
   ap.add_argument('--train-budget', type=float, default=240)
+  ap.add_argument('--list', action='store_true', help='print the plan, exit')
   args = ap.parse_args(argv)
   if args.shapes is None:
     args.shapes = ['smoke'] if args.smoke else ['8192', '4096', 'lm']
@@ -134,6 +136,10 @@ def plan(args) -> list[dict]:
 
 def main(argv=None) -> None:
   args = parse_args(argv)
+  if args.list:
+    for req in plan(args):
+      print(req['kind'], req['row'], req.get('shape', req.get('size')))
+    return
   # Only the worker touches the accelerator (this process would otherwise
   # take its memory if anything here made an array).
   jax.config.update('jax_platforms', 'cpu')
