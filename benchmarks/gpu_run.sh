@@ -9,7 +9,8 @@
 #
 # On the GPU machine, from the repository root, with .whl/ carried along:
 #   bash benchmarks/gpu_run.sh [gpu.py flags...]
-# installs those wheels into /tmp/site (no index, no dependencies), puts
+# installs those wheels into /tmp/site (pip with no index and no
+# dependencies; unpacked with zipfile if pip fails), puts
 # /tmp/site and the checkout on PYTHONPATH, prints nvidia-smi and JAX's
 # devices, and runs benchmarks/gpu.py with a run budget (GPU_BUDGET
 # seconds, 420 unless set) and its tables, census and HLO written to
@@ -29,8 +30,12 @@ OUT="${OUT:-/tmp/gpu_out}"
 SITE="${SITE:-/tmp/site}"
 mkdir -p "$OUT"
 if compgen -G '.whl/*.whl' > /dev/null; then
-  "$PY" -m pip install --quiet --no-index --no-deps --target "$SITE" \
-    .whl/*.whl 2>&1 | tail -3
+  if ! "$PY" -m pip install --quiet --no-index --no-deps --target "$SITE" \
+    .whl/*.whl > "$OUT/pip.txt" 2>&1; then
+    tail -3 "$OUT/pip.txt"
+    echo "pip failed: unpacking the wheels into $SITE instead"
+    for w in .whl/*.whl; do "$PY" -m zipfile -e "$w" "$SITE"; done
+  fi
 else
   echo 'no .whl/*.whl here: peer rows may be skipped, aqtr needs fiddle'
 fi
