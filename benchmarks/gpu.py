@@ -71,6 +71,7 @@ from gpu_tables import Worker
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+  """The flags, checked; `dims` holds the (M, K, N) of each shape."""
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument('--smoke', action='store_true', help='tiny shapes (CPU)')
   ap.add_argument('--shapes', nargs='+', help='8192, 4096, lm or MxKxN')
@@ -135,6 +136,7 @@ def plan(args) -> list[dict]:
 
 
 def main(argv=None) -> None:
+  """Runs the plan row by row, printing and writing as it goes."""
   args = parse_args(argv)
   if args.list:
     for req in plan(args):
@@ -172,7 +174,7 @@ def main(argv=None) -> None:
         name = re.sub(r'\W+', '_', f'{shape} {req["row"]}')
         req['hlo'] = str(out / 'hlo' / f'{name}.hlo.gz')
       if not worker.alive:
-        worker = Worker()
+        worker = Worker(hello_timeout=max(left, 30))
       res = worker.ask(req, budget)
     for line in tables.add(req, res):
       print(line, flush=True)
