@@ -174,7 +174,7 @@ def main(argv=None) -> None:
         name = re.sub(r'\W+', '_', f'{shape} {req["row"]}')
         req['hlo'] = str(out / 'hlo' / f'{name}.hlo.gz')
       if not worker.alive:
-        worker = Worker(hello_timeout=max(left, 30))
+        worker = Worker(hello_timeout=min(600, max(left, 30)))
       res = worker.ask(req, budget)
     for line in tables.add(req, res):
       print(line, flush=True)
