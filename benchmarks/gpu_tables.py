@@ -161,7 +161,7 @@ class Tables:
       f'device: {m.get("device", "?")} ({m.get("backend", "?")}, jax '
       f'{m.get("jax", "?")}, {m.get("platform_version", "")})',
       f'ms: minimum of {m.get("calls", "?")} timed calls after a warm-up',
-    ]
+    ] + ([f'worker start failed: {m["error"]}'] if 'error' in m else [])
 
   def _ms(self, kind: str, shape, row: str) -> float | None:
     for req, res in self.rows:
