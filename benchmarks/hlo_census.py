@@ -42,6 +42,10 @@ _OPCODE = re.compile(r'([\w\-]+)\(')
 _TARGET = re.compile(r'custom_call_target="([^"]+)"')
 _CALLS = re.compile(r'\bcalls=%?([\w.\-]+)')
 _KIND = re.compile(r'"kind":"([\w$]+)"')
+_LAYOUT = re.compile(r'\[([\d,]*)\](?:\{([\d,]*)[}:])?')
+_CONTRACT = re.compile(
+  r'(lhs|rhs)_contracting_dim(?:s=\{([\d,]*)\}|ensions":\[([\d",]*)\])'
+)
 _FUSION_KIND = re.compile(r'\bkind=(k\w+)')
 _GEMM_TARGET = re.compile(r'cublas|gemm|matmul', re.IGNORECASE)
 # Ops that move no data of their own (aliases, tuples, control flow).
@@ -85,11 +89,16 @@ class Gemm:
     types: 'lhs x rhs -> out' element types ('s8 x s8 -> s32'); for a
       fusion whose array inputs have other types (a dot on converted
       operands), those follow: 'f16 x f16 -> f16 [inputs s8, f16]'.
+    layout: which operands contract their minor (fastest-varying) axis,
+      'K minor: both' (what cuBLASLt's int8 / fp8 kernels want), 'lhs',
+      'rhs' or 'none'; then the output's layout if it is not row-major
+      ('; out {0,1}').
   """
 
   name: str
   kind: str
   types: str
+  layout: str = ''
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -121,9 +130,12 @@ class Census:
 
   def gemm_summary(self) -> str:
     """The GEMMs grouped: 'kind: types xN; ...' (order of first use)."""
-    counts = collections.Counter((_short(g.kind), g.types) for g in self.gemms)
+    counts = collections.Counter(
+      (_short(g.kind), g.types, g.layout) for g in self.gemms
+    )
     return '; '.join(
-      f'{k}: {t}' + (f' x{n}' if n > 1 else '') for (k, t), n in counts.items()
+      f'{k}: {t}' + (f' ({lay})' if lay else '') + (f' x{n}' if n > 1 else '')
+      for (k, t, lay), n in counts.items()
     )
 
   def big_summary(self) -> str:
@@ -235,6 +247,36 @@ def _dtype(type_str: str) -> str:
   return found[0][0] if found else '?'
 
 
+def _minor(type_str: str) -> tuple[int | None, list[int]]:
+  """(minor dimension, layout) of the first array of a type."""
+  m = _LAYOUT.search(type_str)
+  rank = len([d for d in m.group(1).split(',') if d]) if m else 0
+  if not rank:
+    return None, []
+  if m.group(2):
+    layout = [int(d) for d in m.group(2).split(',') if d]
+  else:
+    layout = list(range(rank - 1, -1, -1))
+  return layout[0], layout
+
+
+def _layout(i: Instr, lhs: str, rhs: str) -> str:
+  """'K minor: both' etc. for a dot or GEMM call (see Gemm.layout)."""
+  dims = {'lhs': set(), 'rhs': set()}
+  for side, a, b in _CONTRACT.findall(i.attrs):
+    dims[side] |= {int(d) for d in re.findall(r'\d+', a or b)}
+  sides = [
+    side
+    for side, t in (('lhs', lhs), ('rhs', rhs))
+    if _minor(t)[0] in dims[side]
+  ]
+  name = {2: 'both', 0: 'none'}.get(len(sides), sides[0] if sides else '')
+  _, out = _minor(i.type)
+  if out and out != sorted(out, reverse=True):
+    name += f'; out {{{",".join(map(str, out))}}}'
+  return f'K minor: {name}'
+
+
 _BYTES = {'pred': 1, 's4': 1, 'u4': 1, 'f4e2m1fn': 1, 'f8e8m0fnu': 1}
 
 
@@ -276,12 +318,18 @@ def census(text: str, big_elements: int) -> Census:
     ins = [_dtype(by_name[o].type) for o in i.operands[:n] if o in by_name]
     return f'{" x ".join(ins)} -> {_dtype(i.type)}'
 
+  def layout(i: Instr) -> str:
+    ops = [by_name[o].type for o in i.operands[:2] if o in by_name]
+    return _layout(i, *ops) if len(ops) == 2 else ''
+
   gemms, gemm_names = [], set()
   for i in instrs:
     if i.opcode in ('dot', 'scaled-dot', 'ragged-dot'):
       fusion = outermost(i.computation)
       if fusion is None:
-        gemms.append(Gemm(name=i.name, kind=i.opcode, types=types(i)))
+        gemms.append(
+          Gemm(name=i.name, kind=i.opcode, types=types(i), layout=layout(i))
+        )
         gemm_names.add(i.name)
       elif fusion.name not in gemm_names:
         kind = _KIND.search(fusion.attrs) or _FUSION_KIND.search(fusion.attrs)
@@ -298,7 +346,14 @@ def census(text: str, big_elements: int) -> Census:
         )
         if set(ins) != set(t.split(' -> ')[0].split(' x ')):
           t += f' [inputs {", ".join(ins)}]'
-        gemms.append(Gemm(name=fusion.name, kind=f'fusion {label}', types=t))
+        gemms.append(
+          Gemm(
+            name=fusion.name,
+            kind=f'fusion {label}',
+            types=t,
+            layout=layout(i),
+          )
+        )
         gemm_names.add(fusion.name)
     elif i.opcode == 'custom-call' and i.computation not in caller:
       target = _TARGET.search(i.attrs)
@@ -308,6 +363,7 @@ def census(text: str, big_elements: int) -> Census:
             name=i.name,
             kind=f'custom-call {target.group(1)}',
             types=types(i),
+            layout=layout(i),
           )
         )
         gemm_names.add(i.name)

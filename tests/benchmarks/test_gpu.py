@@ -87,7 +87,10 @@ def test_smoke_run_end_to_end(tmp_path):
   }
   assert len(res) == 4 and all('ms' in r for r in res.values()), res
   for row in ('limit int8', 'aqtr int8'):
-    assert res['dot', row]['gemms'].endswith('s8 x s8 -> s32 x3'), res
+    gemms = res['dot', row]['census']['gemms']
+    assert [g['types'] for g in gemms] == ['s8 x s8 -> s32'] * 3, gemms
+  limit = res['dot', 'limit int8']['census']['gemms']
+  assert {g['layout'] for g in limit} == {'K minor: both'}
   assert len(res['train', 'bf16']['losses']) == 5
   assert (tmp_path / 'hlo' / '128x256x192_aqtr_int8.hlo.gz').exists()
   out = tmp_path / 'timeout'

@@ -28,6 +28,10 @@ def test_gpu_module_gemms_loops_and_big_kernels():
     ),
     ('i', 'fusion __triton_gemm', 's8 x s8 -> s32'),
   ]
+  assert [g.layout for g in c.gemms] == [
+    'K minor: both; out {0,1}',
+    'K minor: both',
+  ]
   assert c.whiles == 1
   big = {b.name: (b.reads, b.writes) for b in c.big}
   assert big['tr'] == (('f32[64,64]',), ('f32[64,64]',))
@@ -35,8 +39,9 @@ def test_gpu_module_gemms_loops_and_big_kernels():
   assert 'cublas-gemm.1' not in big and 'i' not in big and 'g' not in big
   assert set(big) == {'q', 'f', 'e', 't2', 'tr', 'out'}
   assert c.gemm_summary() == (
-    '__cublas$lt$matmul$f8: f8e5m2 x f8e4m3fn -> f32; '
-    '__triton_gemm: s8 x s8 -> s32'
+    '__cublas$lt$matmul$f8: f8e5m2 x f8e4m3fn -> f32 '
+    '(K minor: both; out {0,1}); '
+    '__triton_gemm: s8 x s8 -> s32 (K minor: both)'
   )
   assert c.big_summary() == '6 (6 touch >1)'
 
@@ -88,3 +93,20 @@ ENTRY %e {
   (g,) = hlo_census.census(text, 1 << 30).gemms
   assert (g.name, g.kind) == ('triton', 'fusion __triton_gemm')
   assert g.types == 'f16 x f16 -> f16 [inputs s8, f16]'
+
+
+def test_layout_names_the_operands_contracting_their_minor_axis():
+  text = """\
+ENTRY %e (a: s8[64,32], b: s8[32,16], c: s8[16,32]) -> s32[64,16] {
+  %a = s8[64,32]{1,0} parameter(0)
+  %b = s8[32,16]{1,0} parameter(1)
+  %c = s8[16,32]{0,1} parameter(2)
+  %d1 = s32[64,16]{1,0} dot(%a, %b), lhs_contracting_dims={1},
+    rhs_contracting_dims={0}
+  ROOT %d2 = s32[64,16]{0,1} dot(%a, %c), lhs_contracting_dims={1},
+    rhs_contracting_dims={1}
+}
+"""
+  layouts = [g.layout for g in hlo_census.census(text, 1 << 30).gemms]
+  # c is [16, 32] stored column-major: its minor axis is 0, not K.
+  assert layouts == ['K minor: lhs', 'K minor: lhs; out {0,1}']
