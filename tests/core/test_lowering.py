@@ -93,6 +93,9 @@ def test_cuda_export_has_nothing_between_quantize_and_gemm(name):
       assert all(t in LOW or n < operand for n, t in sizes), line
     if 'stablehlo.select' in line:  # No operand-sized guard mask.
       assert all(n < operand for n, _ in sizes), line
+  # One absmax reduction per quantization (x, w, g twice): the non-finite
+  # guard reads NaN off the max (XLA:GPU's max propagates it).
+  assert text.count('stablehlo.reduce(') == 4, text.count('stablehlo.reduce(')
 
 
 def test_one_function_serves_cpu_and_cuda():
