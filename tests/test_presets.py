@@ -229,17 +229,21 @@ DOTS = {
   'fp8_nanoo': {(E4Z, E4Z): 1, (E5Z, E4Z): 1, (E4Z, E5Z): 1},
   # Both backward operands requantized to e5m2 (no forward reuse).
   'fp8_full': {(E4, E4): 1, (E5, E5): 2},
-  'mxfp8': {(E4, E4): 1, (E5, E4): 1, (E4, E5): 1},
+  # A contraction over several MX / NVFP4 blocks (K = 128: 4 blocks of 32,
+  # 8 of 16) is one f32 dot of the dequantized operands (XLA:CPU emulates
+  # fp8 dots; `passes.dense_tiles`); the backward passes here contract 32
+  # (one block): fp8 dots.
+  'mxfp8': {(F32, F32): 1, (E5, E4): 1, (E4, E5): 1},
   # Weight-only: float activations, so float dots (the weights pass through
   # their stored dtype).
   'mxfp4_weight_only': {(F32, F32): 3},
   'int4_asym_weight_only': {(F32, F32): 3},
-  # fp4 values are stored in (and contracted as) float8_e4m3fn.
-  'nvfp4': {(E4, E4): 1, (F32, F32): 2},
+  # fp4 values are stored in float8_e4m3fn.
+  'nvfp4': {(F32, F32): 3},
   # + the f32 n x n products of the RHT ('matmul'), one per rotated operand.
-  'nvfp4_training': {(E4, E4): 3, (F32, F32): 2},
+  'nvfp4_training': {(F32, F32): 5},
   # RHT-32 on both operands of all three passes (Quartet's forward too).
-  'mxfp4_training': {(E4, E4): 3, (F32, F32): 6},
+  'mxfp4_training': {(E4, E4): 2, (F32, F32): 7},
 }
 
 

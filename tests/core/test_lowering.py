@@ -166,9 +166,17 @@ def _run(cfg, dn, seed=0):
 
 
 @pytest.mark.parametrize(
-  'name', ['int8', 'fp8', 'mxfp8', 'nvfp4', 'int4_weight_only', 'tiles']
+  'name, dn',
+  [
+    ('int8', MK_KN),
+    ('int8', MK_NK),
+    ('fp8', MK_KN),
+    ('mxfp8', MK_KN),
+    ('nvfp4', MK_NK),
+    ('int4_weight_only', MK_KN),
+    ('tiles', MK_NK),
+  ],
 )
-@pytest.mark.parametrize('dn', [MK_KN, MK_NK], ids=['mk_kn', 'mk_nk'])
 def test_the_gpu_form_computes_what_the_cpu_form_computes(name, dn, request):
   cfg = _int8_tiles() if name == 'tiles' else getattr(presets, name)()
   want = jax.tree.leaves(_run(cfg, dn))
