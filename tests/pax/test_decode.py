@@ -93,6 +93,7 @@ def test_greedy_generation_equals_greedy_full_forward():
       s.append(int(jnp.argmax(logits[i, len(s) - 1])))
   assert out.tokens == [s[len(p) :] for s, p in zip(seqs, prompts, strict=True)]
   assert out.stopped is None and out.kv_bytes > 0
+  assert out.decode_s > 0 and 0 <= out.decode_cpu_s < float('inf')
 
 
 @pytest.mark.parametrize(
