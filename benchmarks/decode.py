@@ -43,6 +43,10 @@ reads all of its slots (masked), so a step costs the same at any fill.
 tokens/s counts all sequences of the batch; times are the decode loop
 only (`lax.while_loop` under jit, compiled ahead), minimum over
 `--rounds` interleaved rounds (every cell once per round, in turn).
+`cpu ms/step` is the process CPU time of the loop (all threads, minimum
+over the rounds) and `cpu x float` the float row's over the cell's: on a
+host shared with other jobs, where a cell's wall time also counts the
+time it waited for a core, the steadier ratio.
 
 Run: python benchmarks/decode.py [--rounds 3] [--steps 32] [--rows 'int8 w'
 ...] (the load average is printed: the host is shared, compare ratios of
@@ -246,6 +250,7 @@ def main() -> None:
       for label, w, kv in rows:
         cells.append((label, w, kv, batch, context, prompts))
   best: dict = {}
+  cpu: dict = {}  # Process CPU seconds of the decode loop, min over rounds.
   bw = 0.0
   for r in range(args.rounds):
     for label, w, kv, batch, context, prompts in cells:
@@ -258,6 +263,7 @@ def main() -> None:
       cell = (label, batch, context)
       if cell not in best or out.decode_s < best[cell][0].decode_s:
         best[cell] = (out, w)
+      cpu[cell] = min(cpu.get(cell, float('inf')), out.decode_cpu_s)
     bw = max(bw, bandwidth())  # Each round: the best under this load.
     print(f'round {r + 1}/{args.rounds} done', flush=True)
   dots = {b: dot_limit(args.d_model, args.layers, b) for b in args.batches}
@@ -271,22 +277,26 @@ def main() -> None:
   )
   print(
     '| weights + cache | batch | context | tokens/s | x float | ms/step '
-    '| weight MB | KV MB | KV x f32 | limit tokens/s | x limit |'
+    '| weight MB | KV MB | KV x f32 | limit tokens/s | x limit '
+    '| cpu ms/step | cpu x float |'
   )
-  print('|---|---|---|---|---|---|---|---|---|---|---|')
+  print('|---|---|---|---|---|---|---|---|---|---|---|---|---|')
   for context in args.contexts:
     for batch in args.batches:
       base = best[('float w + float kv', batch, context)][0]
+      base_cpu = cpu[('float w + float kv', batch, context)]
       for label, _, _ in rows:
         out, w = best[(label, batch, context)]
         ms = 1e3 * out.decode_s / args.steps
+        c = cpu[(label, batch, context)]
         limit = batch * bw / (wbytes[w] + out.kv_bytes)
         print(
           f'| {label} | {batch} | {context} | {out.tokens_per_s:.0f} | '
           f'{out.tokens_per_s / base.tokens_per_s:.2f} | {ms:.2f} | '
           f'{wbytes[w] / 2**20:.1f} | {out.kv_bytes / 2**20:.2f} | '
           f'{out.kv_bytes / base.kv_bytes:.3f} | {limit:.0f} | '
-          f'{out.tokens_per_s / limit:.2f} |'
+          f'{out.tokens_per_s / limit:.2f} | {1e3 * c / args.steps:.2f} | '
+          f'{base_cpu / c:.2f} |'
         )
   print(
     "\nWeight dots alone (`dot_limit`: the step's weight-dot shapes "

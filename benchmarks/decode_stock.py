@@ -5,12 +5,15 @@ weights, at the size of `benchmarks/decode.py` (hidden 512, 4 layers, 8
 heads of 64, MLP 2048, vocabulary 256). Rows:
 
   float w + float kv    the float model, its float cache
-  int8 w + ...          `aqtr.flax.quantize(module, Rule('int8'))` on the
-                        blocks' projections, `aqtr.flax.convert` (frozen
-                        int8 weights); the cache stored by `CacheRule`:
+  int8 w + ...          `aqtr.flax.quantize(module, Rule('int8',
+                        weight=True))` on the blocks' projections (the
+                        attention's own dots stay float),
+                        `aqtr.flax.convert` (frozen int8 weights); the
+                        cache stored by `CacheRule`:
                         float, int8 per token, int8 per 32-slot block,
                         packed int4 per token
-  int4 w + int8 kv      `presets.int4_weight_only()` weights
+  int4 w + int8 kv      `presets.int4_weight_only()` on every dot of the
+                        blocks (the attention's too)
 
 Each cell decodes `--steps` greedy tokens after an 8-token prompt with a
 cache of `--context` slots; tokens/s of the decode loop (compiled ahead),
@@ -74,7 +77,13 @@ def models(context: int):
     ('int8', aqtr.presets.int8()),
     ('int4', aqtr.presets.int4_weight_only()),
   ]:
-    q = aqtr.flax.quantize(hf.module, [Rule(config, path='.*/layers/.*')])
+    # int8: the projections' weights only (the attention's own dots, over
+    # the whole cache, stay float as in benchmarks/decode.py). int4: every
+    # dot of the blocks, as before (weight=True makes convert's serve ==
+    # train check fail by 6 ULP on this model: reported, not yet fixed).
+    weight = True if name == 'int8' else None
+    rule = Rule(config, path='.*/layers/.*', weight=weight)
+    q = aqtr.flax.quantize(hf.module, [rule])
     with jax.numpy_rank_promotion('allow'):
       out[name] = aqtr.flax.convert(
         q, ids, ids, pos, variables={'params': hf.params}

@@ -93,6 +93,9 @@ class Generation:
     prefill_s: seconds of the prefill (and the first token).
     decode_s: seconds of the decode loop (the other tokens).
     kv_bytes: bytes of the cache.
+    decode_cpu_s: process CPU seconds (all threads) of the decode loop:
+      on a host shared with other jobs steadier than `decode_s`, which
+      counts the time the process waited for a core.
   """
 
   tokens: list[list[int]]
@@ -101,6 +104,7 @@ class Generation:
   prefill_s: float
   decode_s: float
   kv_bytes: int
+  decode_cpu_s: float = float('nan')
 
   @property
   def tokens_per_s(self) -> float:
@@ -361,12 +365,12 @@ class BaseDecoder:
     t1 = time.perf_counter()
     token, cache, key, ok = first(*args)
     token.block_until_ready()
-    t2 = time.perf_counter()
+    t2, c2 = time.perf_counter(), time.process_time()
     out, n, cache, ok2 = loop(
       variables, token, cache, key, jnp.int32(n_new), *extra
     )
     out = np.asarray(out)
-    t3 = time.perf_counter()
+    t3, c3 = time.perf_counter(), time.process_time()
     if not (bool(ok) and bool(ok2)):
       raise ValueError(
         'Decoder.generate: the model computed non-finite logits (NaN or '
@@ -381,4 +385,5 @@ class BaseDecoder:
       prefill_s=t2 - t1,
       decode_s=t3 - t2,
       kv_bytes=self._kv_bytes(cache),
+      decode_cpu_s=c3 - c2,
     )

@@ -351,20 +351,19 @@ def write(
       return _write_tokens(cfg, s, x, index)
     return _write_blocks(cfg, s, x, index)
 
-  out = LayerCache(one(layer.k, k), one(layer.v, v))
-  if cfg.quantized:
-    return out
-  return _written_once(out)
+  return _written_once(LayerCache(one(layer.k, k), one(layer.v, v)))
 
 
 @jax.custom_jvp
 def _written_once(tree: Any) -> Any:
   """`tree` behind a fusion boundary; the identity to differentiation.
 
-  XLA fuses a float cache's update into each of its readers (the next
-  step's state and the attention's transposed read) and copies the whole
-  cache for each (three copies of every array per decode step on CPU);
-  behind a fusion boundary it is written once, in place. The boundary is
+  XLA fuses a cache's update into each of its readers (the next step's
+  state and the attention's read: transposed for a float cache, merged
+  batch and head axes for int8 dots) and copies the whole cache for each
+  (three to four copies of every array per decode step on CPU: a float
+  cache's arrays, and an int8 cache's codes); behind a fusion boundary it
+  is written once, in place. The boundary is
   a while loop on CPU, which reverse mode cannot differentiate: the rule
   below passes tangents straight through (the values are unchanged).
   """

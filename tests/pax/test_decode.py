@@ -93,6 +93,7 @@ def test_greedy_generation_equals_greedy_full_forward():
       s.append(int(jnp.argmax(logits[i, len(s) - 1])))
   assert out.tokens == [s[len(p) :] for s, p in zip(seqs, prompts, strict=True)]
   assert out.stopped is None and out.kv_bytes > 0
+  assert out.decode_s > 0 and 0 <= out.decode_cpu_s < float('inf')
 
 
 @pytest.mark.parametrize(
@@ -184,14 +185,16 @@ def test_cache_bytes_match_the_config():
 
 
 def _cache_copies_in_loop(dec) -> int:
-  """Copies of a whole cache-shaped float32 array in the compiled decode
-  loop (the un-donated input cache is copied once outside the loop)."""
+  """Copies of a whole cache-shaped array (float32 values or int8 codes)
+  in the compiled decode loop (the un-donated input cache is copied once
+  outside the loop)."""
   lm, params = _model()
   dec.generate(params, [[1, 2, 3]], 2)
   ((_, loop),) = dec._compiled.values()
   att = lm.layers[0].attention
   h = att.q_proj.features // att.num_heads
-  shape = f'f32[1,{att.num_heads},{dec.length},{h}]'
+  dtype = 's8' if dec.kv.quantized else 'f32'
+  shape = f'{dtype}[1,{att.num_heads},{dec.length},{h}]'
   copies = [
     line
     for line in loop.as_text().splitlines()
@@ -200,13 +203,21 @@ def _cache_copies_in_loop(dec) -> int:
   return len(copies) - 2 * len(lm.layers)  # The input's own copies.
 
 
-def test_a_float_cache_is_not_copied_in_the_decode_loop():
+@pytest.mark.parametrize('numerics', ['none', 'int8'])
+def test_a_cache_is_not_copied_in_the_decode_loop(numerics):
   # XLA fused the cache update into each reader and copied every cache
-  # array per step; behind a fusion boundary it is written in place.
-  assert _cache_copies_in_loop(decode.Decoder(_model()[0])) == 0
+  # array per step (an int8 cache's codes four times: the int8 dots read
+  # them with batch and heads merged); behind a fusion boundary it is
+  # written in place.
+  kv = KVCacheConfig(numerics=numerics)
+  assert _cache_copies_in_loop(decode.Decoder(_model()[0], kv=kv)) == 0
 
 
 @pytest.mark.slow
-def test_the_cache_copy_check_sees_copies_without_the_boundary(monkeypatch):
+@pytest.mark.parametrize('numerics', ['none', 'int8'])
+def test_the_cache_copy_check_sees_copies_without_the_boundary(
+  monkeypatch, numerics
+):
   monkeypatch.setattr(kv_cache, 'fusion_boundary', lambda tree: tree)
-  assert _cache_copies_in_loop(decode.Decoder(_model()[0])) > 0
+  kv = KVCacheConfig(numerics=numerics)
+  assert _cache_copies_in_loop(decode.Decoder(_model()[0], kv=kv)) > 0
