@@ -163,7 +163,9 @@ def row_flags(marks: jax.Array, fiber_axes) -> jax.Array:
     fiber_axes: the view axes of one row.
 
   Returns:
-    The sum of `marks` over the fiber axes, kept: +0 or NaN per row.
+    float32 per row (the fiber axes kept, size 1): +0, or the positive
+    quiet NaN (`inf - inf` gives a negative one on x86; the flag's bits
+    stay those of a NaN constant, as the output's NaNs).
 
   Example:
     >>> import jax.numpy as jnp
@@ -171,7 +173,8 @@ def row_flags(marks: jax.Array, fiber_axes) -> jax.Array:
     >>> row_flags(x - x, (1,)).ravel().tolist()
     [0.0, nan]
   """
-  return jnp.sum(marks, axis=tuple(fiber_axes), keepdims=True)
+  f = jnp.sum(marks, axis=tuple(fiber_axes), keepdims=True)
+  return prims.where(f == f, jnp.zeros((), f.dtype), float('nan'))
 
 
 def divide(x: jax.Array, s: jax.Array, unit: float) -> jax.Array:
