@@ -174,7 +174,7 @@ def row_flags(marks: jax.Array, fiber_axes) -> jax.Array:
     [0.0, nan]
   """
   f = jnp.sum(marks, axis=tuple(fiber_axes), keepdims=True)
-  return prims.where(f == f, jnp.zeros((), f.dtype), float('nan'))
+  return prims.where(f == f, lax.full_like(f, 0.0), float('nan'))
 
 
 def divide(x: jax.Array, s: jax.Array, unit: float) -> jax.Array:
