@@ -22,6 +22,8 @@ from jax import lax
 
 import aqtr
 from aqtr import calibrations, numerics, presets, tilings
+from aqtr.core.quantizer import quantize_view
+from aqtr.core.scale import scale_from_bound
 
 MK_KN = (((1,), (0,)), ((), ()))
 NAN, INF = np.nan, np.inf
@@ -238,9 +240,6 @@ def test_clip_gradient_does_not_zero_non_finite_values():
 def test_per_tensor_guard_matches_the_masked_reference(cal):
   """Groups spanning rows: q and S bit for bit as the written-mask recipe
   (calibrate `where(isfinite(x), x, 0)`, NaN on each row with a NaN/inf)."""
-  from aqtr.core.quantizer import quantize_view
-  from aqtr.core.scale import scale_from_bound
-
   t = aqtr.TensorConfig(calibration=cal, tiling=tilings.PerTensor())
   rng = np.random.default_rng(5)
   x = rng.standard_normal((2, 1, 6, 16)).astype(np.float32) * 3
