@@ -130,7 +130,8 @@ def _qwix(name: str) -> Callable | None:
   return lambda x, w: dot_general_qt.dot_general_qt(x, w, DN, cfg)
 
 
-def implementations() -> dict[str, Callable]:
+def implementations(only=None) -> dict[str, Callable]:
+  """The default rows, and any other `aqtr <preset>` named in `only`."""
   impls = {'lax f32': lambda x, w: lax.dot_general(x, w, DN)}
   for name in ('int8_fwd', 'int8', 'int8 sr', 'fp8'):
     impls[f'aqtr {name}'] = _aqtr(name)
@@ -138,6 +139,12 @@ def implementations() -> dict[str, Callable]:
       f = make(name)
       if f is not None:
         impls[f'{lib} {name}'] = f
+  for name in only or ():
+    preset = name.removeprefix('aqtr ')
+    if name not in impls and name.startswith('aqtr '):
+      if not hasattr(aqtr.presets, preset):
+        raise ValueError(f'--impls: no preset aqtr.presets.{preset}.')
+      impls[name] = _aqtr(preset)
   return impls
 
 
@@ -180,7 +187,7 @@ def graph(shape, modes=('fwd', 'fwd+vjp'), only=None) -> list[dict]:
   rows = []
   for mode in modes:
     args = (x, w) if mode == 'fwd' else (x, w, ct)
-    for name, f in implementations().items():
+    for name, f in implementations(only).items():
       if only is not None and name not in only and name != 'lax f32':
         continue
       g = f
@@ -220,7 +227,7 @@ def bench(shape, rounds: int, modes=('fwd', 'fwd+vjp'), only=None) -> list:
   ct = jax.random.normal(kg, (m, n), jnp.float32)
   impls = {
     name: f
-    for name, f in implementations().items()
+    for name, f in implementations(only).items()
     if only is None or name in only or name == 'lax f32'
   }
   rows = []
@@ -279,7 +286,10 @@ def main(argv=None) -> None:
   )
   p.add_argument('--modes', nargs='*', default=['fwd', 'fwd+vjp'])
   p.add_argument(
-    '--impls', nargs='*', default=None, help='names to run (default: all)'
+    '--impls',
+    nargs='*',
+    default=None,
+    help="names to run (default: all; 'aqtr <preset>' adds any preset)",
   )
   p.add_argument('--graph', action='store_true', help='graph sizes, not times')
   p.add_argument(

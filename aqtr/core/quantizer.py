@@ -112,12 +112,15 @@ class Quantized(NamedTuple):
   learned: dict | None = None
 
 
-def _bounds(cfg: TensorConfig, x, axes, state):
-  """(bound or (lo, hi), new state or None) of the calibration."""
+def _bounds(cfg: TensorConfig, x, axes, state, finite=False):
+  """(bound or (lo, hi), new state or None) of the calibration; `finite`:
+  x is known to hold finite values only."""
   cal, n = cfg.calibration, cfg.numerics
   if n.asymmetric:
     return cal.calibrate_range(x, axes), None
   if state is None:
+    if finite:
+      return cal.bound_of_finite(x, axes, n), None
     return cal.bound_for(x, axes, n), None
   return cal.bound_with_state(x, axes, n, state)
 
@@ -146,20 +149,20 @@ def _absmax_in_dtype(cfg: TensorConfig, form: str, x4) -> jax.Array:
   return b if c == 1.0 else b * c
 
 
-def _calibrate(cfg: TensorConfig, form: str, x, state):
+def _calibrate(cfg: TensorConfig, form: str, x, state, finite=False):
   """(bound, new state) of view `x`; block tilings share rows in blocks
   (the last block padded by repeating its last row)."""
   axes = shared_axes(cfg, form)
   rows = _block_rows(cfg, form, x.shape)
   if rows is None:
-    return _bounds(cfg, x, axes, state)
+    return _bounds(cfg, x, axes, state, finite)
   free = ROLE_AXES[form]['free']
   f = x.shape[free]
   pad = [(0, 0)] * x.ndim
   pad[free] = (0, -f % rows)
   shape5, axes5 = calibration_view(x.shape, cfg, form)
   x5 = jnp.pad(x, pad, mode='edge').reshape(shape5)
-  bound, new = _bounds(cfg, x5, axes5, state)
+  bound, new = _bounds(cfg, x5, axes5, state, finite)
 
   def back(b5):
     b5 = jnp.broadcast_to(
@@ -193,9 +196,12 @@ def quantize_view(
     or not cfg.tiling.shared <= FIBER_ROLES
   )
   if spans_rows:  # Groups span rows: bound the finite values, mark bad rows.
-    finite = jnp.isfinite(x)
-    bound, new_state = _calibrate(cfg, form, prims.where(finite, x, 0.0), state)
-    flags = row_flags(finite, sorted(roles[r] for r in FIBER_ROLES))
+    # The row flags from x itself (x - x: +0, or NaN for NaN / inf), so
+    # no finite mask is shared by two consumers (and written); the finite
+    # values' bound needs no guard of its own (`bound_of_finite`).
+    flags = row_flags(x - x, sorted(roles[r] for r in FIBER_ROLES))
+    clean = prims.where(jnp.isfinite(x), x, 0.0)
+    bound, new_state = _calibrate(cfg, form, clean, state, finite=True)
   else:
     # Groups lie within rows: a non-finite bound (the calibration contract)
     # already marks the rows holding NaN/inf.

@@ -154,10 +154,27 @@ def requantizable(s: jax.Array, max_value: float) -> jax.Array:
   return jnp.where(jnp.isfinite(s), up, s)
 
 
-def row_flags(finite: jax.Array, fiber_axes) -> jax.Array:
-  """0 per row, NaN where the row holds a non-finite value (add to S)."""
-  bad = prims.where(finite, jnp.zeros((), jnp.float32), float('nan'))
-  return jnp.sum(bad, axis=tuple(fiber_axes), keepdims=True)
+def row_flags(marks: jax.Array, fiber_axes) -> jax.Array:
+  """0 per row, NaN where the row holds a non-finite value (add to S).
+
+  Args:
+    marks: float32 `x - x` of the view x: +0 where x is finite, NaN where
+      it is NaN or inf (one reduction reads x; no mask is written).
+    fiber_axes: the view axes of one row.
+
+  Returns:
+    float32 per row (the fiber axes kept, size 1): +0, or the positive
+    quiet NaN (`inf - inf` gives a negative one on x86; the flag's bits
+    stay those of a NaN constant, as the output's NaNs).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> x = jnp.array([[1.0, 2.0], [jnp.inf, 0.0]])
+    >>> row_flags(x - x, (1,)).ravel().tolist()
+    [0.0, nan]
+  """
+  f = jnp.sum(marks, axis=tuple(fiber_axes), keepdims=True)
+  return prims.where(f == f, lax.full_like(f, 0.0), float('nan'))
 
 
 def divide(x: jax.Array, s: jax.Array, unit: float) -> jax.Array:

@@ -6,7 +6,8 @@ TensorConfig, `aqtr.dot_general` runs under jit with finite gradients and
 agrees with the fake-quant reference (bit for bit with `po2_scale=True`),
 its VJP with autodiff of that reference; the bound is >= 0 with the reduced
 axes kept; a NaN or inf in a group makes that group's bound non-finite (and
-the dot's output there); all-zero input quantizes without NaN (scale 1
+the dot's output there); `bound_of_finite` equals `bound_for` bit for bit
+on finite input; all-zero input quantizes without NaN (scale 1
 where the bound is 0); bad field values raise an error naming the field.
 Stateful calibrations run `aqtr.testing.stateful`'s versions of the
 engine, non-finite and zero checks.
@@ -27,6 +28,7 @@ from aqtr import calibrations, tilings
 from aqtr.core.config import DotGeneralConfig, DotGeneralRaw, TensorConfig
 from aqtr.core.dot_general import dot_general
 from aqtr.core.quantizer import fake_quant, quantize
+from aqtr.numerics import IntSymmetric
 from aqtr.testing import checks as cc
 from aqtr.testing import ragged, stateful
 
@@ -131,6 +133,23 @@ def check_nonfinite(cls, bad_fields):
     assert jnp.isfinite(out[7]).all(), tiling
 
 
+def check_finite_bound(cls, bad_fields):
+  """`bound_of_finite` equals `bound_for` bit for bit on finite input.
+
+  (The quantizer calls it on the finite values of groups that span rows.)
+  """
+  del bad_fields
+  c = cls()
+  n = IntSymmetric()
+  x = _input(3).at[0, 1].set(0.0).at[1, 2, 3].set(-0.0)
+  for axes in _AXES:
+    want = jax.jit(c.bound_for, static_argnums=(1, 2))(x, axes, n)
+    got = jax.jit(c.bound_of_finite, static_argnums=(1, 2))(x, axes, n)
+    assert got.shape == want.shape, (axes, got.shape, want.shape)
+    same = np.asarray(got).view(np.uint32) == np.asarray(want).view(np.uint32)
+    assert same.all(), (axes, got, want)
+
+
 def check_zeros(cls, bad_fields):
   """All-zero input: no NaN; the scale is 1 wherever the bound is 0."""
   del bad_fields
@@ -176,6 +195,7 @@ CHECKS = (
   check_ragged,
   check_bound,
   check_nonfinite,
+  check_finite_bound,
   check_zeros,
   check_bad_fields,
 )

@@ -22,6 +22,8 @@ from jax import lax
 
 import aqtr
 from aqtr import calibrations, numerics, presets, tilings
+from aqtr.core.quantizer import quantize_view
+from aqtr.core.scale import scale_from_bound
 
 MK_KN = (((1,), (0,)), ((), ()))
 NAN, INF = np.nan, np.inf
@@ -224,3 +226,39 @@ def test_clip_gradient_does_not_zero_non_finite_values():
   x = x.astype(jnp.float32).at[1, 2].set(jnp.inf).at[2, 3].set(jnp.nan)
   g = jax.jit(jax.grad(lambda x: (aqtr.fake_quant(x, t) * 2.0).sum()))(x)
   assert g[1, 2] == 2.0 and g[2, 3] == 2.0
+
+
+@pytest.mark.parametrize(
+  'cal',
+  [
+    calibrations.AbsMax(),
+    calibrations.AbsMax(clip_scale=0.5, po2_scale=True),
+    calibrations.get('mse')(),
+  ],
+  ids=['absmax', 'absmax_clip_po2', 'mse'],
+)
+def test_per_tensor_guard_matches_the_masked_reference(cal):
+  """Groups spanning rows: q and S bit for bit as the written-mask recipe
+  (calibrate `where(isfinite(x), x, 0)`, NaN on each row with a NaN/inf)."""
+  t = aqtr.TensorConfig(calibration=cal, tiling=tilings.PerTensor())
+  rng = np.random.default_rng(5)
+  x = rng.standard_normal((2, 1, 6, 16)).astype(np.float32) * 3
+  bad = x.copy()
+  bad[0, 0, 1, 3], bad[0, 0, 4, 0], bad[1, 0, 2, 15] = NAN, INF, -INF
+  bad[1, 0, 5] = NAN
+
+  def reference(x):
+    finite = jnp.isfinite(x)
+    axes = (0, 1, 2, 3)
+    b = cal.bound_for(jnp.where(finite, x, 0.0), axes, t.numerics)
+    s = scale_from_bound(b, t.numerics, cal.po2_scale)
+    flags = jnp.where(finite, 0.0, NAN).sum(axis=(1, 3), keepdims=True)
+    s = jnp.broadcast_to(s + flags, (2, 1, 6, 1))
+    return t.numerics.quantize(x / s), s
+
+  for v in (x, bad):
+    got = jax.jit(lambda v: quantize_view(v, t, 'fk')[:2])(v)
+    want = jax.jit(reference)(v)
+    for g, w in zip(got, want, strict=True):
+      assert g.shape == w.shape and g.dtype == w.dtype
+      assert np.asarray(g).tobytes() == np.asarray(w).tobytes()
