@@ -23,10 +23,10 @@ s` the wall time of `jax.jit(f).lower(...)` and of `.compile()`; then the
 census of the optimized HLO (benchmarks/hlo_census.py): every GEMM
 (custom-call target, Triton / YNNPACK GEMM fusion or bare dot) with the
 element types it multiplies and which operands contract their minor axis
-(`K minor: both` is what cuBLASLt's int8 / fp8 kernels want), the
-number of `while` loops, and `big kernels`: other kernels that read or write an operand-sized tensor (at
-least the smallest of M K, K N, M N elements), and how many of them touch
-more than one.
+(`K minor: both` is what cuBLASLt's int8 / fp8 kernels want), the number
+of `while` loops, and `big kernels`: other kernels that read or write an
+operand-sized tensor (at least the smallest of M K, K N, M N elements),
+and how many of them touch more than one.
 
 Train step (benchmarks/gpu_lm.py): a 2-layer transformer LM (d_model
 2048, MLP 8192, vocab 32768, 8 x 2048 tokens, AdamW), every weight matmul

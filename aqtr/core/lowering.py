@@ -67,7 +67,8 @@ def sub_jaxprs(eqn, platform: str = 'cpu') -> list:
 
   Example:
     >>> f = lambda x: per_platform(x, cpu=jnp.sin, gpu=jnp.cos)
-    >>> (eqn,) = [e for e in jax.make_jaxpr(f)(1.0).eqns if e.params]
+    >>> eqns = jax.make_jaxpr(f)(1.0).eqns
+    >>> (eqn,) = [e for e in eqns if e.primitive.name == 'cond']
     >>> [e.primitive.name for e in sub_jaxprs(eqn, 'cuda')[0].eqns]
     ['cos']
   """

@@ -297,15 +297,16 @@ def _int_corrected(out, qa, qb, za, zb, b_contract: int):
 
 
 def dense_tiles() -> bool:
-  """Whether a float or fp8 dot over tiles runs as one dot of dequantized
-  operands (nf4 codes, int4 against float activations, MX / NVFP4 blocks:
-  train and serve alike).
+  """Whether a float dot, or an fp8 dot of an emulated block format, over
+  tiles runs as one dot of dequantized operands (nf4 codes, int4 against
+  float activations, MX / NVFP4 blocks: train and serve alike).
 
-  True outside a mesh context; under a mesh, and for int8 dots lowered
-  for CPU (XLA:CPU's int8 dots are native), the per-tile form
-  (`tile_sum`) stays. Lowered for GPU the int8 dots over tiles run dense
-  too (`contract`). On CPU an mxfp8 forward at 1024^3 runs 6.4x faster
-  dense than as 32 fp8 dots per row and a tile sum (XLA:CPU emulates fp8).
+  True outside a mesh context; under a mesh, and lowered for CPU for int8
+  dots (XLA:CPU's int8 dots are native) and fp8 tiles of a recipe that
+  accumulates per tile (DeepSeek-V3's blockwise fp8), the per-tile form
+  (`tile_sum`) stays. Lowered for GPU those run dense too (`contract`).
+  On CPU an mxfp8 forward at 1024^3 runs 6.4x faster dense than as 32 fp8
+  dots per row and a tile sum (XLA:CPU emulates fp8).
 
   Example:
     >>> dense_tiles()  # No mesh set.
@@ -363,9 +364,11 @@ def contract(
   bsz, n, fa, t = a.values.shape
   kind = dot_kind(a.dot_dtype, b.dot_dtype, raw)
   dense = n > 1 and dense_tiles()
-  if dense and kind != 'int':  # Float codes, emulated fp8 / fp4 blocks.
+  # Emulated block formats (MX, NVFP4: the numerics fix the block).
+  blocks = any(c.numerics.block_size for c in (raw.lhs, raw.rhs))
+  if dense and (kind == 'float' or kind == 'fp8' and blocks):
     return _dense_contract(a, b, precision)
-  if dense:  # int8 tiles: one dense dot where lowered for GPU.
+  if dense:  # int8 / fp8 tiles: one dense dot where lowered for GPU.
     return per_platform(
       a,
       b,
