@@ -27,6 +27,14 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 _DROPPED = {'ratio', 'compile_ratio'}
 
 
+def unpack(rev: str, into: str) -> None:
+  """The package `aqtr` as it is at git revision `rev`, unpacked `into`."""
+  archive = subprocess.run(
+    ['git', 'archive', rev, 'aqtr'], cwd=ROOT, capture_output=True, check=True
+  ).stdout
+  subprocess.run(['tar', '-x', '-C', into], input=archive, check=True)
+
+
 def _cpu() -> str:
   try:
     out = subprocess.run(['lscpu'], capture_output=True, text=True).stdout
@@ -60,13 +68,7 @@ def main(argv=None) -> None:
   script = [s for s in a.script if s != '--']
   best: dict[tuple, dict[str, float]] = {}
   with tempfile.TemporaryDirectory() as tmp:
-    archive = subprocess.run(
-      ['git', 'archive', a.rev, 'aqtr'],
-      cwd=ROOT,
-      capture_output=True,
-      check=True,
-    ).stdout
-    subprocess.run(['tar', '-x', '-C', tmp], input=archive, check=True)
+    unpack(a.rev, tmp)
     for _ in range(a.alternations):
       for side, src in (('before', pathlib.Path(tmp)), ('after', ROOT)):
         for r in _rows(src, script):

@@ -22,6 +22,7 @@ import tempfile
 import zlib
 
 import numpy as np
+from before_after import unpack
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PRESETS = (
@@ -110,13 +111,7 @@ def main(argv=None) -> None:
     dump(a.dump)
     return
   with tempfile.TemporaryDirectory() as tmp:
-    archive = subprocess.run(
-      ['git', 'archive', a.rev, 'aqtr'],
-      cwd=ROOT,
-      capture_output=True,
-      check=True,
-    ).stdout
-    subprocess.run(['tar', '-x', '-C', tmp], input=archive, check=True)
+    unpack(a.rev, tmp)
     files = {}
     for side, src in (('before', tmp), ('after', str(ROOT))):
       files[side] = os.path.join(tmp, f'{side}.npz')
