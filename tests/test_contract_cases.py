@@ -1,7 +1,10 @@
 """tests/contract_cases.py: which contract pairs run by default."""
 
+import doctest
+
 import pytest
 
+from tests import contract_cases
 from tests.contract_cases import cases
 
 
@@ -38,3 +41,7 @@ def test_every_name_runs_one_engine_check_by_default_and_all_under_slow():
 def test_a_heavy_name_without_its_check_is_an_error():
   with pytest.raises(ValueError, match='check_ragged'):
     cases(['a'], (check_builds, check_engine))
+
+
+def test_docstring_example():
+  assert doctest.testmod(contract_cases).failed == 0
