@@ -3,9 +3,13 @@
 import os
 
 # Tests compile many tiny programs: XLA's backend optimizations (LLVM passes)
-# cost more than they save there, and they do not change what a program
-# computes (no fast-math). Subprocesses that want one device use
-# AQTR_TEST_XLA_FLAGS. Set either variable yourself to override it.
+# cost more than they save there. They are no fast-math, but they change
+# the last bits of some results against XLA's defaults (gelu, atan or erfinv
+# within 1-2 ulp, some reductions' summation order, no FMA contraction): a
+# test compares programs compiled with the same flags, and the tests of
+# serve == train under XLA's defaults run a subprocess without XLA_FLAGS.
+# Subprocesses that want one device use AQTR_TEST_XLA_FLAGS. Set either
+# variable yourself to override it.
 # Measured and NOT adopted: `--xla_cpu_use_fusion_emitters=false` (XLA:CPU's
 # classic emitters) halves the compile time, but the tiny LM of
 # `python -m aqtr.train --config=config:tiny` then serves logits up to 0.017
