@@ -14,7 +14,7 @@ import os
 # classic emitters) halves the compile time, but the tiny LM of
 # `python -m aqtr.train --config=config:tiny` then serves logits up to 0.017
 # away from its training model's (serve == train fails; with these flags
-# and with XLA's defaults it holds bit for bit).
+# it holds bit for bit).
 os.environ.setdefault(
   'AQTR_TEST_XLA_FLAGS',
   '--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true',
