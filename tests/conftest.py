@@ -11,10 +11,11 @@ import os
 # Subprocesses that want one device use AQTR_TEST_XLA_FLAGS. Set either
 # variable yourself to override it.
 # Measured and NOT adopted: `--xla_cpu_use_fusion_emitters=false` (XLA:CPU's
-# classic emitters) halves the compile time, but the tiny LM of
-# `python -m aqtr.train --config=config:tiny` then serves logits up to 0.017
-# away from its training model's (serve == train fails; with these flags
-# it holds bit for bit).
+# classic emitters) halves the compile time, but together with the flags
+# below the tiny LM of `python -m aqtr.train --config=config:tiny` serves
+# logits up to 0.017 away from its training model's (serve == train holds
+# bit for bit with the flags below alone, with XLA's defaults, and with the
+# classic emitters at XLA's default optimization level).
 os.environ.setdefault(
   'AQTR_TEST_XLA_FLAGS',
   '--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true',
