@@ -2,7 +2,7 @@
 
 The default suite runs each notebook at toy size (AQTR_COLAB_SMALL=1)
 but the three longest (LONG below: 118 to 148 s each at toy size on a
-loaded host, 40 % of the notebooks' time), whose features the default
+loaded host, 55 % of the notebooks' time), whose features the default
 suite runs elsewhere (the catalogue on stock models:
 tests/flax/test_catalogue_contract.py; LoRA / QLoRA: docs/lora.md's blocks
 and tests/lora/; the PTQ solvers: docs/ptq.md's blocks, tests/ptq/ and
