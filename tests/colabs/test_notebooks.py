@@ -6,8 +6,10 @@ loaded host, 55 % of the notebooks' time), whose features the default
 suite runs elsewhere (the catalogue on stock models:
 tests/flax/test_catalogue_contract.py; LoRA / QLoRA: docs/lora.md's blocks
 and tests/lora/; the PTQ solvers: docs/ptq.md's blocks, tests/ptq/ and
-tests/papers/test_ptq_solvers.py). `pytest -m slow` runs those three at
-toy size and every notebook at full size. A notebook's kernel gets the
+tests/papers/test_ptq_solvers.py), and the docs build runs (.ci/run's
+second command: docs/conf.py executes a notebook at toy size when this
+test left no executed copy). `pytest -m slow` runs those three at toy
+size and every notebook at full size. A notebook's kernel gets the
 repository root on PYTHONPATH and one CPU device. The toy-size run leaves
 its executed copy in docs/_build/executed/ (not in git), which the docs
 build renders with its outputs.
