@@ -16,6 +16,7 @@ import aqtr
 from aqtr import calibrations
 from aqtr.testing import ContractError, check_registry, stateful
 from aqtr.testing import calibrations as contract
+from tests.contract_cases import cases
 
 CHECKS = contract.CHECKS
 check_bad_fields = contract.check_bad_fields
@@ -97,8 +98,9 @@ BAD_FIELDS = {
 }
 
 
-@pytest.mark.parametrize('check', CHECKS, ids=lambda c: c.__name__[6:])
-@pytest.mark.parametrize('name', calibrations.names())
+# Every name runs every check but one of the two engine checks by default
+# (tests/contract_cases.py); `-m slow` runs the full cross-product.
+@pytest.mark.parametrize(('name', 'check'), cases(calibrations.names(), CHECKS))
 def test_contract(name, check):
   check(calibrations.get(name), BAD_FIELDS.get(name))
 

@@ -1,7 +1,15 @@
 """colabs/: every notebook runs top to bottom; outputs are stripped in git.
 
-The default suite runs each notebook at toy size (AQTR_COLAB_SMALL=1);
-`pytest -m slow` runs them at full size. A notebook's kernel gets the
+The default suite runs each notebook at toy size (AQTR_COLAB_SMALL=1)
+but the three longest (LONG below: 118 to 148 s each at toy size on a
+loaded host, 55 % of the notebooks' time), whose features the default
+suite runs elsewhere (the catalogue on stock models:
+tests/flax/test_catalogue_contract.py; LoRA / QLoRA: docs/lora.md's blocks
+and tests/lora/; the PTQ solvers: docs/ptq.md's blocks, tests/ptq/ and
+tests/papers/test_ptq_solvers.py), and the docs build runs (.ci/run's
+second command: docs/conf.py executes a notebook at toy size when this
+test left no executed copy). `pytest -m slow` runs those three at toy
+size and every notebook at full size. A notebook's kernel gets the
 repository root on PYTHONPATH and one CPU device. The toy-size run leaves
 its executed copy in docs/_build/executed/ (not in git), which the docs
 build renders with its outputs.
@@ -18,6 +26,11 @@ COLABS = ROOT / 'colabs'
 EXECUTED = ROOT / 'docs' / '_build' / 'executed'
 NOTEBOOKS = sorted(COLABS.glob('*.ipynb'))
 IDS = [p.stem for p in NOTEBOOKS]
+LONG = ('catalogue_on_a_stock_model', 'lora_qlora', 'ptq_solvers')
+SMALL = [
+  pytest.param(p, id=p.stem, marks=[pytest.mark.slow] if p.stem in LONG else [])
+  for p in NOTEBOOKS
+]
 
 
 def _execute(path: pathlib.Path, small: bool, timeout: int) -> None:
@@ -83,7 +96,11 @@ def test_first_cell_installs_aqtr_only_when_missing(path):
   assert 'pip' in first and 'AQTR_COLAB_SMALL' in first
 
 
-@pytest.mark.parametrize('path', NOTEBOOKS, ids=IDS)
+def test_long_notebooks_exist():
+  assert set(LONG) <= set(IDS)
+
+
+@pytest.mark.parametrize('path', SMALL)
 def test_runs_at_small_size(path):
   _execute(path, small=True, timeout=300)
 

@@ -10,6 +10,7 @@ import pytest
 from aqtr import numerics
 from aqtr.testing import ContractError, check_registry
 from aqtr.testing import numerics as contract
+from tests.contract_cases import cases
 
 CHECKS = contract.CHECKS
 check_bad_fields = contract.check_bad_fields
@@ -64,8 +65,9 @@ BAD_FIELDS = {
 }
 
 
-@pytest.mark.parametrize('check', CHECKS, ids=lambda c: c.__name__[6:])
-@pytest.mark.parametrize('name', numerics.names())
+# Every name runs every check but one of the two engine checks by default
+# (tests/contract_cases.py); `-m slow` runs the full cross-product.
+@pytest.mark.parametrize(('name', 'check'), cases(numerics.names(), CHECKS))
 def test_contract(name, check):
   check(numerics.get(name), BAD_FIELDS.get(name))
 
