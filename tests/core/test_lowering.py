@@ -22,8 +22,7 @@ import pytest
 
 import aqtr
 from aqtr import presets
-from aqtr.calibrations import absmax
-from aqtr.core import boundary, lowering, passes
+from aqtr.core import boundary, lowering, passes, quantizer
 from aqtr.tilings.subchannel import SubChannel
 
 MK_KN = (((1,), (0,)), ((), ()))
@@ -150,7 +149,7 @@ def gpu_form(monkeypatch):
     del cpu
     return gpu(*args)
 
-  for module in (lowering, boundary, passes, absmax):
+  for module in (lowering, boundary, passes, quantizer):
     monkeypatch.setattr(module, 'per_platform', gpu_only)
 
 
