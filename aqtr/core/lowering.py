@@ -16,7 +16,9 @@ XLA:CPU and XLA:GPU (cuBLASLt) run a quantized dot fast in different forms:
        dots of emulated block formats (MX, NVFP4, sub-channel int8) become
        one dot of the dequantized operands.
 
-`per_platform` chooses between the two with `lax.platform_dependent`:
+`per_platform` (in `prims`, so that a quantizer family such as a
+calibration may choose a form too) chooses between the two with
+`lax.platform_dependent`:
 both forms are traced, and lowering keeps the one of the platform it
 lowers for. So one jitted function serves CPU and GPU, and
 `jax.export(f, platforms=('cuda',))` on a CPU-only machine emits the GPU
@@ -47,18 +49,7 @@ from jax.sharding import get_abstract_mesh
 
 from aqtr.core import prims
 from aqtr.core.config import DotGeneralRaw
-
-
-def per_platform(*args, cpu, gpu):
-  """`cpu(*args)` where lowered for CPU, `gpu(*args)` elsewhere.
-
-  Both are traced; each must return the same shapes and dtypes.
-
-  Example:
-    >>> per_platform(jnp.ones(2), cpu=lambda x: x + 1, gpu=lambda x: x - 1)
-    Array([2., 2.], dtype=float32)
-  """
-  return lax.platform_dependent(*args, cpu=cpu, default=gpu)
+from aqtr.core.prims import per_platform
 
 
 def sub_jaxprs(eqn, platform: str = 'cpu') -> list:

@@ -8,6 +8,9 @@ inline (`where` -> select_n, `clip` -> clamp,
 `round_even` -> round to nearest even as `jnp.round`): same values, fewer
 ops to compile.
 
+`per_platform` traces a CPU and a GPU form of one computation and keeps,
+when lowered, the one of the target platform (see `aqtr.core.lowering`).
+
 It also holds the contractions the engine calls (`dot_general`,
 `ragged_dot`, `conv_general_dilated`, `einsum`), captured at import so
 that stock-model interception never catches the engine's own calls.
@@ -34,6 +37,18 @@ dot_general = lax.dot_general
 ragged_dot = lax.ragged_dot
 conv_general_dilated = lax.conv_general_dilated
 einsum = jnp.einsum
+
+
+def per_platform(*args, cpu, gpu):
+  """`cpu(*args)` where lowered for CPU, `gpu(*args)` elsewhere.
+
+  Both are traced; each must return the same shapes and dtypes.
+
+  Example:
+    >>> per_platform(jnp.ones(2), cpu=lambda x: x + 1, gpu=lambda x: x - 1)
+    Array([2., 2.], dtype=float32)
+  """
+  return lax.platform_dependent(*args, cpu=cpu, default=gpu)
 
 
 def negative(v: jax.Array) -> jax.Array:

@@ -37,7 +37,6 @@ from jax import lax
 from aqtr.core import prims
 from aqtr.core.config import TensorConfig
 from aqtr.core.dimension_numbers import OperandLayout, normalize_axes
-from aqtr.core.lowering import per_platform
 from aqtr.core.qtensor import ROLE_AXES, QTensor, from_view, to_view
 from aqtr.core.rounding import as_typed_key
 from aqtr.core.scale import (
@@ -125,30 +124,6 @@ def _bounds(cfg: TensorConfig, x, axes, state, finite=False):
   return cal.bound_with_state(x, axes, n, state)
 
 
-def _gpu_absmax(cfg: TensorConfig, form: str, x4, state) -> bool:
-  """Whether the GPU form bounds `x4` by one reduction in its own dtype."""
-  cal = cfg.calibration
-  return (
-    type(cal).__name__ == 'AbsMax'
-    and state is None
-    and not cfg.numerics.asymmetric
-    and _block_rows(cfg, form, x4.shape) is None
-  )
-
-
-def _absmax_in_dtype(cfg: TensorConfig, form: str, x4) -> jax.Array:
-  """max |x| per group as one reduction in x's dtype (exact), NaN -> inf.
-
-  XLA:GPU's max propagates NaN (XLA:CPU's fast max may drop it, hence the
-  CPU form's second reduction); an inf is its own bound.
-  """
-  axes = shared_axes(cfg, form)
-  b = jnp.max(jnp.abs(x4), axis=axes, keepdims=True).astype(jnp.float32)
-  b = prims.where(b == b, b, float('inf'))
-  c = cfg.calibration.clip_scale
-  return b if c == 1.0 else b * c
-
-
 def _calibrate(cfg: TensorConfig, form: str, x, state, finite=False):
   """(bound, new state) of view `x`; block tilings share rows in blocks
   (the last block padded by repeating its last row)."""
@@ -205,15 +180,7 @@ def quantize_view(
   else:
     # Groups lie within rows: a non-finite bound (the calibration contract)
     # already marks the rows holding NaN/inf.
-    if _gpu_absmax(cfg, form, x4, state):
-      bound = per_platform(
-        x4,
-        cpu=lambda x4: _calibrate(cfg, form, x4.astype(jnp.float32), None)[0],
-        gpu=lambda x4: _absmax_in_dtype(cfg, form, x4),
-      )
-      new_state = None
-    else:
-      bound, new_state = _calibrate(cfg, form, x, state)
+    bound, new_state = _calibrate(cfg, form, x, state)
     flags = None
   po2 = cal.po2_scale
   z = None

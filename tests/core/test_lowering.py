@@ -22,7 +22,8 @@ import pytest
 
 import aqtr
 from aqtr import presets
-from aqtr.core import boundary, lowering, passes, quantizer
+from aqtr.calibrations import absmax
+from aqtr.core import boundary, lowering, passes
 from aqtr.tilings.subchannel import SubChannel
 
 MK_KN = (((1,), (0,)), ((), ()))
@@ -149,7 +150,7 @@ def gpu_form(monkeypatch):
     del cpu
     return gpu(*args)
 
-  for module in (lowering, boundary, passes, quantizer):
+  for module in (lowering, boundary, passes, absmax):
     monkeypatch.setattr(module, 'per_platform', gpu_only)
 
 
