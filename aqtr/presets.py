@@ -65,6 +65,7 @@ __all__ = [
   'mxfp8',
   'nvfp4',
   'nvfp4_training',
+  'nvfp4_weight_only',
   'switchback',
 ]
 
@@ -341,6 +342,12 @@ def mxfp8() -> DotGeneralConfig:
 def mxfp4_weight_only() -> DotGeneralConfig:
   """MXFP4 (E2M1, blocks of 32, E8M0 scales) weights; float activations."""
   return _weight_only(Mx(element='fp4_e2m1', clip_gradient=False))
+
+
+def nvfp4_weight_only() -> DotGeneralConfig:
+  """NVFP4 (E2M1, blocks of 16, e4m3 x f32 scales) weights; float
+  activations (the weights of `nvfp4`, the activations of `float`)."""
+  return _weight_only(NvFp4(clip_gradient=False))
 
 
 def nvfp4() -> DotGeneralConfig:

@@ -55,17 +55,31 @@ def init(lhs, rhs, dimension_numbers, config: DotGeneralConfig) -> dict:
 
   Forward operands are initialised from their values (LSQ's step and
   PACT's clip read them); gradient operands from their shapes, which the
-  call's plan gives (`core.plan.Plan.view`).
+  call's plan gives (`core.plan.Plan.view`). Every other state (delayed
+  scaling's history, EMA statistics, sparsity schedules) depends on the
+  shapes only: `lhs` and `rhs` may then be `jax.ShapeDtypeStruct`s (to
+  lower or export a stateful dot from shapes alone; `jax.eval_shape` gives
+  the state's shapes for any config).
 
   Args:
-    lhs, rhs: example operands (shapes and, for learned inits, values).
+    lhs, rhs: example operands: arrays, or `jax.ShapeDtypeStruct`s unless
+      a forward calibration initialises from values (LSQ, PACT).
     dimension_numbers: of the dot.
     config: its DotGeneralConfig.
 
   Returns:
     {path: {'stats': {...}, 'learned': {...}}}; {} when nothing is stateful.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, aqtr
+    >>> x = jax.ShapeDtypeStruct((2, 8), jnp.float32)
+    >>> w = jax.ShapeDtypeStruct((8, 3), jnp.float32)
+    >>> dn = (((1,), (0,)), ((), ()))
+    >>> s = init(x, w, dn, aqtr.presets.fp8_delayed(history_length=4))
+    >>> s['fwd.lhs']['stats']['history'].shape
+    (4, 1, 1, 1, 1)
   """
-  lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+  lhs, rhs = _example(lhs), _example(rhs)
   slots = slot_state.calibrated_slots(config)
   scheduled = slot_state.scheduled_slots(config)
   if not (slots or scheduled):
@@ -74,17 +88,31 @@ def init(lhs, rhs, dimension_numbers, config: DotGeneralConfig) -> dict:
   state = {}
   for slot in slots:
     x = None
-    if slot.is_forward:
+    v = lhs if slot.side is Side.LHS else rhs
+    if slot.is_forward and not isinstance(v, jax.ShapeDtypeStruct):
       op = plan.operand(slot.side)
-      v = lhs if slot.side is Side.LHS else rhs
       x3 = op.layout.to_canonical(v.astype(jnp.float32), op.form)
       x = to_view(x3, op.form, plan.fwd_tile)
+    elif slot.is_forward and plan.tensor(slot).calibration.init_from_data:
+      cal = type(plan.tensor(slot).calibration).__name__
+      name = slot.side.value
+      raise ValueError(
+        f'aqtr.state.init: {name} is a jax.ShapeDtypeStruct, but {cal} '
+        f'({slot.path}) initialises its state from the values; pass an '
+        f'example array as {name} (jax.eval_shape(init, ...) gives the '
+        'shapes only).'
+      )
     state[slot] = slot_state.expected(plan, slot, x)
   for slot in scheduled:
     x = lhs if slot.side is Side.LHS else rhs
     st = state.get(slot, slot_state.SlotState())
     state[slot] = st._replace(schedule=slot_state.schedule_init(x))
   return slot_state.to_tree(state)
+
+
+def _example(x):
+  """An operand of `init`: a ShapeDtypeStruct as it is, else an array."""
+  return x if isinstance(x, jax.ShapeDtypeStruct) else jnp.asarray(x)
 
 
 def split(state_grads: dict) -> tuple[dict, dict]:

@@ -172,6 +172,7 @@ FOUR_BITS = (
   'int4_asym_weight_only',
   'mxfp4_weight_only',
   'nvfp4',
+  'nvfp4_weight_only',
 )
 
 
@@ -242,6 +243,8 @@ DOTS = {
   'nvfp4': {(F32, F32): 3},
   # + the f32 n x n products of the RHT ('matmul'), one per rotated operand.
   'nvfp4_training': {(F32, F32): 5},
+  # NVFP4 weights (stored in float8_e4m3fn), float activations.
+  'nvfp4_weight_only': {(F32, F32): 3},
   # RHT-32 on both operands of all three passes (Quartet's forward too).
   'mxfp4_training': {(E4, E4): 2, (F32, F32): 7},
 }
@@ -273,6 +276,7 @@ def test_catalogue_presets_run_the_expected_dots(name):
   assert _dot_dtypes(jaxpr.jaxpr) == DOTS[name]
   stored = {
     'mxfp4_weight_only': E4,
+    'nvfp4_weight_only': E4,
     'int4_asym_weight_only': 'uint8',
   }.get(name)
   if stored:
@@ -288,8 +292,13 @@ def test_catalogue_presets_mean_what_they_say():
   assert v4.dlhs.lhs.rounding.stochastic and not v4.dlhs.use_fwd_quant
   assert not v4.drhs.quantized and not v4.fwd.lhs.rounding.stochastic
   assert presets.fp8_nanoo().fwd.lhs.numerics.max_value == 240.0
-  for name, block in (('mxfp8', 32), ('mxfp4_weight_only', 32), ('nvfp4', 16)):
+  blocks = [('mxfp8', 32), ('mxfp4_weight_only', 32), ('nvfp4', 16)]
+  for name, block in blocks + [('nvfp4_weight_only', 16)]:
     assert getattr(presets, name)().fwd.rhs.tiling.tile_size == block
+  nv = presets.nvfp4_weight_only()
+  assert nv.fwd.rhs == nv.dlhs.rhs == presets.nvfp4().fwd.rhs
+  assert not nv.drhs.quantized
+  assert not (nv.fwd.lhs.quantized or nv.dlhs.lhs.quantized)
   w4 = presets.int4_asym_weight_only(group=64).fwd.rhs
   assert w4.numerics == numerics.IntAsymmetric(bits=4, storage='uint8')
   assert w4.calibration == calibrations.MinMax()

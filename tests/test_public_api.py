@@ -64,6 +64,7 @@ PRESETS = {
   'mxfp8',
   'nvfp4',
   'nvfp4_training',
+  'nvfp4_weight_only',
   'switchback',
 }
 

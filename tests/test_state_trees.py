@@ -93,3 +93,30 @@ def test_schedule_state_of_another_shape_is_named():
   with pytest.raises(ValueError, match=r'fwd\.rhs\.sparsity: .*\(64, 16\).*'
                      r'\(64, 8\)'):  # fmt: skip
     aqtr.dot_general(jnp.ones((2, 64)), jnp.ones((64, 8)), DN, cfg, state=s)
+
+
+def test_state_from_shapes_alone_lowers_and_exports():
+  cfg = aqtr.presets.fp8_delayed(history_length=4)
+  xs, ws = (jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (X, W))
+  s = aqtr.state.init(xs, ws, DN, cfg)
+  want = aqtr.state.init(X, W, DN, cfg)
+  assert jax.tree.structure(s) == jax.tree.structure(want)
+  for a, b in zip(jax.tree.leaves(s), jax.tree.leaves(want), strict=True):
+    np.testing.assert_array_equal(a, b)
+  shapes = jax.eval_shape(lambda x, w: aqtr.state.init(x, w, DN, cfg), xs, ws)
+  assert jax.tree.map(jnp.shape, shapes) == jax.tree.map(jnp.shape, want)
+
+  def f(x, w, s):
+    return aqtr.dot_general(x, w, DN, cfg, state=s)
+
+  exported = jax.export.export(jax.jit(f))(xs, ws, s)
+  got, new = exported.call(X, W, s)
+  ref, ref_new = f(X, W, want)
+  np.testing.assert_array_equal(got, ref)
+  assert jax.tree.structure(new) == jax.tree.structure(ref_new)
+
+
+def test_state_from_shapes_names_a_calibration_that_reads_values():
+  xs = jax.ShapeDtypeStruct(X.shape, X.dtype)
+  with pytest.raises(ValueError, match=r'lhs is a jax.ShapeDtypeStruct.*Lsq'):
+    aqtr.state.init(xs, W, DN, aqtr.presets.int4_lsq())

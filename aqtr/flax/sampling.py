@@ -53,7 +53,8 @@ class Sampling:
 
   def __post_init__(self):
     t = self.temperature
-    if not (isinstance(t, int | float) and math.isfinite(t) and t >= 0):
+    number = isinstance(t, int | float) and not isinstance(t, bool)
+    if not (number and math.isfinite(t) and t >= 0):
       raise ValueError(
         f'Sampling.temperature must be a finite number >= 0, got {t!r}.'
       )
@@ -71,6 +72,12 @@ def sample(logits: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Array:
     >>> sample(jnp.array([[0., 3., 1.]]), jax.random.key(0), Sampling())
     Array([1], dtype=int32)
   """
+  vocab = logits.shape[-1]
+  if sampling.top_k > vocab:
+    raise ValueError(
+      f'Sampling.top_k={sampling.top_k} exceeds the {vocab} logits; use 0 '
+      f'(all) or at most {vocab}.'
+    )
   logits = logits.astype(jnp.float32)
   if sampling.temperature == 0:
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)

@@ -100,9 +100,10 @@ def run(f: dict) -> None:
     low = 1 if name == 'max_new' else 0
     if f[name].value < low:
       raise ValueError(f'--{name} must be >= {low}, got {f[name].value}')
-  if f['temperature'].value < 0:
+  t = f['temperature'].value
+  if not (math.isfinite(t) and t >= 0):
     raise ValueError(
-      f'--temperature must be >= 0, got {f["temperature"].value}'
+      f'--temperature must be a finite number >= 0 (0: greedy), got {t}'
     )
   if f['checkpoint'].value:
     generate_stock.run(f)

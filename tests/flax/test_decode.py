@@ -18,6 +18,7 @@ import aqtr.flax
 from aqtr.flax import stock_lm
 from aqtr.flax.decode import Decoder, Sampling, pad, store_tree
 from aqtr.flax.kv_cache import CacheRule, StoredCache, cache_bytes
+from aqtr.flax.sampling import sample
 from aqtr.rules import Rule
 
 PROMPT = [3, 1, 4, 1, 5]
@@ -223,12 +224,30 @@ def test_bad_prompts_are_one_line(prompts, msg):
   [
     ({'temperature': -1.0}, 'temperature must be a finite number >= 0'),
     ({'temperature': float('nan')}, 'temperature must be a finite number'),
+    ({'temperature': float('inf')}, 'temperature must be a finite number'),
+    ({'temperature': True}, 'temperature must be a finite number'),
     ({'top_k': -2}, 'top_k must be an int >= 0'),
   ],
 )
 def test_bad_sampling_is_one_line(kw, msg):
   with pytest.raises(ValueError, match=msg):
     Sampling(**kw)
+
+
+def test_sample_names_a_top_k_beyond_the_vocabulary():
+  logits = jnp.zeros((2, 8))
+  with pytest.raises(ValueError, match=r'top_k=9 exceeds the 8 logits'):
+    sample(logits, jax.random.key(0), Sampling(temperature=1, top_k=9))
+  got = sample(logits, jax.random.key(0), Sampling(temperature=1, top_k=8))
+  assert got.shape == (2,)
+
+
+def test_an_nnx_cache_rule_matching_no_variable_is_one_line():
+  rule = CacheRule(path='decoder/.*')
+  dec = Decoder(NnxLM(nnx.Rngs(0)), length=LEN, kv=rule, vocab=32)
+  with pytest.raises(ValueError, match=r'kv rule 0 .* matched no cache var.*'
+                     r'Fix its path or names'):  # fmt: skip
+    dec.generate(None, [PROMPT], 2)
 
 
 def test_bad_decoder_arguments_are_one_line(lm):

@@ -1,6 +1,7 @@
 """Generation from serving checkpoints: served == trained, aqtr-generate."""
 
 import copy
+import dataclasses
 
 import jax
 import numpy as np
@@ -120,7 +121,10 @@ def test_command_says_when_the_cache_is_full(ckpt, capsys):
   'args, message',
   [
     (['--max_new=0'], '--max_new must be >= 1, got 0'),
-    (['--temperature=-0.5'], '--temperature must be >= 0'),
+    (['--temperature=-0.5'], '--temperature must be a finite number >= 0'),
+    (['--temperature=nan'], '--temperature must be a finite number >= 0'),
+    (['--temperature=inf'], '--temperature must be a finite number >= 0'),
+    (['--top_k=-1'], '--top_k must be >= 0, got -1'),
     (['--top_k=257'], 'top_k=257 exceeds the vocabulary size 256'),
     (['--prompt='], 'prompt 0 is empty'),
     (['--prompt=' + 'x' * 40], 'prompt 0 has 40 tokens; the cache holds 32'),
@@ -138,6 +142,24 @@ def test_mistakes_exit_2_with_one_line(ckpt, capsys, args, message):
   lines = err.strip().splitlines()
   assert len(lines) == 1 and lines[0].startswith('aqtr-generate: '), err
   assert message in lines[0]
+
+
+def test_nan_weights_exit_2_with_one_line(ckpt, capsys, monkeypatch):
+  real = generate.load
+
+  def nan_load(path):
+    served = real(path)
+    nan = jax.tree.map(
+      lambda x: x * np.nan if np.issubdtype(x.dtype, np.floating) else x,
+      served.variables,
+    )
+    return dataclasses.replace(served, variables=nan)
+
+  monkeypatch.setattr(generate, 'load', nan_load)
+  status, out, err = _main(capsys, f'--serving={ckpt[0]}', '--max_new=2')
+  assert status == 2 and out == ''
+  assert len(err.strip().splitlines()) == 1
+  assert 'non-finite logits (NaN or inf)' in err and 'NaN or inf weights' in err
 
 
 def test_missing_or_wrong_serving_folder(capsys, tmp_path):
