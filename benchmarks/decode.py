@@ -164,7 +164,7 @@ def _frozen(template, params, config, x):
   return lm, served
 
 
-def _models(max_len: int, d_model: int, layers: int, heads: int):
+def models_by_weights(max_len: int, d_model: int, layers: int, heads: int):
   template = models.lm(
     vocab_size=256,
     seq_len=max_len,
@@ -239,7 +239,9 @@ def main() -> None:
   print(f'CPU flags: {cpu_flags()}')
   print(f'command: python benchmarks/decode.py {" ".join(sys.argv[1:])}')
   print(f'date: {datetime.date.today()}')
-  weights = _models(max(args.contexts), args.d_model, args.layers, args.heads)
+  weights = models_by_weights(
+    max(args.contexts), args.d_model, args.layers, args.heads
+  )
   wbytes = {k: common.nbytes(v) for k, (_, v) in weights.items()}
   rng = np.random.default_rng(0)
   cells, decoders = [], {}
