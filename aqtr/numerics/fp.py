@@ -196,6 +196,12 @@ class Fp(Numerics):
         return jnp.dtype(name)
     raise AssertionError(f'no container for {self}')  # f32 holds them all.
 
+  @property
+  def emulated(self) -> bool:
+    """True unless stored in its own fp8 dtype (e4m3fn, e5m2, fnuz)."""
+    key = (self.exponent_bits, self.mantissa_bits, self.resolved_encoding)
+    return key not in _NATIVE
+
   def codec(self) -> codecs.Codec:
     """E2M1 as 4-bit codes, two per byte; other formats raw."""
     e2m1 = (self.exponent_bits, self.mantissa_bits) == (2, 1)
