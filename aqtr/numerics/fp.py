@@ -114,6 +114,8 @@ class Fp(Numerics):
   smallest of float8_e4m3fn, float8_e5m2, float16, float32 that holds each
   value exactly (E2M1, E2M3, E3M2 in float8_e4m3fn), and the dot runs in
   that dtype: the values are those of the small format, the speed is not.
+  Over several tiles those formats contract as one float32 dot of the
+  dequantized operands (`emulated`; train and serve alike).
 
   Attributes:
     exponent_bits: E, 1..5.
