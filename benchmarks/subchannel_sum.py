@@ -7,12 +7,15 @@ engine (`aqtr.core.passes.tile_sum`) adds whole slices instead. Part 1
 times the two sums alone; part 2 a whole `aqtr.einsum` forward + backward
 (`jax.grad` of the mean square) for weight configs with tiles, against
 the float dot: as the engine runs it (a dot whose operands enter it in
-float, such as nf4 or int4 weight-only, is one dot of the dequantized
+float, such as nf4 or int4 weight-only, or an fp8 dot of an emulated
+format, such as fp4 held in float8_e4m3fn, is one dot of the dequantized
 operands: `aqtr.core.passes.dense_tiles`), and with `dense_tiles` patched
 off (one dot per tile, scaled, summed by `tile_sum`: the engine before
-2026-11-27). Same process, interleaved rounds, median ms.
+2026-11-27 for the float dots, before 2026-11-28 for fp4). Same process,
+interleaved rounds, median wall ms; `cpu x float` is the ratio of process
+CPU time (all threads), the steadier figure on a shared host.
 
-Run: python benchmarks/subchannel_sum.py [--rounds 5]
+Run: python benchmarks/subchannel_sum.py [--rounds 5] [--dots-only]
 """
 
 from __future__ import annotations
@@ -47,6 +50,19 @@ def _time(f, args, rounds: int, reps: int = 3) -> float:
   return statistics.median(got)
 
 
+def _wall_cpu(f, args, reps: int = 3) -> tuple[float, float]:
+  """(wall ms, process CPU ms) per call of `f`, over `reps` calls."""
+  jax.block_until_ready(f(*args))
+  t, u = time.perf_counter(), time.process_time()
+  for _ in range(reps):
+    out = f(*args)
+  jax.block_until_ready(out)
+  return (
+    (time.perf_counter() - t) / reps * 1e3,
+    (time.process_time() - u) / reps * 1e3,
+  )
+
+
 def _sums(rounds: int) -> list[str]:
   lines = [
     '| tiles T | P shape | sum(axis=1) ms | tile_sum ms | speed-up |',
@@ -75,10 +91,24 @@ def _tiled(cfg, tile: int):
   )
 
 
+def _fp4_both(tile: int):
+  """fp4 (E2M1, held in float8_e4m3fn) on both operands of every pass, in
+  tiles of `tile` along each pass's contraction (the backward passes
+  quantize their operands afresh)."""
+  t = dataclasses.replace(
+    aqtr.presets.fp8().fwd.lhs,
+    numerics=aqtr.numerics.Fp(exponent_bits=2, mantissa_bits=1),
+    tiling=SubChannel(tile_size=tile, tile_count=0),
+  )
+  raw = aqtr.DotGeneralRaw(lhs=t, rhs=t, use_fwd_quant=False)
+  return aqtr.DotGeneralConfig(fwd=raw, dlhs=raw, drhs=raw)
+
+
 def _configs():
   return {
     'nf4 g64 (weight only)': nf4(64),
     'int4 g128 (weight only)': _tiled(aqtr.presets.int4_weight_only(), 128),
+    'fp4 e2m1 g32 (both operands)': _fp4_both(32),
     'int8 per-channel (no tiles)': aqtr.presets.int8_weight_only(),
   }
 
@@ -109,36 +139,44 @@ def _dots(rounds: int) -> list[str]:
     jax.clear_caches()
   fns = {'float': grad_of(None)}
   fns.update({n: grad_of(c) for n, c in _configs().items()})
-  times = {k: [] for k in [*fns, *(f'{n} per tile' for n in names)]}
+  tiled = {f'{n} per tile': f for n, f in tiled.items()}
+  times = {k: [] for k in [*fns, *tiled]}
   for _ in range(rounds):  # Interleaved, one repeat each per round.
-    for k, f in fns.items():
-      times[k].append(_time(f, (x, w), 1))
-    for n, f in tiled.items():
-      times[f'{n} per tile'].append(_time(f, (x, w), 1))
-  med = {k: statistics.median(v) for k, v in times.items()}
-  base = med['float']
+    for k, f in (*fns.items(), *tiled.items()):
+      times[k].append(_wall_cpu(f, (x, w)))
+  wall = {k: statistics.median(t[0] for t in v) for k, v in times.items()}
+  cpu = {k: statistics.median(t[1] for t in v) for k, v in times.items()}
   lines = [
-    f'float dot fwd+bwd: {base:.1f} ms',
+    f'float dot fwd+bwd: {wall["float"]:.1f} ms (cpu {cpu["float"]:.1f} ms)',
     '',
-    '| config | engine ms | x float | one dot per tile ms | x float |',
-    '|---|---:|---:|---:|---:|',
+    '| config | engine ms | x float | cpu x float | one dot per tile ms '
+    '| x float | cpu x float |',
+    '|---|---:|---:|---:|---:|---:|---:|',
   ]
   for n in names:
-    a, b = med[n], med[f'{n} per tile']
-    lines.append(
-      f'| {n} | {a:.1f} | {a / base:.2f} | {b:.1f} | {b / base:.2f} |'
-    )
+    row = [n]
+    for k in (n, f'{n} per tile'):
+      row += [
+        f'{wall[k]:.1f}',
+        f'{wall[k] / wall["float"]:.2f}',
+        f'{cpu[k] / cpu["float"]:.2f}',
+      ]
+    lines.append('| ' + ' | '.join(row) + ' |')
   return lines
 
 
 def main(argv=None) -> None:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument('--rounds', type=int, default=5)
+  ap.add_argument('--dots-only', action='store_true', help='skip part 1')
   args = ap.parse_args(argv)
-  print(f'Host: {host.cpu_model()}; M, K, N = {M}, {K}, {N}\n')
-  print('\n'.join(_sums(args.rounds)))
-  print()
+  host.header('subchannel_sum.py')
+  print(f'M, K, N = {M}, {K}, {N}; load {host.load_average()}\n')
+  if not args.dots_only:
+    print('\n'.join(_sums(args.rounds)))
+    print()
   print('\n'.join(_dots(args.rounds)))
+  print(f'\nload at the end: {host.load_average()}')
 
 
 if __name__ == '__main__':

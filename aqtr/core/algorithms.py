@@ -238,6 +238,14 @@ class Numerics(abc.ABC):
     """
     return None
 
+  @property
+  def emulated(self) -> bool:
+    """Whether the dot's dtype only holds this format's values (a block
+    format, or a narrower float in a wider container such as fp4 in
+    float8_e4m3fn): a contraction over several tiles then runs as one f32
+    dot of the dequantized operands (`aqtr.core.passes.contract`)."""
+    return self.block_size is not None
+
   def scale_from_bound(self, bound: jax.Array) -> jax.Array:
     """The scale per group from its calibrated bound (keepdims shape).
 

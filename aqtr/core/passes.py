@@ -297,9 +297,10 @@ def _int_corrected(out, qa, qb, za, zb, b_contract: int):
 
 
 def dense_tiles() -> bool:
-  """Whether a float dot, or an fp8 dot of an emulated block format, over
-  tiles runs as one dot of dequantized operands (nf4 codes, int4 against
-  float activations, MX / NVFP4 blocks: train and serve alike).
+  """Whether a float dot, or an fp8 dot of an emulated format, over tiles
+  runs as one dot of dequantized operands (nf4 codes, int4 against float
+  activations, MX / NVFP4 blocks, fp4 / fp6 held in fp8 containers:
+  `Numerics.emulated`; train and serve alike).
 
   True outside a mesh context; under a mesh, and lowered for CPU for int8
   dots (XLA:CPU's int8 dots are native) and fp8 tiles of a recipe that
@@ -364,9 +365,9 @@ def contract(
   bsz, n, fa, t = a.values.shape
   kind = dot_kind(a.dot_dtype, b.dot_dtype, raw)
   dense = n > 1 and dense_tiles()
-  # Emulated block formats (MX, NVFP4: the numerics fix the block).
-  blocks = any(c.numerics.block_size for c in (raw.lhs, raw.rhs))
-  if dense and (kind == 'float' or kind == 'fp8' and blocks):
+  # Emulated fp8 operands: MX / NVFP4 blocks, fp4 / fp6 in fp8 containers.
+  emulated = any(c.numerics.emulated for c in (raw.lhs, raw.rhs))
+  if dense and (kind == 'float' or kind == 'fp8' and emulated):
     return _dense_contract(a, b, precision)
   if dense:  # int8 / fp8 tiles: one dense dot where lowered for GPU.
     return per_platform(

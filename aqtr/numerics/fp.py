@@ -114,6 +114,8 @@ class Fp(Numerics):
   smallest of float8_e4m3fn, float8_e5m2, float16, float32 that holds each
   value exactly (E2M1, E2M3, E3M2 in float8_e4m3fn), and the dot runs in
   that dtype: the values are those of the small format, the speed is not.
+  Over several tiles those formats contract as one float32 dot of the
+  dequantized operands (`emulated`; train and serve alike).
 
   Attributes:
     exponent_bits: E, 1..5.
@@ -195,6 +197,12 @@ class Fp(Numerics):
       if FloatGrid.of_dtype(jnp.dtype(name)).holds(grid):
         return jnp.dtype(name)
     raise AssertionError(f'no container for {self}')  # f32 holds them all.
+
+  @property
+  def emulated(self) -> bool:
+    """True unless stored in its own fp8 dtype (e4m3fn, e5m2, fnuz)."""
+    key = (self.exponent_bits, self.mantissa_bits, self.resolved_encoding)
+    return key not in _NATIVE
 
   def codec(self) -> codecs.Codec:
     """E2M1 as 4-bit codes, two per byte; other formats raw."""

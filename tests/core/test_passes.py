@@ -150,3 +150,57 @@ def test_a_stored_int4_weight_is_widened_outside_a_decode_loop():
   name = entry.split('body=%')[1].split(',')[0]
   body = text[text.index(f'%{name} ') :].split('\n}\n')[0]
   assert 's4[' not in body, body
+
+
+def _fp_tiles(exponent_bits: int, mantissa_bits: int, tile: int = 8):
+  """Both operands of every pass in the small float eXmY, tiles of `tile`."""
+  t = dataclasses.replace(
+    aqtr.presets.fp8().fwd.lhs,
+    numerics=aqtr.numerics.Fp(
+      exponent_bits=exponent_bits, mantissa_bits=mantissa_bits
+    ),
+    tiling=SubChannel(tile_size=tile, tile_count=0),
+  )
+  raw = aqtr.DotGeneralRaw(lhs=t, rhs=t, use_fwd_quant=True)
+  return aqtr.DotGeneralConfig(
+    fwd=dataclasses.replace(raw, use_fwd_quant=False), dlhs=raw, drhs=raw
+  )
+
+
+def test_emulated_fp4_tiles_are_one_f32_dot_and_serve_what_they_train():
+  # fp4 held in float8_e4m3fn: XLA:CPU emulates the fp8 dot, so the
+  # forward over 4 tiles is one f32 dot of the dequantized operands, for
+  # the stored weight too (serve == train, bit for bit).
+  cfg, dn = _fp_tiles(2, 1), (((1,), (0,)), ((), ()))
+  assert cfg.fwd.lhs.numerics.emulated
+  x = jax.random.normal(jax.random.key(0), (6, 32))
+  w = jax.random.normal(jax.random.key(1), (32, 5))
+
+  def f(x, w):
+    qw = aqtr.quantize_operand(w, dn, cfg, operand='rhs')
+    return aqtr.dot_general(x, w, dn, cfg), aqtr.dot_general(x, qw, dn, cfg)
+
+  fwd = _dots(jax.make_jaxpr(lambda x, w: f(x, w)[0])(x, w).jaxpr)
+  assert fwd, 'no dot_general traced'
+  for eqn in fwd:  # Each platform's form: [1, 6, 32] f32, no tile batch.
+    assert eqn.invars[0].aval.dtype == jnp.float32, eqn
+    assert eqn.invars[0].aval.shape == (1, 6, 32), eqn
+  train, serve = jax.jit(f)(x, w)
+  np.testing.assert_array_equal(serve, train)
+  xq = aqtr.fake_quant(x, cfg.fwd.lhs, contracting_axes=(1,))
+  wq = aqtr.fake_quant(w, cfg.fwd.rhs, contracting_axes=(0,))
+  np.testing.assert_allclose(train, xq @ wq, rtol=1e-5, atol=1e-5)
+
+
+def test_native_fp8_tiles_keep_one_fp8_dot_per_tile_on_cpu():
+  # e4m3 is stored in its own dtype (a recipe may mean its per-tile
+  # accumulation, as DeepSeek-V3's): not emulated, per-tile fp8 dots.
+  cfg, dn = _fp_tiles(4, 3), (((1,), (0,)), ((), ()))
+  assert not cfg.fwd.lhs.numerics.emulated
+  x, w = jnp.ones((6, 32)), jnp.ones((32, 5))
+  fwd = _dots(
+    jax.make_jaxpr(lambda x, w: aqtr.dot_general(x, w, dn, cfg))(x, w).jaxpr
+  )
+  if jax.default_backend() == 'cpu':
+    cpu = [e for e in fwd if e.invars[0].aval.dtype == jnp.float8_e4m3fn]
+    assert cpu and cpu[0].invars[0].aval.shape == (4, 6, 8), fwd
