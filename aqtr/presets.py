@@ -22,6 +22,7 @@ from aqtr.calibrations.minmax import MinMax
 from aqtr.core.arguments import check_flags, check_int
 from aqtr.core.config import DotGeneralConfig, DotGeneralRaw, TensorConfig
 from aqtr.core.rounding import NearestEven, Rounding, Stochastic
+from aqtr.fp4_recipes import mxfp4_training, nvfp4_training
 from aqtr.fp8_recipes import deepseek_v3_fp8, maxtext_deepseek_fp8
 from aqtr.freezers.base import NoFreezer
 from aqtr.numerics.base import Numerics
@@ -35,12 +36,10 @@ from aqtr.sparsity.base import Sparsity
 from aqtr.sparsity.n_m import NM
 from aqtr.sparsity.none import NoSparsity
 from aqtr.tilings.base import Tiling
-from aqtr.tilings.block2d import Block2d
 from aqtr.tilings.per_channel import PerChannel
 from aqtr.tilings.per_tensor import PerTensor
 from aqtr.tilings.subchannel import SubChannel
 from aqtr.transforms.base import Transform
-from aqtr.transforms.hadamard import Hadamard
 from aqtr.transforms.none import NoTransform
 
 __all__ = [
@@ -362,78 +361,6 @@ def nvfp4() -> DotGeneralConfig:
     dlhs=_raw(_none(), f, True),
     drhs=_raw(_none(), f, True),
   )
-
-
-def nvfp4_training(
-  rht: bool = True,
-  stochastic_rounding: bool = True,
-  weight_blocks_2d: bool = True,
-) -> DotGeneralConfig:
-  """NVIDIA's NVFP4 pretraining recipe (arXiv 2509.25149), per dot.
-
-  Every GEMM in NVFP4 (E2M1, 16-element blocks, e4m3 x f32 scales):
-    fwd   x: 1x16 blocks along K; w: 16x16 blocks (`Block2d`); nearest.
-    dlhs  g: 1x16 along N, stochastic; w requantized along N, 16x16
-          blocks: the same values as in fwd (2-D blocks are transpose
-          invariant).
-    drhs  g and x along the M tokens (1x16), both rotated by a random
-          Hadamard transform (RHT-16, fixed signs), g stochastic.
-  The paper keeps a few sensitive layers (mostly the last blocks) in
-  BF16: leave those to rules (`aqtr.pax` injection, Flax rules) with
-  `aqtr.presets.float()`. Every contraction (K, N, M) must be a multiple
-  of 16. The call needs `key=` (stochastic rounding).
-
-  Args:
-    rht: RHT-16 on the wgrad (drhs) inputs.
-    stochastic_rounding: stochastic rounding on the gradients.
-    weight_blocks_2d: 16x16 weight blocks (else 1x16 along each pass's
-      contraction, so forward and dlhs see different weights).
-  """
-  check_flags(
-    'presets.nvfp4_training',
-    rht=rht,
-    stochastic_rounding=stochastic_rounding,
-    weight_blocks_2d=weight_blocks_2d,
-  )
-  nv = NvFp4(scale_mode='nearest', clip_gradient=False)
-  sr = Stochastic(noise_sharing_axes=()) if stochastic_rounding else None
-  w = _t(
-    nv, tiling=Block2d(tile_size=16, free_size=16) if weight_blocks_2d else None
-  )
-  h = Hadamard(block_size=16, signs='seed', seed=0, method='auto')
-  t = h if rht else None
-  return DotGeneralConfig(
-    fwd=_raw(_t(nv), w, False),
-    dlhs=_raw(_t(nv, sr), w, False),
-    drhs=_raw(_t(nv, sr, transform=t), _t(nv, transform=t), False),
-  )
-
-
-def mxfp4_training(
-  hadamard: bool = True, forward_hadamard: bool = True
-) -> DotGeneralConfig:
-  """A Quartet-style MXFP4 recipe (Castro et al. 2025, arXiv 2505.14669).
-
-  MXFP4 GEMMs (E2M1, 32-blocks, E8M0 `rceil`), stochastic gradients,
-  requantized residuals; RHT-32 (fixed signs) along each pass's
-  contraction: fwd quantizes x R and R^T w (frozen weights stored
-  rotated). No QuEST clipping. K, N, M multiples of 32; needs `key=`.
-
-  Args:
-    hadamard: RHT-32 on the dlhs and drhs operands.
-    forward_hadamard: RHT-32 on the forward operands (Quartet).
-  """
-  check_flags(
-    'presets.mxfp4_training',
-    hadamard=hadamard,
-    forward_hadamard=forward_hadamard,
-  )
-  mx = Mx(element='fp4_e2m1', scale_mode='rceil', clip_gradient=False)
-  h = Hadamard(block_size=32, signs='seed', seed=0, method='auto')
-  t = h if hadamard else None
-  bwd = _raw(_t(mx, Stochastic(), transform=t), _t(mx, transform=t), False)
-  f = _t(mx, transform=h if forward_hadamard else None)
-  return DotGeneralConfig(fwd=_raw(f, f, False), dlhs=bwd, drhs=bwd)
 
 
 def int4_asym_weight_only(group: int = 128) -> DotGeneralConfig:

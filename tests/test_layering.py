@@ -27,6 +27,7 @@ LAYERS = {
   'transforms': 2,
   'freezers': 2,
   'presets': 3,
+  'fp4_recipes': 3,
   'fp8_recipes': 3,
   'validation': 3,
   'tags': 3,
