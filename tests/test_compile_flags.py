@@ -8,7 +8,9 @@ instruction selector never does and its full one does, and which one runs
 for a kernel depended on the other kernels of its LLVM module, i.e. on the
 rest of the program (benchmarks/xla_cpu_fma_contraction.md). This is that
 case at toy size: an int8 dot's rescale plus bias, compiled alone and next
-to an unrelated tanh.
+to an unrelated tanh (with the tests' one codegen split, both kernels of
+the second program share an LLVM module). It fails under the classic
+emitters at -O0 without `-fast-isel=false`.
 """
 
 import jax
