@@ -3,22 +3,30 @@
 import os
 
 # Tests compile many tiny programs: XLA's backend optimizations (LLVM passes)
-# cost more than they save there. They are no fast-math, but they change
-# the last bits of some results against XLA's defaults (gelu, atan or erfinv
-# within 1-2 ulp, some reductions' summation order, no FMA contraction): a
-# test compares programs compiled with the same flags, and the tests of
-# serve == train under XLA's defaults run a subprocess without XLA_FLAGS.
+# cost more than they save there, and XLA:CPU's classic emitters compile
+# faster than its fusion emitters. The flags are no fast-math, but they
+# change the last bits of some results against XLA's defaults (gelu, atan
+# or erfinv within 1-2 ulp, some reductions' summation order): a test
+# compares programs compiled with the same flags, and the tests of serve ==
+# train under XLA's defaults run a subprocess without XLA_FLAGS.
 # Subprocesses that want one device use AQTR_TEST_XLA_FLAGS. Set either
 # variable yourself to override it.
-# Measured and NOT adopted: `--xla_cpu_use_fusion_emitters=false` (XLA:CPU's
-# classic emitters) halves the compile time, but together with the flags
-# below the tiny LM of `python -m aqtr.train --config=config:tiny` serves
-# logits up to 0.017 away from its training model's (serve == train holds
-# bit for bit with the flags below alone, with XLA's defaults, and with the
-# classic emitters at XLA's default optimization level).
+# `-fast-isel=false` (an LLVM option) is what keeps serve == train bit-exact
+# at LLVM -O0: without it one fusion got an FMA contraction in one program
+# and not in another, depending on the other kernels of its LLVM module
+# (benchmarks/xla_cpu_fma_contraction.md; tests/test_compile_flags.py).
+# One codegen split per program saves the per-module overhead (the two
+# pytest-xdist workers keep both cores busy). Measured against the fusion
+# emitters at -O0 (`pytest -q -n 0`, user + sys CPU s, AMD EPYC family 25):
+# tests/core 167 -> 88, flax 177 -> 114, train 98 -> 58, test_docs.py
+# 213 -> 122, papers 99 -> 55, colabs 108 -> 75 (1-minute load 2-7).
 os.environ.setdefault(
   'AQTR_TEST_XLA_FLAGS',
-  '--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true',
+  '--xla_cpu_use_fusion_emitters=false '
+  '--xla_backend_optimization_level=0 '
+  '--xla_llvm_disable_expensive_passes=true '
+  '--xla_backend_extra_options=-fast-isel=false '
+  '--xla_cpu_parallel_codegen_split_count=1',
 )
 os.environ.setdefault(
   'XLA_FLAGS',
