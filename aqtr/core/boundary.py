@@ -113,8 +113,9 @@ def fusion_boundary(tree, transposed: jax.Array | None = None):
 
   Lowered for CPU outside a mesh, a one-trip while loop whose trip count
   XLA cannot fold (XLA:CPU drops `optimization_barrier`s before fusion,
-  but keeps a loop); elsewhere an `optimization_barrier`
-  (`lowering.per_platform`). The values are unchanged.
+  but keeps a loop; `tree`'s arrays carried 1-D, see `_flat_loop`);
+  elsewhere an `optimization_barrier` (`lowering.per_platform`). The
+  values are unchanged.
 
   `transposed` (`copyable`): an array [B, T, X, Y] also returned as
   [B, T, Y, X]. For CPU the same loop makes it a buffer of its own, then
