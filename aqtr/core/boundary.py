@@ -96,13 +96,20 @@ def one_trip_loop(tree, count):
   return lax.while_loop(lambda c: c[0] < count(c[1]), body, (0, tree))[1]
 
 
+def _vector(x: jax.Array) -> bool:
+  """Whether at most one axis of `x` is longer than 1 (a scale's shape)."""
+  return sum(d > 1 for d in x.shape) <= 1
+
+
 def _flat_loop(tree, values, count):
-  """(`tree`, `values`) through `one_trip_loop`, `tree`'s arrays carried as
-  1-D (reshapes: free). So the kernels writing a row scale [., M, 1] and a
-  column scale [., 1, N] of one size are one fused computation, which
-  XLA:CPU compiles once (each kernel costs ~10 ms of compile time)."""
+  """(`tree`, `values`) through `one_trip_loop`, `tree`'s vectors (scales)
+  carried as 1-D (reshapes: free). So the kernels writing a row scale
+  [., M, 1] and a column scale [., 1, N] of one size are one fused
+  computation, which XLA:CPU compiles once (each kernel costs ~10 ms of
+  compile time). Other arrays (a KV cache) keep their shapes: reshaped,
+  XLA copies them in a decode loop."""
   leaves, treedef = jax.tree.flatten(tree)
-  flat = [x.reshape(-1) for x in leaves]
+  flat = [x.reshape(-1) if _vector(x) else x for x in leaves]
   flat, values = one_trip_loop((flat, values), count)
   leaves = [x.reshape(y.shape) for x, y in zip(flat, leaves, strict=True)]
   return jax.tree.unflatten(treedef, leaves), values
@@ -113,7 +120,7 @@ def fusion_boundary(tree, transposed: jax.Array | None = None):
 
   Lowered for CPU outside a mesh, a one-trip while loop whose trip count
   XLA cannot fold (XLA:CPU drops `optimization_barrier`s before fusion,
-  but keeps a loop; `tree`'s arrays carried 1-D, see `_flat_loop`);
+  but keeps a loop; `tree`'s vectors carried 1-D, see `_flat_loop`);
   elsewhere an `optimization_barrier` (`lowering.per_platform`). The
   values are unchanged.
 
