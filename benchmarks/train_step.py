@@ -21,12 +21,14 @@ time (higher is faster); `cpu ms` / `cpu x` the same in process CPU time
 (all threads; steadier than wall time on a shared machine); compile time
 as measured by AOT compilation.
 
-Run: python benchmarks/train_step.py [--rounds 10] [--models mlp lm]
+Run: python benchmarks/train_step.py [--rounds 10] [--models mlp lm] [--json]
+(`--json` prints one JSON row per line, for benchmarks/before_after.py.)
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from collections.abc import Callable
 
@@ -288,7 +290,15 @@ def main(argv=None) -> None:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument('--rounds', type=int, default=10)
   p.add_argument('--models', nargs='*', default=['mlp', 'lm'])
+  p.add_argument(
+    '--json', action='store_true', help='JSON rows (for before_after.py)'
+  )
   a = p.parse_args(argv)
+  if a.json:
+    for m in a.models:
+      for r in bench(m, a.rounds):
+        print(json.dumps(r), flush=True)
+    return
   print(
     f'jax {jax.__version__}, {jax.devices()[0].device_kind}, '
     f'rounds={a.rounds}; x float = float min time / min time '

@@ -96,13 +96,33 @@ def one_trip_loop(tree, count):
   return lax.while_loop(lambda c: c[0] < count(c[1]), body, (0, tree))[1]
 
 
+def _vector(x: jax.Array) -> bool:
+  """Whether at most one axis of `x` is longer than 1 (a scale's shape)."""
+  return sum(d > 1 for d in x.shape) <= 1
+
+
+def _flat_loop(tree, values, count):
+  """(`tree`, `values`) through `one_trip_loop`, `tree`'s vectors (scales)
+  carried as 1-D (reshapes: free). So the kernels writing a row scale
+  [., M, 1] and a column scale [., 1, N] of one size are one fused
+  computation, which XLA:CPU compiles once (each kernel costs ~10 ms of
+  compile time). Other arrays (a KV cache) keep their shapes: reshaped,
+  XLA copies them in a decode loop."""
+  leaves, treedef = jax.tree.flatten(tree)
+  flat = [x.reshape(-1) if _vector(x) else x for x in leaves]
+  flat, values = one_trip_loop((flat, values), count)
+  leaves = [x.reshape(y.shape) for x, y in zip(flat, leaves, strict=True)]
+  return jax.tree.unflatten(treedef, leaves), values
+
+
 def fusion_boundary(tree, transposed: jax.Array | None = None):
   """`tree`'s arrays as buffers of their own that no fusion reaches across.
 
   Lowered for CPU outside a mesh, a one-trip while loop whose trip count
   XLA cannot fold (XLA:CPU drops `optimization_barrier`s before fusion,
-  but keeps a loop); elsewhere an `optimization_barrier`
-  (`lowering.per_platform`). The values are unchanged.
+  but keeps a loop; `tree`'s vectors carried 1-D, see `_flat_loop`);
+  elsewhere an `optimization_barrier` (`lowering.per_platform`). The
+  values are unchanged.
 
   `transposed` (`copyable`): an array [B, T, X, Y] also returned as
   [B, T, Y, X]. For CPU the same loop makes it a buffer of its own, then
@@ -129,7 +149,7 @@ def fusion_boundary(tree, transposed: jax.Array | None = None):
   if copies and loops and copyable(transposed):
 
     def cpu(tree, values):
-      tree, values = one_trip_loop((tree, values), lambda t: copy_trips(t[1]))
+      tree, values = _flat_loop(tree, values, lambda t: copy_trips(t[1]))
       return tree, values, swap_last(values)
 
     def gpu(tree, values):
@@ -140,7 +160,9 @@ def fusion_boundary(tree, transposed: jax.Array | None = None):
     tree = _barrier(tree)
   elif any(x.size for x in jax.tree.leaves(tree)):
     tree = per_platform(
-      tree, cpu=lambda t: one_trip_loop(t, _first_trips), gpu=_barrier
+      tree,
+      cpu=lambda t: _flat_loop(t, None, lambda c: _first_trips(c[0]))[0],
+      gpu=_barrier,
     )
   return (tree, transposed, None) if copies else tree
 

@@ -66,10 +66,22 @@ from aqtr.core.sharding import (
 )
 
 
+# The primal, the forward with residuals and the backward are jitted one
+# by one (each traced once per plan and operand types, and reused by every
+# equal dot), under a custom VJP that is not: a jitted custom VJP is traced
+# as its primal, then that jaxpr is linearized, which traces the forward
+# again (twice the tracing of a differentiated dot).
+@functools.partial(jax.jit, static_argnums=(5,))
+def _primal(lhs, rhs, key, state, groups, plan: Plan):
+  return forward(plan, lhs, rhs, key, state, False, groups)[0]
+
+
+@functools.partial(jax.jit, static_argnums=(5,))
 def _fwd(lhs, rhs, key, state, groups, plan: Plan):
   return forward(plan, lhs, rhs, key, state, groups=groups)
 
 
+@functools.partial(jax.jit, static_argnums=(0,))
 def _bwd(plan: Plan, res, gs):
   # The new state's cotangent is unused; group sizes get none.
   return (*backward(plan, res, gs[0]), None)
@@ -77,7 +89,7 @@ def _bwd(plan: Plan, res, gs):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def _qdot(lhs, rhs, key, state, groups, plan: Plan):
-  return forward(plan, lhs, rhs, key, state, False, groups)[0]
+  return _primal(lhs, rhs, key, state, groups, plan)
 
 
 _qdot.defvjp(_fwd, _bwd)
@@ -127,7 +139,9 @@ def _fence_bwd(_, g):
 fenced_cotangent.defvjp(_fence_fwd, _fence_bwd)
 # (lhs, rhs, key, typed state, group sizes, plan) -> (out, new typed
 # state); group sizes: a ragged plan's (`aqtr.ragged_dot`), else None.
-quantized_dot = jax.jit(_qdot, static_argnums=(5,))
+quantized_dot = _qdot
+# Its jitted parts (for tests of their trace caches).
+JITTED = (_primal, _fwd, _bwd)
 
 
 def dot_general(

@@ -836,15 +836,25 @@ def test_scan_and_remat():
 
 def test_second_call_does_not_retrace():
   lhs, rhs = randn(20, (7, 24), (24, 9))
-  before = dg_lib.quantized_dot._cache_size()
+
+  def sizes():
+    return [f._cache_size() for f in dg_lib.JITTED]  # primal, fwd, bwd
+
+  def grad(a, dn=MK_KN):
+    return jax.grad(
+      lambda a: aqtr.dot_general(a, rhs, dn, presets.int8()).sum()
+    )(a)
+
+  before = sizes()
   aqtr.dot_general(lhs, rhs, MK_KN, presets.int8())
-  first = dg_lib.quantized_dot._cache_size()
+  grad(lhs)
+  first = sizes()
   # Equal (not identical) config, other values, list/negative-axis spelling.
   aqtr.dot_general(lhs + 1, rhs, MK_KN, presets.int8())
   aqtr.dot_general(lhs, rhs, (([-1], [0]), ([], [])), presets.int8())
-  jax.grad(lambda a: aqtr.dot_general(a, rhs, MK_KN, presets.int8()).sum())(lhs)
-  assert first == before + 1
-  assert dg_lib.quantized_dot._cache_size() == first
+  grad(lhs * 2, (([-1], [0]), ([], [])))
+  assert first == [n + 1 for n in before]
+  assert sizes() == first
 
 
 def test_outer_jit_traces_once():
