@@ -31,7 +31,7 @@ import aqtr.flax as af
 import aqtr.lora as lora
 import aqtr.ptq as ptq
 from aqtr.core.lowering import sub_jaxprs
-from aqtr.flax import Rule
+from aqtr.flax import Rule, serving
 from aqtr.lora.config import base_config
 
 PRESETS = {
@@ -287,17 +287,19 @@ def _under_default_flags(script: str, cases) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize('name,base', _params('lora', ('nf4', 'int8')))
 def test_qlora_with_zero_b_serves_the_converted_base(name, base):
-  """Adapters attached (B = 0) change no output bit: the attached model
-  equals the base converted with the same config, under jit."""
+  """Adapters attached (B = 0) change no output beyond the rescale's FMA:
+  the attached model is within `FUSION_ULP` of the base converted with
+  the same config, under jit (bit for bit where no residual add follows
+  the rescale; see the note below: the test flags contract FMAs as XLA's
+  defaults do since they select instructions fully at -O0)."""
   z, mod, x, _ = _model(name)
   v = _variables(name)
   cfg = lora.LoraConfig(rank=4, base=base)
   lm, lv = lora.attach(mod, {z.blocks: cfg}, x, variables=v)
   rules = [Rule(base_config(base), path=z.blocks, weight=True)]
   sm, sv = af.convert(af.quantize(mod, rules), x, variables=v)
-  np.testing.assert_array_equal(
-    jax.jit(lm.apply)(lv, x), jax.jit(sm.apply)(sv, x)
-  )
+  a, b = jax.jit(lm.apply)(lv, x), jax.jit(sm.apply)(sv, x)
+  assert serving._ulps(np.asarray(b), np.asarray(a)) <= serving.FUSION_ULP
 
 
 # Under XLA's default flags the two programs above differ in one place
