@@ -17,49 +17,16 @@ Example:
 
 from __future__ import annotations
 
-from aqtr.calibrations.absmax import AbsMax
 from aqtr.core.arguments import check_flags
-from aqtr.core.config import DotGeneralConfig, DotGeneralRaw, TensorConfig
-from aqtr.core.rounding import NearestEven, Rounding, Stochastic
-from aqtr.freezers.base import NoFreezer
-from aqtr.numerics.base import Numerics
+from aqtr.core.config import DotGeneralConfig
+from aqtr.core.rounding import Stochastic
 from aqtr.numerics.mx import Mx
 from aqtr.numerics.nvfp4 import NvFp4
-from aqtr.sparsity.none import NoSparsity
-from aqtr.tilings.base import Tiling
+from aqtr.preset_parts import operand, raw
 from aqtr.tilings.block2d import Block2d
-from aqtr.tilings.subchannel import SubChannel
-from aqtr.transforms.base import Transform
 from aqtr.transforms.hadamard import Hadamard
-from aqtr.transforms.none import NoTransform
 
 __all__ = ['mxfp4_training', 'nvfp4_training']
-
-
-def _tensor(
-  numerics: Numerics,
-  rounding: Rounding | None = None,
-  *,
-  tiling: Tiling | None = None,
-  transform: Transform | None = None,
-) -> TensorConfig:
-  """One operand: absmax scales over the numerics' blocks."""
-  block = numerics.block_size
-  return TensorConfig(
-    numerics=numerics,
-    calibration=AbsMax(clip_scale=1.0, po2_scale=False),
-    tiling=tiling or SubChannel(tile_size=block, tile_count=0),
-    sparsity=NoSparsity(),
-    rounding=rounding or NearestEven(),
-    transform=transform or NoTransform(),
-    freezer=NoFreezer(),
-  )
-
-
-def _raw(lhs: TensorConfig, rhs: TensorConfig, fwd_quant: bool):
-  return DotGeneralRaw(
-    lhs=lhs, rhs=rhs, use_fwd_quant=fwd_quant, accumulator='auto'
-  )
 
 
 def nvfp4_training(
@@ -95,15 +62,15 @@ def nvfp4_training(
   )
   nv = NvFp4(scale_mode='nearest', clip_gradient=False)
   sr = Stochastic(noise_sharing_axes=()) if stochastic_rounding else None
-  w = _tensor(
+  w = operand(
     nv, tiling=Block2d(tile_size=16, free_size=16) if weight_blocks_2d else None
   )
   h = Hadamard(block_size=16, signs='seed', seed=0, method='auto')
   t = h if rht else None
   return DotGeneralConfig(
-    fwd=_raw(_tensor(nv), w, False),
-    dlhs=_raw(_tensor(nv, sr), w, False),
-    drhs=_raw(_tensor(nv, sr, transform=t), _tensor(nv, transform=t), False),
+    fwd=raw(operand(nv), w, False),
+    dlhs=raw(operand(nv, sr), w, False),
+    drhs=raw(operand(nv, sr, transform=t), operand(nv, transform=t), False),
   )
 
 
@@ -129,8 +96,8 @@ def mxfp4_training(
   mx = Mx(element='fp4_e2m1', scale_mode='rceil', clip_gradient=False)
   h = Hadamard(block_size=32, signs='seed', seed=0, method='auto')
   t = h if hadamard else None
-  bwd = _raw(
-    _tensor(mx, Stochastic(), transform=t), _tensor(mx, transform=t), False
+  bwd = raw(
+    operand(mx, Stochastic(), transform=t), operand(mx, transform=t), False
   )
-  f = _tensor(mx, transform=h if forward_hadamard else None)
-  return DotGeneralConfig(fwd=_raw(f, f, False), dlhs=bwd, drhs=bwd)
+  f = operand(mx, transform=h if forward_hadamard else None)
+  return DotGeneralConfig(fwd=raw(f, f, False), dlhs=bwd, drhs=bwd)

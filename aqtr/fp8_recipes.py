@@ -21,11 +21,11 @@ from __future__ import annotations
 import builtins
 import dataclasses
 
-from aqtr.calibrations.absmax import AbsMax
 from aqtr.calibrations.constant import Constant
-from aqtr.core.config import DotGeneralConfig, DotGeneralRaw, TensorConfig
+from aqtr.core.config import DotGeneralConfig
 from aqtr.freezers.base import configure
 from aqtr.numerics.fp8 import Fp8
+from aqtr.preset_parts import operand, raw
 from aqtr.tilings.block2d import Block2d
 from aqtr.tilings.per_channel import PerChannel
 from aqtr.tilings.per_tensor import PerTensor
@@ -37,17 +37,11 @@ E4M3, E5M2 = 'float8_e4m3fn', 'float8_e5m2'
 
 
 def _fp8(dtype_name: str, tiling, calibration=None, gather=False):
-  return TensorConfig(
-    numerics=Fp8(dtype_name=dtype_name, clip_gradient=False),
-    calibration=calibration or AbsMax(clip_scale=1.0, po2_scale=False),
+  return operand(
+    Fp8(dtype_name=dtype_name, clip_gradient=False),
     tiling=tiling,
+    calibration=calibration,
     quantized_gather=gather,
-  )
-
-
-def _raw(lhs, rhs, fwd_quant: bool) -> DotGeneralRaw:
-  return DotGeneralRaw(
-    lhs=lhs, rhs=rhs, use_fwd_quant=fwd_quant, accumulator='auto'
   )
 
 
@@ -88,9 +82,9 @@ def maxtext_deepseek_fp8(
   acts = _fp8(E4M3, PerTensor(), cal)
   grads = _fp8(E5M2, PerChannel())
   cfg = DotGeneralConfig(
-    fwd=_raw(acts, _fp8(E4M3, PerChannel(), gather=quantized_gather), False),
-    dlhs=_raw(grads, _fp8(E4M3, PerChannel()), True),
-    drhs=_raw(grads, _fp8(E4M3, PerChannel()), True),
+    fwd=raw(acts, _fp8(E4M3, PerChannel(), gather=quantized_gather), False),
+    dlhs=raw(grads, _fp8(E4M3, PerChannel()), True),
+    drhs=raw(grads, _fp8(E4M3, PerChannel()), True),
   )
   return cfg if bound is not None else configure(cfg, lhs='calibration')
 
@@ -134,7 +128,7 @@ def deepseek_v3_fp8(
   gathered = dataclasses.replace(block, quantized_gather=quantized_gather)
   col = _fp8(E4M3, PerChannel()) if experts else row
   return DotGeneralConfig(
-    fwd=_raw(row, gathered, False),
-    dlhs=_raw(row, block, False),
-    drhs=_raw(col, col, False),
+    fwd=raw(row, gathered, False),
+    dlhs=raw(row, block, False),
+    drhs=raw(col, col, False),
   )

@@ -13,18 +13,15 @@ from __future__ import annotations
 
 import builtins
 
-from aqtr.calibrations.absmax import AbsMax
-from aqtr.calibrations.base import Calibration
 from aqtr.calibrations.constant import Constant
 from aqtr.calibrations.delayed_scaling import DelayedScaling
 from aqtr.calibrations.lsq import Lsq
 from aqtr.calibrations.minmax import MinMax
 from aqtr.core.arguments import check_flags, check_int
-from aqtr.core.config import DotGeneralConfig, DotGeneralRaw, TensorConfig
-from aqtr.core.rounding import NearestEven, Rounding, Stochastic
+from aqtr.core.config import DotGeneralConfig, TensorConfig
+from aqtr.core.rounding import Stochastic
 from aqtr.fp4_recipes import mxfp4_training, nvfp4_training
 from aqtr.fp8_recipes import deepseek_v3_fp8, maxtext_deepseek_fp8
-from aqtr.freezers.base import NoFreezer
 from aqtr.numerics.base import Numerics
 from aqtr.numerics.fp8 import Fp8
 from aqtr.numerics.int_asymmetric import IntAsymmetric
@@ -32,15 +29,10 @@ from aqtr.numerics.int_symmetric import IntSymmetric
 from aqtr.numerics.mx import Mx
 from aqtr.numerics.none import NoNumerics
 from aqtr.numerics.nvfp4 import NvFp4
-from aqtr.sparsity.base import Sparsity
+from aqtr.preset_parts import operand, raw
 from aqtr.sparsity.n_m import NM
-from aqtr.sparsity.none import NoSparsity
-from aqtr.tilings.base import Tiling
-from aqtr.tilings.per_channel import PerChannel
 from aqtr.tilings.per_tensor import PerTensor
 from aqtr.tilings.subchannel import SubChannel
-from aqtr.transforms.base import Transform
-from aqtr.transforms.none import NoTransform
 
 __all__ = [
   'aqt_v4',
@@ -69,35 +61,8 @@ __all__ = [
 ]
 
 
-def _t(
-  numerics: Numerics,
-  rounding: Rounding | None = None,
-  *,
-  tiling: Tiling | None = None,
-  calibration: Calibration | None = None,
-  sparsity: Sparsity | None = None,
-  transform: Transform | None = None,
-) -> TensorConfig:
-  if tiling is None:
-    block = numerics.block_size
-    tiling = PerChannel() if block is None else _tiles(block)
-  return TensorConfig(
-    numerics=numerics,
-    calibration=calibration or AbsMax(clip_scale=1.0, po2_scale=False),
-    tiling=tiling,
-    sparsity=sparsity or NoSparsity(),
-    rounding=rounding or NearestEven(),
-    transform=transform or NoTransform(),
-    freezer=NoFreezer(),
-  )
-
-
-def _tiles(size: int) -> SubChannel:
-  return SubChannel(tile_size=size, tile_count=0)
-
-
 def _none() -> TensorConfig:
-  return _t(NoNumerics())
+  return operand(NoNumerics())
 
 
 def _int(bits: int, **kw) -> Numerics:
@@ -110,18 +75,12 @@ def _int(bits: int, **kw) -> Numerics:
   )
 
 
-def _raw(lhs: TensorConfig, rhs: TensorConfig, fwd_quant: bool):
-  return DotGeneralRaw(
-    lhs=lhs, rhs=rhs, use_fwd_quant=fwd_quant, accumulator='auto'
-  )
-
-
 def float() -> DotGeneralConfig:  # The preset's name.
   """No quantization anywhere: `lax.dot_general` bit for bit."""
   return DotGeneralConfig(
-    fwd=_raw(_none(), _none(), False),
-    dlhs=_raw(_none(), _none(), False),
-    drhs=_raw(_none(), _none(), False),
+    fwd=raw(_none(), _none(), False),
+    dlhs=raw(_none(), _none(), False),
+    drhs=raw(_none(), _none(), False),
   )
 
 
@@ -155,11 +114,11 @@ def fully_quantized(
       )
     g = _none()
   else:
-    g = _t(_int(bwd_bits), sr)
+    g = operand(_int(bwd_bits), sr)
   return DotGeneralConfig(
-    fwd=_raw(_t(fwd), _t(fwd), False),
-    dlhs=_raw(g, _t(fwd), True),
-    drhs=_raw(g, _t(fwd), True),
+    fwd=raw(operand(fwd), operand(fwd), False),
+    dlhs=raw(g, operand(fwd), True),
+    drhs=raw(g, operand(fwd), True),
   )
 
 
@@ -202,20 +161,20 @@ def int8_sparse_2_4(
     update_step=update_step,
     decay=decay,
   )
-  w = _t(_int(8), sparsity=nm)
+  w = operand(_int(8), sparsity=nm)
   return DotGeneralConfig(
-    fwd=_raw(cfg.fwd.lhs, w, False),
-    dlhs=_raw(cfg.dlhs.lhs, w, True),
+    fwd=raw(cfg.fwd.lhs, w, False),
+    dlhs=raw(cfg.dlhs.lhs, w, True),
     drhs=cfg.drhs,
   )
 
 
 def _weight_only(numerics: Numerics, **kw) -> DotGeneralConfig:
-  w = _t(numerics, **kw)
+  w = operand(numerics, **kw)
   return DotGeneralConfig(
-    fwd=_raw(_none(), w, False),
-    dlhs=_raw(_none(), w, True),
-    drhs=_raw(_none(), _none(), True),
+    fwd=raw(_none(), w, False),
+    dlhs=raw(_none(), w, True),
+    drhs=raw(_none(), _none(), True),
   )
 
 
@@ -231,12 +190,12 @@ def int4_weight_only() -> DotGeneralConfig:
 
 def fp8() -> DotGeneralConfig:
   """HFP8: e4m3 forward operands, e5m2 gradients, per-channel absmax."""
-  e4 = _t(Fp8(dtype_name='float8_e4m3fn', clip_gradient=False))
-  e5 = _t(Fp8(dtype_name='float8_e5m2', clip_gradient=False))
+  e4 = operand(Fp8(dtype_name='float8_e4m3fn', clip_gradient=False))
+  e5 = operand(Fp8(dtype_name='float8_e5m2', clip_gradient=False))
   return DotGeneralConfig(
-    fwd=_raw(e4, e4, False),
-    dlhs=_raw(e5, e4, True),
-    drhs=_raw(e5, e4, True),
+    fwd=raw(e4, e4, False),
+    dlhs=raw(e5, e4, True),
+    drhs=raw(e5, e4, True),
   )
 
 
@@ -246,12 +205,12 @@ def fp8_nanoo() -> DotGeneralConfig:
   As `fp8` with the fnuz formats (exponent bias one higher, e4m3fnuz max
   240), per-channel absmax scales.
   """
-  e4 = _t(Fp8(dtype_name='float8_e4m3fnuz', clip_gradient=False))
-  e5 = _t(Fp8(dtype_name='float8_e5m2fnuz', clip_gradient=False))
+  e4 = operand(Fp8(dtype_name='float8_e4m3fnuz', clip_gradient=False))
+  e5 = operand(Fp8(dtype_name='float8_e5m2fnuz', clip_gradient=False))
   return DotGeneralConfig(
-    fwd=_raw(e4, e4, False),
-    dlhs=_raw(e5, e4, True),
-    drhs=_raw(e5, e4, True),
+    fwd=raw(e4, e4, False),
+    dlhs=raw(e5, e4, True),
+    drhs=raw(e5, e4, True),
   )
 
 
@@ -277,13 +236,13 @@ def fp8_full(constant_bounds=None) -> DotGeneralConfig:
   def t(dtype_name: str, bound) -> TensorConfig:
     cal = None if bound is None else Constant(bound=builtins.float(bound))
     fp = Fp8(dtype_name=dtype_name, clip_gradient=False)
-    return _t(fp, tiling=PerTensor(), calibration=cal)
+    return operand(fp, tiling=PerTensor(), calibration=cal)
 
   e4, e5 = 'float8_e4m3fn', 'float8_e5m2'
   return DotGeneralConfig(
-    fwd=_raw(t(e4, b[0]), t(e4, b[1]), False),
-    dlhs=_raw(t(e5, b[2]), t(e5, b[3]), False),
-    drhs=_raw(t(e5, b[4]), t(e5, b[5]), False),
+    fwd=raw(t(e4, b[0]), t(e4, b[1]), False),
+    dlhs=raw(t(e5, b[2]), t(e5, b[3]), False),
+    drhs=raw(t(e5, b[4]), t(e5, b[5]), False),
   )
 
 
@@ -295,12 +254,12 @@ def switchback() -> DotGeneralConfig:
   tensor-wise; dX = g . W reuses the forward int8 weights; dW = g^T . x
   runs in float on the float operands.
   """
-  row = _t(_int(8))
-  whole = _t(_int(8), tiling=PerTensor())
+  row = operand(_int(8))
+  whole = operand(_int(8), tiling=PerTensor())
   return DotGeneralConfig(
-    fwd=_raw(row, whole, False),
-    dlhs=_raw(row, whole, True),
-    drhs=_raw(_none(), _none(), False),
+    fwd=raw(row, whole, False),
+    dlhs=raw(row, whole, True),
+    drhs=raw(_none(), _none(), False),
   )
 
 
@@ -313,12 +272,12 @@ def aqt_v4() -> DotGeneralConfig:
   (Lew et al. 2022, github.com/google/aqt) and Gupta et al. 2015
   (arXiv 1502.02551) for the rounding.
   """
-  q = _t(_int(8))
-  g = _t(_int(8), Stochastic(noise_sharing_axes=()))
+  q = operand(_int(8))
+  g = operand(_int(8), Stochastic(noise_sharing_axes=()))
   return DotGeneralConfig(
-    fwd=_raw(q, q, False),
-    dlhs=_raw(g, q, False),
-    drhs=_raw(_none(), _none(), False),
+    fwd=raw(q, q, False),
+    dlhs=raw(g, q, False),
+    drhs=raw(_none(), _none(), False),
   )
 
 
@@ -329,12 +288,12 @@ def mxfp8() -> DotGeneralConfig:
   (the contractions must be multiples of 32); the backward passes reuse
   the forward MXFP8 residuals.
   """
-  e4 = _t(Mx(element='fp8_e4m3', clip_gradient=False))
-  e5 = _t(Mx(element='fp8_e5m2', clip_gradient=False))
+  e4 = operand(Mx(element='fp8_e4m3', clip_gradient=False))
+  e5 = operand(Mx(element='fp8_e5m2', clip_gradient=False))
   return DotGeneralConfig(
-    fwd=_raw(e4, e4, False),
-    dlhs=_raw(e5, e4, True),
-    drhs=_raw(e5, e4, True),
+    fwd=raw(e4, e4, False),
+    dlhs=raw(e5, e4, True),
+    drhs=raw(e5, e4, True),
   )
 
 
@@ -355,11 +314,11 @@ def nvfp4() -> DotGeneralConfig:
   Both forward operands in NVFP4; the backward passes are float dots of g
   with the dequantized forward operands (straight-through).
   """
-  f = _t(NvFp4(clip_gradient=False))
+  f = operand(NvFp4(clip_gradient=False))
   return DotGeneralConfig(
-    fwd=_raw(f, f, False),
-    dlhs=_raw(_none(), f, True),
-    drhs=_raw(_none(), f, True),
+    fwd=raw(f, f, False),
+    dlhs=raw(_none(), f, True),
+    drhs=raw(_none(), f, True),
   )
 
 
@@ -376,7 +335,7 @@ def int4_asym_weight_only(group: int = 128) -> DotGeneralConfig:
   check_int('presets.int4_asym_weight_only', 'group', group, 1)
   return _weight_only(
     IntAsymmetric(bits=4, storage='uint8', clip_gradient=False),
-    tiling=_tiles(group),
+    tiling=SubChannel(tile_size=group, tile_count=0),
     calibration=MinMax(po2_scale=False),
   )
 
@@ -396,7 +355,7 @@ def fp8_delayed(history_length: int = 16) -> DotGeneralConfig:
   cal = DelayedScaling(history_length=history_length, po2_scale=False)
 
   def t(dtype_name: str) -> TensorConfig:
-    return _t(
+    return operand(
       Fp8(dtype_name=dtype_name, clip_gradient=False),
       tiling=PerTensor(),
       calibration=cal,
@@ -404,9 +363,9 @@ def fp8_delayed(history_length: int = 16) -> DotGeneralConfig:
 
   e4, e5 = t('float8_e4m3fn'), t('float8_e5m2')
   return DotGeneralConfig(
-    fwd=_raw(e4, e4, False),
-    dlhs=_raw(e5, e4, True),
-    drhs=_raw(e5, e4, True),
+    fwd=raw(e4, e4, False),
+    dlhs=raw(e5, e4, True),
+    drhs=raw(e5, e4, True),
   )
 
 
@@ -421,10 +380,10 @@ def int4_lsq() -> DotGeneralConfig:
   steps as params named 'aqtr_learned'.
   """
   int4 = IntSymmetric(bits=4, preserve_max_val=True, clip_gradient=False)
-  acts = _t(int4, tiling=PerTensor(), calibration=Lsq())
-  weights = _t(int4, calibration=Lsq())
+  acts = operand(int4, tiling=PerTensor(), calibration=Lsq())
+  weights = operand(int4, calibration=Lsq())
   return DotGeneralConfig(
-    fwd=_raw(acts, weights, False),
-    dlhs=_raw(_none(), _none(), False),
-    drhs=_raw(_none(), _none(), False),
+    fwd=raw(acts, weights, False),
+    dlhs=raw(_none(), _none(), False),
+    drhs=raw(_none(), _none(), False),
   )

@@ -26,6 +26,7 @@ LAYERS = {
   'sparsity': 2,
   'transforms': 2,
   'freezers': 2,
+  'preset_parts': 3,
   'presets': 3,
   'fp4_recipes': 3,
   'fp8_recipes': 3,

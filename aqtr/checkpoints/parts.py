@@ -164,13 +164,8 @@ def config_for(w: Stored):
   """The weight-only DotGeneralConfig whose frozen values hold `w`."""
   if w.kind == 'mxfp4':
     return presets.mxfp4_weight_only()
-  if w.kind == 'nvfp4':  # NVFP4 weights (`presets.nvfp4`'s), float inputs.
-    base, rhs = presets.mxfp4_weight_only(), presets.nvfp4().fwd.rhs
-    return dataclasses.replace(
-      base,
-      fwd=dataclasses.replace(base.fwd, rhs=rhs),
-      dlhs=dataclasses.replace(base.dlhs, rhs=rhs),
-    )
+  if w.kind == 'nvfp4':
+    return presets.nvfp4_weight_only()
   if w.zero is None:
     numerics = IntSymmetric(
       bits=w.bits, storage='int4' if w.bits <= 4 else 'int8'
