@@ -5,8 +5,13 @@ computation as on one device: values and gradients are compared with the
 single-device ones, bit for bit where every cross-device sum is an integer
 (int8/fp8 dots accumulate in int32/f32 exactly at these sizes: |q| <= 127,
 K = 32, so partial sums are exact) and within 1e-6 relative where a float
-sum is split across devices (weight-only dots, float passes, the f32 sum of
-K-sharded sub-channel tiles). Under
+sum is involved: split across devices (weight-only dots, float passes,
+K-sharded sub-channel tiles), or the sub-channel tiles' f32 sum, which LLVM
+contracts into fused multiply-adds by the shape of each program's fusions
+(XLA's default), so the sharded and the one-device program can differ by
+1 ULP (measured: 9.5e-7 on outputs ~6, under XLA's default flags and the
+test flags alike; equal only at -O0's fast instruction selection, which
+never contracts). Under
 `shard_map` each device runs the dot on its blocks: it is compared with the
 same per-block computation on one device (`vmap` over the blocks; the
 gradient of an operand that is invariant along the mesh axis is the sum of
@@ -56,7 +61,7 @@ CONFIGS = {
   'weight_only': presets.int8_weight_only(),
   'subchannel': _subchannel(tile_size=8),
 }
-EXACT = {'int8', 'fp8', 'sr', 'subchannel'}
+EXACT = {'int8', 'fp8', 'sr'}
 
 # name: (x spec, w spec, out spec, mesh axis, x axis, w axis, out axis);
 # an axis None: the operand is not split (out None: partial sums).
