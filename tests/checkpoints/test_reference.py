@@ -9,7 +9,6 @@ CUDA kernels): `_gptq_reference` transcribes AutoGPTQ's torch dequant.
 """
 
 import importlib
-import importlib.util
 import json
 
 import jax
@@ -25,13 +24,20 @@ from aqtr.flax import convert, quantize
 from aqtr.ptq import quantize as ptq_quantize
 from aqtr.rules import Rule
 
-pytestmark = pytest.mark.skipif(
-  any(
-    importlib.util.find_spec(m) is None
-    for m in ('torch', 'safetensors', 'compressed_tensors')
-  ),
-  reason='needs the extra checkpoints-reference',
+_REFERENCES = (
+  'torch',
+  'safetensors.torch',
+  'compressed_tensors.compressors.pack_quantized',
+  'compressed_tensors.quantization',
+  'compressed_tensors.entrypoints.convert.converters.autoawq',
 )
+
+
+@pytest.fixture(autouse=True, scope='module')
+def _references():
+  """Skips the module without the extra, when it runs (see _Lazy)."""
+  for name in _REFERENCES:
+    pytest.importorskip(name)
 
 
 class _Lazy:
@@ -55,7 +61,7 @@ torch = _Lazy('torch')
 st = _Lazy('safetensors.torch')
 ct_pack = _Lazy('compressed_tensors.compressors.pack_quantized')
 ct_quant = _Lazy('compressed_tensors.quantization')
-ct_awq = _Lazy('compressed_tensors.entrypoints.convert.converters.autoawq')
+ct_awq = _Lazy(_REFERENCES[4])
 
 D_IN, D_OUT = 64, 32
 EYE = jnp.eye(D_IN)
