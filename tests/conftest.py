@@ -74,8 +74,40 @@ GROUPS = {
   'tests/train/test_generate.py': 'train_generate',
 }
 # Units that hold long runs (a training fixture, a paper's claim, the
-# notebooks): they start before the others.
-HEAVY = ('tests/papers/', 'tests/models/', 'tests/colabs/', 'tests/train/')
+# notebooks): they start before the others. Ordered by their number of
+# tests alone, a module holding one or two end-to-end tests of 5 to 28 s
+# (wall, `pytest -n 2 --durations=120` on a loaded host, 2026-11-28) was
+# among the last units handed out (tests/ptq/test_pax.py was the very
+# last), and ran while the other worker idled; LONG lists them.
+LONG = (
+  'tests/lora/test_job.py',
+  'tests/ptq/test_pax.py',
+  'tests/flax/test_serving_edge_cases.py',
+  'tests/pax/test_sharding.py',
+  'tests/flax/test_kv_blocks.py',
+  'tests/flax/test_decode.py',
+  'tests/core/test_operand_edge_cases.py',
+  'tests/pax/test_configs.py',
+  'tests/ptq/test_awq.py',
+  'tests/pax/test_moe.py',
+  'tests/lora/test_mesh.py',
+  'tests/flax/test_quantize.py',
+  'tests/flax/test_sparse.py',
+  'tests/flax/test_kv_cache.py',
+  'tests/ptq/test_smoothquant.py',
+  'tests/flax/test_rule_moe.py',
+  'tests/ptq/test_quantize.py',
+  'tests/configs/test_configs.py',
+  'tests/test_extras.py',
+  'tests/checkpoints/test_files.py',
+)
+HEAVY = (
+  'tests/papers/',
+  'tests/models/',
+  'tests/colabs/',
+  'tests/train/',
+  *LONG,
+)
 # Modules whose tests share nothing in process (each notebook runs in a
 # kernel of its own): every test is a unit, so that both workers take them.
 SPLIT = ('tests/colabs/test_notebooks.py',)

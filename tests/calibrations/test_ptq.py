@@ -8,6 +8,7 @@ zero.
 """
 
 import functools
+import importlib.util
 
 import jax
 import jax.numpy as jnp
@@ -16,9 +17,13 @@ import pytest
 
 import aqtr
 from aqtr import calibrations, numerics, tilings
+from aqtr.data import digits
 
-pytest.importorskip('sklearn')
-from aqtr.data import digits  # noqa: E402
+# Not importorskip: importing sklearn (~1.5 s) at collection cost every
+# pytest-xdist worker; digits imports it when the data is loaded.
+pytestmark = pytest.mark.skipif(
+  importlib.util.find_spec('sklearn') is None, reason='needs scikit-learn'
+)
 
 
 @functools.partial(jax.jit, static_argnums=(2,))

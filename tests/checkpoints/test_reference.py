@@ -8,6 +8,7 @@ GPTQ layout has no installable CPU reference (AutoGPTQ / GPTQModel build
 CUDA kernels): `_gptq_reference` transcribes AutoGPTQ's torch dequant.
 """
 
+import importlib
 import json
 
 import jax
@@ -16,24 +17,54 @@ import numpy as np
 import pytest
 from flax import nnx
 
-torch = pytest.importorskip('torch')
-st = pytest.importorskip('safetensors.torch')
-ct_pack = pytest.importorskip('compressed_tensors.compressors.pack_quantized')
-ct_quant = pytest.importorskip('compressed_tensors.quantization')
-ct_awq = pytest.importorskip(
-  'compressed_tensors.entrypoints.convert.converters.autoawq'
+from aqtr import checkpoints as ck
+from aqtr import presets as aqtr_presets
+from aqtr.checkpoints import files
+from aqtr.flax import convert, quantize
+from aqtr.ptq import quantize as ptq_quantize
+from aqtr.rules import Rule
+
+_REFERENCES = (
+  'torch',
+  'safetensors.torch',
+  'compressed_tensors.compressors.pack_quantized',
+  'compressed_tensors.quantization',
+  'compressed_tensors.entrypoints.convert.converters.autoawq',
 )
 
-from aqtr import checkpoints as ck  # noqa: E402
-from aqtr import presets as aqtr_presets  # noqa: E402
-from aqtr.checkpoints import files  # noqa: E402
-from aqtr.flax import convert, quantize  # noqa: E402
-from aqtr.ptq import quantize as ptq_quantize  # noqa: E402
-from aqtr.rules import Rule  # noqa: E402
+
+@pytest.fixture(autouse=True, scope='module')
+def _references():
+  """Skips the module without the extra, when it runs (see _Lazy)."""
+  for name in _REFERENCES:
+    pytest.importorskip(name)
+
+
+class _Lazy:
+  """A module imported at its first attribute access, not at collection.
+
+  torch and compressed-tensors take ~5 s of CPU to import: imported at
+  module level, every pytest-xdist worker paid it while collecting (and
+  held torch in memory), not only the one that runs this module.
+  """
+
+  def __init__(self, name):
+    self._name = name
+
+  def __getattr__(self, attr):
+    if attr.startswith('_'):  # pytest's collection probes `__test__`, ...
+      raise AttributeError(attr)
+    return getattr(importlib.import_module(self._name), attr)
+
+
+torch = _Lazy('torch')
+st = _Lazy('safetensors.torch')
+ct_pack = _Lazy('compressed_tensors.compressors.pack_quantized')
+ct_quant = _Lazy('compressed_tensors.quantization')
+ct_awq = _Lazy(_REFERENCES[4])
 
 D_IN, D_OUT = 64, 32
 EYE = jnp.eye(D_IN)
-Packed = ct_pack.PackedQuantizationCompressor
 
 
 def _write_compressed(folder, out, scheme, fmt, meta=False):
@@ -72,7 +103,7 @@ def _ct_reference(folder, module=''):
     for k, v in t.items()
     if k.startswith(prefix) and k.count('.') == prefix.count('.')
   }
-  return Packed.decompress(sd, scheme)['weight']
+  return ct_pack.PackedQuantizationCompressor.decompress(sd, scheme)['weight']
 
 
 def _gptq_reference(folder, module=''):
@@ -100,7 +131,7 @@ def _awq_reference(folder, module=''):
   (scheme,) = conv.update_config(None).config_groups.values()
   p = f'{module}.' if module else ''
   sd = {k[len(p) :]: v for k, v in t.items() if k.startswith(p)}
-  return Packed.decompress(sd, scheme)['weight']
+  return ct_pack.PackedQuantizationCompressor.decompress(sd, scheme)['weight']
 
 
 def _cfg(bits, sym, group):
@@ -272,7 +303,7 @@ def _reference_checkpoint(folder, bits, sym, group, scale_dtype):
   sd = {'weight': w, 'weight_scale': scale.to(scale_dtype)}
   if not sym:
     sd['weight_zero_point'] = zp
-  out = Packed.compress(sd, scheme)
+  out = ct_pack.PackedQuantizationCompressor.compress(sd, scheme)
   _write_compressed(folder, out, scheme, 'pack-quantized', meta=True)
   return _ct_reference(folder, 'fc')
 
