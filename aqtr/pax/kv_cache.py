@@ -19,8 +19,10 @@ S/B]). The layout is heads-major ([b, n, S, h]): the QK^T and PV dots of
 one decode step then read each head's slots in place (no transpose of
 the whole cache per step).
 
-Calibration: `absmax` (`bound = max|x|` over the scale's group) or
-`static` (`bound = KVCacheConfig.bound` for every group). Then
+Calibration: `absmax` (`bound = max|x|` over the scale's group; a group
+holding NaN or inf gets the bound inf and reads back NaN, as a float
+cache would give NaN attention) or `static` (`bound =
+KVCacheConfig.bound` for every group). Then
 `s = bound / numerics.max_value` (bound 0 -> s = 1) and `codes =
 numerics.quantize(x / s)`; reading gives `codes * s`.
 
@@ -58,6 +60,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from aqtr import numerics as numerics_lib
+from aqtr.calibrations.absmax import AbsMax
 from aqtr.core import codecs
 from aqtr.core.boundary import fusion_boundary
 from aqtr.core.quantizer import quantize_bound, quantize_scaled
@@ -263,6 +266,12 @@ def _values(cfg: KVCacheConfig, s: Stored) -> jax.Array:
   return _INT4.decode({_INT4.key: packed}, dtype=jnp.float32)
 
 
+# The core's absmax: a group holding NaN or inf gets the bound inf (then
+# the scale NaN, so the group reads back NaN, as a float cache would);
+# `jnp.max` alone may skip a NaN on XLA:CPU (its library reduction).
+_ABSMAX = AbsMax()
+
+
 def _scale_of(cfg: KVCacheConfig, bound: jax.Array) -> jax.Array:
   """The core's scale: bound / max_value, kept normal, 1 for a zero
   group, NaN for a non-finite bound (`aqtr.core.scale`)."""
@@ -288,7 +297,7 @@ def _write_tokens(cfg: KVCacheConfig, s: Stored, x, index) -> Stored:
   if cfg.calibration == 'static':
     bound = jnp.full(x.shape[:-1], cfg.bound, jnp.float32)
   else:
-    bound = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1)
+    bound = _ABSMAX.calibrate(x.astype(jnp.float32), (3,))[..., 0]
   scale = _scale_of(cfg, bound)
   codes = lax.dynamic_update_slice_in_dim(
     s.codes, _codes(cfg, x, scale), index, axis=2
@@ -318,7 +327,7 @@ def _write_blocks(cfg: KVCacheConfig, s: Stored, x, index) -> Stored:
   if cfg.calibration == 'static':
     bound = jnp.full((b, n, nb), cfg.bound, jnp.float32)
   else:
-    bound = jnp.max(jnp.abs(grouped), axis=(3, 4))
+    bound = _ABSMAX.calibrate(grouped, (3, 4))[..., 0, 0]
   scale = _scale_of(cfg, bound)
   codes = _codes(cfg, new, jnp.repeat(scale, size, axis=2))
   return Stored(
@@ -380,8 +389,7 @@ _INT8 = numerics_lib.get('int_symmetric')(bits=8)
 
 def _int8_rows(x: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
   """int8 codes and absmax scales of x over `axis` (kept as size 1)."""
-  bound = jnp.max(jnp.abs(x), axis=axis, keepdims=True)
-  return quantize_bound(x, bound, _INT8)
+  return quantize_bound(x, _ABSMAX.calibrate(x, (axis,)), _INT8)
 
 
 def _int_dot(a: jax.Array, b: jax.Array, b_contract: int) -> jax.Array:

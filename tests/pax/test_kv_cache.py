@@ -270,3 +270,44 @@ def test_a_float_cache_write_is_differentiable():
   x = jnp.ones((1, 1, 1, 2))
   np.testing.assert_array_equal(jax.grad(f)(x), np.full(x.shape, 5.0))
   np.testing.assert_array_equal(jax.jit(jax.grad(f))(x), np.full(x.shape, 5.0))
+
+
+@pytest.mark.parametrize('numerics', ['int8', 'int4', 'fp8'])
+@pytest.mark.parametrize('scales', ['token', 'block'])
+@pytest.mark.parametrize('tokens', [1, 512])  # 512: past XLA:CPU's library.
+def test_a_nan_key_reads_back_nan_not_a_finite_value(numerics, scales, tokens):
+  # The group holding the NaN reads back all NaN (a float cache would give
+  # NaN attention); the other groups stay finite. XLA:CPU's library max
+  # skips NaN on large operands: the cache's absmax must not.
+  cfg = KVCacheConfig(numerics=numerics, scales=scales, block_size=16)
+  b, n, h = 2, 4, 64
+  k = jax.random.normal(jax.random.key(0), (b, tokens, n, h))
+  k = k.at[1, 0, 2, 5].set(jnp.nan)
+  layer = kv_cache.init_layer(
+    cfg, batch=b, length=max(tokens, 16), num_heads=n, head_dim=h
+  )
+  layer = jax.jit(lambda lay, k: kv_cache.write(cfg, lay, k, k, 0))(layer, k)
+  got = np.asarray(kv_cache.read(cfg, layer.k))  # [b, n, S, h]
+  group = slice(0, 16) if scales == 'block' else slice(0, 1)
+  assert np.isnan(got[1, 2, group, :]).all()
+  assert np.isnan(got).sum() == got[1, 2, group, :].size
+
+
+@pytest.mark.parametrize('batch', [1, 8])  # 8: 4096 query values.
+def test_int8_dots_give_nan_for_a_nan_query(batch):
+  # The query's int8 rows: a NaN query gives NaN attention (as float).
+  cfg = KVCacheConfig(numerics='int8', read='int8_dots')
+  n, h, s = 8, 64, 16
+  k1, k2, k3 = jax.random.split(jax.random.key(1), 3)
+  q = jax.random.normal(k1, (batch, 1, n, h)).at[0, 0, 3, 5].set(jnp.nan)
+  k = jax.random.normal(k2, (batch, s, n, h))
+  v = jax.random.normal(k3, (batch, s, n, h))
+  mask = jnp.ones((batch, 1, 1, s), bool)
+  layer = kv_cache.init_layer(
+    cfg, batch=batch, length=s, num_heads=n, head_dim=h
+  )
+  layer = kv_cache.write(cfg, layer, k, v, jnp.int32(0))
+  out = jax.jit(lambda *a: kv_cache.attend(cfg, *a))(layer, q, mask)
+  out = np.asarray(out).reshape(batch, n, h)  # [b, t, n, h]
+  assert np.isnan(out[0, 3]).all()
+  assert np.isnan(out).sum() == h
