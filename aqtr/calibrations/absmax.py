@@ -13,6 +13,15 @@ from aqtr.calibrations.base import Calibration, register
 from aqtr.core import prims
 from aqtr.core.prims import per_platform
 
+# XLA:CPU hands a float reduction of this many elements or more to its
+# reduction library (one kernel each, fast on large operands, but its max
+# skips NaN); a smaller one runs as XLA's own loops, two kernels per
+# reduction (a reduce-window, then a reduce). An integer max is never the
+# library's: one loop, 2-5x slower than the library's float max on a
+# 1024 x 1024 operand, so it is taken only below this size (measured on
+# jax 0.10.2; either form gives the same bits).
+LIBRARY_MIN_SIZE = 4096
+
 
 @register('absmax')
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -47,6 +56,11 @@ class AbsMax(Calibration):
     axes = tuple(axes)
 
     def cpu(x):
+      if x.size < LIBRARY_MIN_SIZE:
+        # One integer max over the bits: bound and NaN flag at once.
+        b = prims.abs_max_bits(x, axes)
+        if b is not None:
+          return b
       b = jnp.max(jnp.abs(x), axis=axes, keepdims=True)
       # 0 where the group is finite, NaN where it holds a NaN or inf: two
       # plain reductions XLA:CPU runs in one library kernel each (its

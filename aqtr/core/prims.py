@@ -66,6 +66,60 @@ def negative(v: jax.Array) -> jax.Array:
   return (v < 0) | (zero & (1 / jnp.where(zero, v, 1) < 0))
 
 
+# The float dtypes `abs_max_bits` reads: IEEE floats of 16 or 32 bits (inf
+# is the top exponent with a zero mantissa), as integers of their width,
+# and whether XLA:CPU flushes their subnormals to zero (float32's and
+# bfloat16's are float32 subnormals; a float16 one is normal in float32).
+_BITS = {
+  jnp.dtype(jnp.float32): (jnp.int32, True),
+  jnp.dtype(jnp.bfloat16): (jnp.int16, True),
+  jnp.dtype(jnp.float16): (jnp.int16, False),
+}
+
+
+def abs_max_bits(x: jax.Array, axes) -> jax.Array | None:
+  """XLA:CPU's `max |x|` over `axes` (kept, size 1), inf where a group
+  holds NaN, by one integer max over the bits; None for another dtype.
+
+  For non-negative floats the order of the bit patterns read as integers
+  is the order of the values, and every NaN's magnitude bits lie above
+  inf's, which lie above every finite value's: the max of `bits(x) &
+  0x7fff...` is the bits of `max |x|` for a finite group, of inf for a
+  group holding inf, and above inf's for a group holding NaN (clamped to
+  inf's). Unlike a float max, an integer max cannot skip a NaN (XLA:CPU's
+  library max does), so one reduction holds both the bound and the flag.
+  A subnormal max of a float32 or bfloat16 group is +0, as XLA:CPU's
+  float max gives it (it flushes subnormals to zero).
+
+  Args:
+    x: a float32, bfloat16 or float16 array.
+    axes: the axes reduced.
+
+  Returns:
+    The max in x's dtype, or None where x has another dtype.
+
+  Example:
+    >>> x = jnp.array([[1.0, -4.0], [jnp.nan, 2.0], [-jnp.inf, 0.0]])
+    >>> abs_max_bits(x, (1,)).ravel().tolist()
+    [4.0, inf, inf]
+  """
+  if jnp.dtype(x.dtype) not in _BITS:
+    return None
+  ints, flush = _BITS[jnp.dtype(x.dtype)]
+  dt = x.dtype
+
+  def bits(v):
+    return lax.bitcast_convert_type(jnp.asarray(v, dt), ints)
+
+  mag = lax.bitcast_convert_type(x, ints) & jnp.iinfo(ints).max
+  top = jnp.minimum(
+    jnp.max(mag, axis=tuple(axes), keepdims=True), bits(jnp.inf)
+  )
+  if flush:
+    top = where(top < bits(jnp.finfo(dt).tiny), 0, top)
+  return lax.bitcast_convert_type(top, dt)
+
+
 def where(condition: jax.Array, x, y) -> jax.Array:
   """`jnp.where(condition, x, y)` for same-shaped arrays, either of x, y
   possibly a Python scalar (made like the other, sharding included).
@@ -91,4 +145,4 @@ def round_even(x: jax.Array) -> jax.Array:
   return lax.round(x, lax.RoundingMethod.TO_NEAREST_EVEN)
 
 
-__all__ = ['clip', 'round_even', 'where']
+__all__ = ['abs_max_bits', 'clip', 'round_even', 'where']
