@@ -30,8 +30,14 @@ class AbsMax(Calibration):
 
   With clip_scale < 1 the largest values are clipped; pair it with the
   numerics' clip_gradient. A group holding NaN gets the bound inf (a NaN
-  counts as larger than any value: XLA:CPU's max may otherwise skip it,
-  so lowered for CPU a second reduction flags it; for GPU the max does).
+  counts as larger than any value). For GPU the float max propagates NaN:
+  one reduction. For CPU, an operand of fewer than `LIBRARY_MIN_SIZE`
+  values takes one integer max over its bits (`prims.abs_max_bits`: NaN
+  bits lie above inf's); a larger one takes two reductions that XLA:CPU
+  runs in its reduction library, the float max (which skips NaN there)
+  and a `sum(x - x)` flag (NaN where the group holds NaN or inf), because
+  an integer max is no library kernel and runs 2-5x slower on large
+  operands. Every form gives the same bits.
 
   Attributes:
     clip_scale: multiplier on the absolute maximum, finite and > 0.
