@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import aqtr
@@ -64,16 +64,67 @@ def test_the_bits_form_gives_the_float_forms_bits(dtype, axes):
     assert (float(bits[5, 0]) == 0) == flushed
 
 
-def test_one_integer_reduction_below_the_library_size():
-  def reduces(shape):
-    f = jax.jit(lambda x: AbsMax().calibrate(x, (1,)))
-    exp = jax.export.export(f, platforms=('cpu',))
-    text = exp(jax.ShapeDtypeStruct(shape, jnp.float32)).mlir_module()
-    return text.count('stablehlo.reduce(')
+def _reductions(shape, axes=(1,)):
+  """The element types of the reductions of the CPU form's bound."""
+  f = jax.jit(lambda x: AbsMax().calibrate(x, axes))
+  exp = jax.export.export(f, platforms=('cpu',))
+  text = exp(jax.ShapeDtypeStruct(shape, jnp.float32)).mlir_module()
+  lines = [ln for ln in text.splitlines() if 'stablehlo.reduce(' in ln]
+  return [ln.rsplit('x', 1)[-1].split('>')[0] for ln in lines]
 
+
+def test_integer_max_in_steps_below_the_library_size():
   assert 8 * 64 < absmax.LIBRARY_MIN_SIZE <= 64 * 64
-  assert reduces((8, 64)) == 1
-  assert reduces((64, 64)) == 2
+  assert _reductions((8, 64)) == ['i32', 'i32']  # 64 = 2 steps of 32
+  assert _reductions((8, 20)) == ['i32']
+  assert _reductions((64, 64)) == ['f32', 'f32']  # max |x|, sum(x - x)
+
+
+def test_the_steps_give_the_max_of_any_length():
+  rs = np.random.default_rng(3)
+  for shape, axes in [
+    ((3, 1000), (1,)),
+    ((70, 33), (0, 1)),
+    ((2, 5, 97), (2,)),
+  ]:
+    v = jnp.asarray(rs.integers(0, 1 << 30, shape), jnp.int32)
+    got = jax.jit(lambda v, axes=axes: prims.max_in_steps(v, axes))(v)
+    np.testing.assert_array_equal(got, np.max(v, axis=axes, keepdims=True))
+
+
+def test_the_derivative_is_the_float_maxs_where_finite():
+  x = _x(jnp.float32)
+
+  def float_form(x):
+    b = jnp.max(jnp.abs(x), axis=1, keepdims=True)
+    return jnp.where(
+      jnp.isfinite(b) & ~jnp.isnan(x).any(1, keepdims=True), b, jnp.inf
+    )
+
+  t = jnp.asarray(np.random.default_rng(4).standard_normal(x.shape), x.dtype)
+  got = jax.jvp(lambda x: prims.abs_max_bits(x, (1,)), (x,), (t,))
+  want = jax.jvp(float_form, (x,), (t,))
+  np.testing.assert_array_equal(got[0], want[0])
+  np.testing.assert_array_equal(got[1], want[1])
+  g = jax.grad(lambda x: prims.abs_max_bits(x, (1,))[0, 0])(x)
+  assert (
+    g[0].tolist()
+    == jnp.where(
+      jnp.abs(x[0]) == jnp.abs(x[0]).max(), jnp.sign(x[0]), 0
+    ).tolist()
+  )
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason='needs 8 host devices')
+def test_explicitly_sharded_rows_longer_than_a_step():
+  mesh = jax.make_mesh((2, 4), ('a', 'b'), axis_types=(AxisType.Explicit,) * 2)
+  x = _x(jnp.float32, (8, 296))  # 296: padded to 10 steps of 32
+  want = jax.jit(lambda x: AbsMax().calibrate(x, (1,)))(x)
+  with jax.set_mesh(mesh):
+    for spec in (P(None, 'b'), P('a', 'b'), P('a', None)):
+      xs = jax.device_put(x, NamedSharding(mesh, spec))
+      got = jax.jit(lambda x: AbsMax().calibrate(x, (1,)))(xs)
+      np.testing.assert_array_equal(_bits(got), _bits(want))
 
 
 def test_closed_over_transposed_input_gives_the_arguments_bound():
