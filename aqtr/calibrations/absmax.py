@@ -16,10 +16,12 @@ from aqtr.core.prims import per_platform
 # XLA:CPU hands a float reduction of this many elements or more to its
 # reduction library (one kernel each, fast on large operands, but its max
 # skips NaN); a smaller one runs as XLA's own loops, two kernels per
-# reduction (a reduce-window, then a reduce). An integer max is never the
-# library's: one loop, 2-5x slower than the library's float max on a
-# 1024 x 1024 operand, so it is taken only below this size (measured on
-# jax 0.10.2; either form gives the same bits).
+# reduction (a reduce-window, then a reduce). The integer max over the
+# bits (`prims.abs_max_bits`) is one kernel with the bit cast that feeds
+# it, but never the library's: on a 1024 x 1024 operand it runs 2x (rows)
+# to 12x (columns) slower than the library's two, so it is taken only
+# below this size (measured on jax 0.10.2; either form gives the same
+# bits).
 LIBRARY_MIN_SIZE = 4096
 
 
@@ -32,12 +34,14 @@ class AbsMax(Calibration):
   numerics' clip_gradient. A group holding NaN gets the bound inf (a NaN
   counts as larger than any value). For GPU the float max propagates NaN:
   one reduction. For CPU, an operand of fewer than `LIBRARY_MIN_SIZE`
-  values takes one integer max over its bits (`prims.abs_max_bits`: NaN
-  bits lie above inf's); a larger one takes two reductions that XLA:CPU
-  runs in its reduction library, the float max (which skips NaN there)
-  and a `sum(x - x)` flag (NaN where the group holds NaN or inf), because
-  an integer max is no library kernel and runs 2-5x slower on large
-  operands. Every form gives the same bits.
+  values (a decoding step's activations) takes one integer max over its
+  bits (`prims.abs_max_bits`: NaN bits lie above inf's; one kernel, the
+  fewest for small operands); a larger one takes two reductions that
+  XLA:CPU runs in its reduction library, the float max (which skips NaN
+  there) and a `sum(x - x)` flag (NaN where the group holds NaN or inf),
+  because an integer max is no library kernel and runs 2-12x slower on
+  large operands. Every form gives the same bits (the CPU forms flush a
+  subnormal float32 max to +0, as XLA:CPU's float max does).
 
   Attributes:
     clip_scale: multiplier on the absolute maximum, finite and > 0.
