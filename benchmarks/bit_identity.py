@@ -1,7 +1,7 @@
 """Bit-identity of presets' values and gradients under two source trees.
 
 Runs the jitted fwd+VJP (output and both gradients) of every preset below
-on three layouts (x w, x w^T, batched) and three inputs (finite, values
+on four layouts (x w, x w^T, batched, few rows) and three inputs (finite, values
 spread over 1e-30..1e30 with a cotangent near 1e30, NaN / inf in x, w and
 the cotangent), once with `aqtr/` of `--rev` (extracted like
 benchmarks/before_after.py) and once with this working tree, and compares
@@ -50,6 +50,8 @@ DNS = {
     (2, 32, 32),
     (2, 32, 32),
   ),
+  # Operands of fewer than 4096 values (AbsMax's one-reduction CPU form).
+  'rows': ((((1,), (0,)), ((), ())), (32, 64), (64, 32), (32, 32)),
 }
 
 

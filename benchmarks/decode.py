@@ -58,6 +58,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import json
 import os
 import sys
 import time
@@ -227,6 +228,11 @@ def main() -> None:
     help='only the rows whose label starts with one of these (the float '
     'row is always run: the x float column needs it)',
   )
+  p.add_argument(
+    '--json',
+    action='store_true',
+    help='one JSON row per cell (for benchmarks/before_after.py)',
+  )
   args = p.parse_args()
   rows = [
     r
@@ -268,6 +274,21 @@ def main() -> None:
       cpu[cell] = min(cpu.get(cell, float('inf')), out.decode_cpu_s)
     bw = max(bw, bandwidth())  # Each round: the best under this load.
     print(f'round {r + 1}/{args.rounds} done', flush=True)
+  if args.json:
+    for label, batch, context in best:
+      out = best[(label, batch, context)][0]
+      base = best[('float w + float kv', batch, context)][0]
+      c = cpu[(label, batch, context)]
+      c0 = cpu[('float w + float kv', batch, context)]
+      row = {'row': label, 'batch': str(batch), 'context': str(context)}
+      ms = {
+        'ms/step': 1e3 * out.decode_s / args.steps,
+        'cpu ms/step': 1e3 * c / args.steps,
+        'x float': base.decode_s / out.decode_s,
+        'cpu x float': c0 / c,
+      }
+      print(json.dumps(row | ms), flush=True)
+    return
   dots = {b: dot_limit(args.d_model, args.layers, b) for b in args.batches}
   print(
     f'memory bandwidth: {bw / 1e9:.1f} GB/s (256 MiB sum, best of the rounds)'

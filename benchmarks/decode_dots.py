@@ -23,12 +23,15 @@ Two measurements, in one process:
 
 Run: python benchmarks/decode_dots.py [--rounds 9] (the host is shared:
 compare the ratios of one run; the load average is printed)
+[--json] (one JSON row per line, for benchmarks/before_after.py: the dot
+chains' ms and the loop body's thunks per step by kind)
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import json
 import re
 import time
 
@@ -217,7 +220,16 @@ def thunk_cost(n: int = 100, rounds: int = 200) -> float:
 def main() -> None:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument('--rounds', type=int, default=9)
+  p.add_argument('--json', action='store_true')
   args = p.parse_args()
+  if args.json:
+    for label, (wall, cpu) in dot_chains(args.rounds).items():
+      row = {'row': label, 'wall ms': 1e3 * wall, 'cpu ms': 1e3 * cpu}
+      print(json.dumps(row), flush=True)
+    for cell, k in step_thunks().items():
+      row = {'row': f'thunks per step, {cell}', 'all': sum(k.values())}
+      print(json.dumps(row | dict(k)), flush=True)
+    return
   host.header('decode_dots.py')
   best = dot_chains(args.rounds)
   wbytes = {
