@@ -287,6 +287,66 @@ def _nbytes(dtype: str, n: int) -> int:
   return n * (int(bits.group()) // 8 if bits else 4)
 
 
+_NUMPY = {
+  'f32': 'float32',
+  'f16': 'float16',
+  'bf16': 'bfloat16',
+  's8': 'int8',
+  's32': 'int32',
+  'f64': 'float64',
+}
+
+
+def _shape_dtype(type_str: str) -> tuple[tuple[int, ...], str]:
+  dt, dims, _ = arrays(type_str)[0]
+  return tuple(int(d) for d in dims.split(',') if d), _NUMPY.get(dt, dt)
+
+
+def _dims(attrs: str, name: str) -> tuple[int, ...]:
+  m = re.search(name + r'=\{([\d,]*)\}', attrs)
+  return tuple(int(d) for d in m.group(1).split(',') if d) if m else ()
+
+
+def dots(text: str) -> collections.Counter:
+  """The `dot` instructions of an HLO module (fusion bodies included),
+  counted by what `lax.dot_general` needs to run each alone.
+
+  Operands in a non-default layout are read as row-major (the key holds
+  shapes, not layouts). Dots in a computation called more than once (a
+  loop body) count once.
+
+  Args:
+    text: an optimized HLO module's text (`compiled.as_text()`).
+
+  Returns:
+    Counter of ((lhs shape, lhs dtype), (rhs shape, rhs dtype), dimension
+    numbers, output dtype) -> instructions; dtypes as numpy names.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> f = jax.jit(lambda a, b: a @ b)
+    >>> text = f.lower(jnp.ones((8, 4)), jnp.ones((4, 2))).compile().as_text()
+    >>> [(a, b, dn, n) for (a, b, dn, _), n in dots(text).items()]
+    [(((8, 4), 'float32'), ((4, 2), 'float32'), (((1,), (0,)), ((), ())), 1)]
+  """
+  instrs = parse(text)
+  types = {i.name: i.type for i in instrs}
+  out = collections.Counter()
+  for i in instrs:
+    if i.opcode != 'dot':
+      continue
+    a, b = (_shape_dtype(types[o]) for o in i.operands)
+    dn = (
+      (
+        _dims(i.attrs, 'lhs_contracting_dims'),
+        _dims(i.attrs, 'rhs_contracting_dims'),
+      ),
+      (_dims(i.attrs, 'lhs_batch_dims'), _dims(i.attrs, 'rhs_batch_dims')),
+    )
+    out[a, b, dn, _shape_dtype(i.type)[1]] += 1
+  return out
+
+
 def census(text: str, big_elements: int) -> Census:
   """The GEMMs, `while` loops and big non-GEMM kernels of an HLO module.
 

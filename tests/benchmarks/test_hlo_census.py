@@ -110,3 +110,31 @@ ENTRY %e (a: s8[64,32], b: s8[32,16], c: s8[16,32]) -> s32[64,16] {
   layouts = [g.layout for g in hlo_census.census(text, 1 << 30).gemms]
   # c is [16, 32] stored column-major: its minor axis is 0, not K.
   assert layouts == ['K minor: lhs', 'K minor: lhs; out {0,1}']
+
+
+def test_dots_counts_what_xla_kept_and_each_runs_alone():
+  # An int8 fwd+VJP whose input gradient is dead: XLA keeps the forward
+  # and the weight-gradient dots (int8 x int8 -> int32), not dlhs.
+  cfg = aqtr.presets.int8()
+
+  def loss(w, x):
+    return (aqtr.dot_general(x, w, DN, cfg) ** 2).sum()
+
+  x, w = jnp.ones((32, 16)), jnp.ones((16, 8))
+  text = jax.jit(jax.grad(loss)).lower(w, x).compile().as_text()
+  found = hlo_census.dots(text)
+  assert sum(found.values()) == 2
+  for (a, b, dn, out), _ in found.items():
+    assert (a[1], b[1], out) == ('int8', 'int8', 'int32')
+    lhs, rhs = jnp.ones(*a), jnp.ones(*b)
+    y = jax.lax.dot_general(lhs, rhs, dn, preferred_element_type=out)
+    assert y.shape in {(32, 8), (16, 8), (8, 16)}, (a, b, dn)
+  float_text = jax.jit(lambda a, b: a @ b.T).lower(x, x).compile().as_text()
+  ((a, b, dn, out), n), *_ = hlo_census.dots(float_text).items()
+  assert (a, b, dn, out, n) == (
+    ((32, 16), 'float32'),
+    ((32, 16), 'float32'),
+    (((1,), (1,)), ((), ())),
+    'float32',
+    1,
+  )
