@@ -5,7 +5,8 @@ slots) decoding with int8 weights and an int8 KV cache, and with float
 ones, at batches 1 and 8. Two int8 decoders per batch are compiled in this
 process: one traced with `AbsMax`'s two-reduction CPU form for every
 operand (`LIBRARY_MIN_SIZE = 0`: the form before the integer max), one with
-the default (the integer max over the bits below 4096 values). Their
+the default (the integer max over the bits below `LIBRARY_MIN_SIZE`,
+32768 values since issue 34's batch-8 round). Their
 rounds alternate; tokens must be equal. Prints the loop body's thunks per
 step and the minimum wall and process CPU ms per step.
 

@@ -27,7 +27,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from aqtr.pax import kv_cache, ops, sharding, tags
+from aqtr.pax import kv_cache, merged, ops, sharding, tags
 from aqtr.pax.linear import Linear
 
 __all__ = ['Attention']
@@ -67,11 +67,14 @@ class Attention(nn.Module):
       )
     return sharding.split_heads(x, self.num_heads)
 
+  def _qkv(self, x: jax.Array) -> tuple[jax.Array, ...]:
+    """The Q, K and V projections of x: one dot when served frozen
+    (`merged.project`; the same values as three)."""
+    return merged.project(self, ('q_proj', 'k_proj', 'v_proj'), x)
+
   def __call__(self, x: jax.Array) -> jax.Array:
     """[batch, time, d] -> [batch, time, d]."""
-    q = self._heads(self.q_proj(x))
-    k = self._heads(self.k_proj(x))
-    v = self._heads(self.v_proj(x))
+    q, k, v = map(self._heads, self._qkv(x))
     q = q * jnp.asarray(q.shape[-1] ** -0.5, q.dtype)
     logits = ops.einsum(self.qk_einsum, 'btnh,bsnh->bnts', q, k)
     logits = logits.astype(jnp.float32)
@@ -111,9 +114,7 @@ class Attention(nn.Module):
     if not self.causal:
       raise ValueError('Attention.extend: decoding needs causal=True.')
     t = x.shape[1]
-    q = self._heads(self.q_proj(x))
-    k = self._heads(self.k_proj(x))
-    v = self._heads(self.v_proj(x))
+    q, k, v = map(self._heads, self._qkv(x))
     q = q * jnp.asarray(q.shape[-1] ** -0.5, q.dtype)
     slots = index + jnp.arange(t)
     real = (slots[None] >= start[:, None])[..., None, None]
