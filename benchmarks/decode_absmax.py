@@ -16,11 +16,11 @@ Run: python benchmarks/decode_absmax.py [--rounds 7] [--steps 32]
 from __future__ import annotations
 
 import argparse
+from unittest import mock
 
 import decode as bench
 import decode_dots
 import host
-import jax
 import numpy as np
 
 from aqtr.calibrations import absmax
@@ -48,26 +48,14 @@ def main() -> None:
     for label, w, kv, size in rows:
       lm, variables = models[w]
       dec = decode.Decoder(lm, length=256, kv=kv)
-      absmax.LIBRARY_MIN_SIZE = size
-      jax.clear_caches()  # Trace anew (jit caches traces by function).
-      try:  # Traced and compiled here, with this form.
-        dec.generate(variables, prompts, args.steps + 1)
-      finally:
-        absmax.LIBRARY_MIN_SIZE = default
-      ((_, loop),) = dec._compiled.values()
-      thunks[(label, batch)] = sum(
-        decode_dots._body_kinds(loop.as_text()).values()
+      switch = mock.patch.object(absmax, 'LIBRARY_MIN_SIZE', size)
+      thunks[(label, batch)] = decode_dots.compile_cell(
+        dec, variables, prompts, args.steps, switch
       )
-      cells.append((label, batch, dec, variables, prompts))
-  best, cpu, tokens = {}, {}, {}
-  for _ in range(args.rounds):
-    for label, batch, dec, variables, prompts in cells:
-      out = dec.generate(variables, prompts, args.steps + 1)
-      key = (label, batch)
-      best[key] = min(best.get(key, float('inf')), out.decode_s)
-      cpu[key] = min(cpu.get(key, float('inf')), out.decode_cpu_s)
-      same = (label.split(',')[0], batch)  # The weights' tokens.
-      assert out.tokens == tokens.setdefault(same, out.tokens), key
+      cells.append(((label, batch), dec, variables, prompts))
+  best, cpu = decode_dots.time_cells(
+    cells, args.rounds, args.steps, lambda k: (k[0].split(',')[0], k[1])
+  )
   print(f'load average (1, 5, 15 min): {host.load_average()}')
   print(f'\n{args.steps} steps per cell, min of {args.rounds} rounds\n')
   print(
@@ -75,7 +63,7 @@ def main() -> None:
     '| x float | cpu ms/step | cpu x float |'
   )
   print('|---|---|---:|---:|---:|---:|---:|')
-  for label, batch, *_ in cells:
+  for (label, batch), *_ in cells:
     f, fc = best[('float', batch)], cpu[('float', batch)]
     b, c = best[(label, batch)], cpu[(label, batch)]
     print(

@@ -171,6 +171,41 @@ def _body_kinds(hlo: str) -> collections.Counter:
   return kinds
 
 
+def compile_cell(dec, variables, prompts, steps: int, switch) -> int:
+  """Traces and compiles the decoder `dec`'s loop anew with `switch` (a
+  context manager, e.g. `unittest.mock.patch.object(...)`) active, and
+  returns its body's thunks per step."""
+  jax.clear_caches()  # Trace anew (jit caches traces by function).
+  with switch:  # Traced and compiled here, with this form.
+    dec.generate(variables, prompts, steps + 1)
+  ((_, loop),) = dec._compiled.values()
+  return sum(_body_kinds(loop.as_text()).values())
+
+
+def time_cells(cells, rounds: int, steps: int, same) -> tuple[dict, dict]:
+  """Minimum wall and process CPU decode seconds of each cell over
+  interleaved rounds.
+
+  Args:
+    cells: (key, decoder, variables, prompts) tuples.
+    rounds: the rounds.
+    steps: decode steps per call (`steps + 1` tokens generated).
+    same: key -> the key of the weights whose tokens the cell must give
+      (cells of equal `same(key)` must decode the same tokens).
+
+  Returns:
+    ({key: wall s}, {key: cpu s}).
+  """
+  best, cpu, tokens = {}, {}, {}
+  for _ in range(rounds):
+    for key, dec, variables, prompts in cells:
+      out = dec.generate(variables, prompts, steps + 1)
+      best[key] = min(best.get(key, float('inf')), out.decode_s)
+      cpu[key] = min(cpu.get(key, float('inf')), out.decode_cpu_s)
+      assert out.tokens == tokens.setdefault(same(key), out.tokens), key
+  return best, cpu
+
+
 def step_thunks() -> dict[str, collections.Counter]:
   """Loop-body instruction kinds of the decode loop, float vs int8."""
   import decode as bench  # noqa: PLC0415 (benchmarks/decode.py)

@@ -16,11 +16,12 @@ Run: python benchmarks/decode_merged.py [--rounds 7] [--steps 32]
 from __future__ import annotations
 
 import argparse
+import contextlib
+from unittest import mock
 
 import decode as bench
 import decode_dots
 import host
-import jax
 import numpy as np
 
 from aqtr.pax import decode, merged
@@ -42,32 +43,25 @@ def main() -> None:
   ]
   rng = np.random.default_rng(0)
   cells, thunks = [], {}
-  default = merged.mergeable
   for context in args.contexts:
     for batch in (1, 8):
       prompts = rng.integers(0, 256, (batch, 8)).tolist()
       for label, w, kv, merge in rows:
         lm, variables = models[w]
         dec = decode.Decoder(lm, length=context, kv=kv)
-        if not merge:
-          merged.mergeable = lambda *a, **k: False
-        jax.clear_caches()  # Trace anew (jit caches traces by function).
-        try:  # Traced and compiled here, with this form.
-          dec.generate(variables, prompts, args.steps + 1)
-        finally:
-          merged.mergeable = default
-        ((_, loop),) = dec._compiled.values()
+        switch = (
+          contextlib.nullcontext()
+          if merge
+          else mock.patch.object(merged, 'mergeable', lambda *a, **k: False)
+        )
         key = (label, batch, context)
-        thunks[key] = sum(decode_dots._body_kinds(loop.as_text()).values())
+        thunks[key] = decode_dots.compile_cell(
+          dec, variables, prompts, args.steps, switch
+        )
         cells.append((key, dec, variables, prompts))
-  best, cpu, tokens = {}, {}, {}
-  for _ in range(args.rounds):
-    for key, dec, variables, prompts in cells:
-      out = dec.generate(variables, prompts, args.steps + 1)
-      best[key] = min(best.get(key, float('inf')), out.decode_s)
-      cpu[key] = min(cpu.get(key, float('inf')), out.decode_cpu_s)
-      same = (key[0].split(',')[0], *key[1:])  # The weights' tokens.
-      assert out.tokens == tokens.setdefault(same, out.tokens), key
+  best, cpu = decode_dots.time_cells(
+    cells, args.rounds, args.steps, lambda k: (k[0].split(',')[0], *k[1:])
+  )
   print(f'load average (1, 5, 15 min): {host.load_average()}')
   print(f'\n{args.steps} steps per cell, min of {args.rounds} rounds\n')
   print(
