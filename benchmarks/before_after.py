@@ -3,7 +3,8 @@
 Extracts `aqtr/` at `--rev` into a temporary folder and runs the
 benchmark script (which must take `--json` and print one JSON row per
 line) alternately with PYTHONPATH at that copy (before) and at this
-working tree (after), `--alternations` times. A row is identified by its
+working tree (after), `--alternations` times (an inherited PYTHONPATH is
+kept after the tree). A row is identified by its
 text fields; each numeric field gets the minimum of each side (`ratio`
 fields, relative to another row, are dropped) and after/before.
 
@@ -47,7 +48,10 @@ def _cpu() -> str:
 
 
 def _rows(src: pathlib.Path, argv: list[str]) -> list[dict]:
-  env = dict(os.environ, PYTHONPATH=str(src))
+  # The tree first; an inherited PYTHONPATH (e.g. a peer library installed
+  # with `pip install --target`) stays reachable after it.
+  path = [str(src), *filter(None, [os.environ.get('PYTHONPATH')])]
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
   out = subprocess.run(
     [sys.executable, *argv, '--json'],
     cwd=ROOT,
