@@ -10,8 +10,9 @@ different multiply and the add after it into one fused multiply-add
 (NVFP4 tile sums, int8 / fp8 rescales of real Hugging Face LMs).
 
 `fusion_boundary` writes arrays to buffers of their own that no fusion
-reaches across (lowered for CPU; for GPU an `optimization_barrier`, see
-`lowering.py`). The forward puts each quantized operand's scales behind
+reaches across (lowered for CPU, a conditional XLA cannot fold whose two
+branches are the identity, `fence`; for GPU an `optimization_barrier`,
+see `lowering.py`). The forward puts each quantized operand's scales behind
 one in both programs, so everything after it is the same code on the same
 arrays: XLA fuses it alike, and the outputs are equal bit for bit.
 
@@ -33,11 +34,11 @@ from aqtr.core.lowering import loops_allowed, per_platform
 def fusion_fenced() -> bool:
   """Whether `fusion_boundary` fences fusion on the default backend.
 
-  True on CPU outside a mesh context (a while loop, measured: serve ==
-  train bit for bit on real models under XLA's default flags). Elsewhere
-  it is an `optimization_barrier`, which XLA may drop before fusion (not
-  measured): under a mesh the loop's trip count, read from a sharded
-  scale, would cost a collective per dot.
+  True on CPU outside a mesh context (a conditional, `fence`; measured:
+  serve == train bit for bit on real models under XLA's default flags).
+  Elsewhere it is an `optimization_barrier`, which XLA may drop before
+  fusion (not measured): under a mesh the conditional's branch index,
+  read from a sharded scale, would cost a collective per dot.
 
   Example:
     >>> fusion_fenced()  # On the CPU backend.
@@ -46,23 +47,23 @@ def fusion_fenced() -> bool:
   return jax.default_backend() == 'cpu' and get_abstract_mesh().empty
 
 
-def _trips(first: jax.Array) -> jax.Array:
-  """1 from a value XLA cannot fold (0 for a NaN; the loop is the
-  identity, so either count gives the same outputs)."""
+def _index(first: jax.Array) -> jax.Array:
+  """1 from a value XLA cannot fold (0 for a NaN; both branches of a
+  `fence` are the identity, so either index gives the same outputs)."""
   if jnp.issubdtype(first.dtype, jnp.floating):
     return (first == first).astype(jnp.int32)
   return jnp.minimum(1, jnp.abs(first.astype(jnp.int32)) + 1)
 
 
 def copyable(values: jax.Array) -> bool:
-  """Whether a loop writes `values`' buffer (`copy_trips` reads its first
+  """Whether a fence writes `values`' buffer (`copy_index` reads its first
   value's bits): non-empty, integer or 1-2 byte float."""
   return values.size > 0 and (
     jnp.issubdtype(values.dtype, jnp.integer) or values.dtype.itemsize <= 2
   )
 
 
-def copy_trips(values: jax.Array) -> jax.Array:
+def copy_index(values: jax.Array) -> jax.Array:
   """1 from the first value's bits, a count XLA cannot fold (`copyable`
   values)."""
   first = values.reshape(-1)[0]
@@ -79,21 +80,28 @@ def swap_last(x: jax.Array | None) -> jax.Array | None:
   return None if x is None else x.transpose(0, 1, 3, 2)
 
 
-def one_trip_loop(tree, count):
-  """`tree` through a while loop of `count(tree)` trips (an int32 XLA
-  cannot fold, 1 or, where the loop is the identity anyway, 0).
+def fence(tree, index):
+  """`tree` through a conditional on `index(tree)` (an int32 XLA cannot
+  fold: 1 or, where either branch gives the same outputs, 0) whose two
+  branches are the identity.
 
-  The count is computed in the loop's condition, from the carried arrays:
-  no kernel of its own before the loop.
+  XLA keeps the conditional (its branches are computations of their own),
+  so no fusion reaches across it: its operands are written to buffers of
+  their own, which the branches return as they are (no copy). XLA:CPU
+  compiles one in ~4 ms; a one-trip while loop, the fence before this one,
+  took ~15 ms (a kernel of its own per loop, never shared). The index is
+  computed before the conditional: from a scale, XLA fuses it with the
+  scale's reductions into one small kernel, alike for every scale of one
+  size (compiled once).
   """
 
-  def body(carry):
-    i, t = carry
-    # The barrier keeps `t` a loop output (JAX hoists an unchanged carry
-    # out of the loop, and XLA would then fuse across it again).
-    return i + 1, lax.optimization_barrier(t)
+  def keep(t):
+    # The barrier keeps `t` an output of the conditional (JAX forwards an
+    # operand that every branch returns unchanged, and XLA would then fuse
+    # across it again).
+    return lax.optimization_barrier(t)
 
-  return lax.while_loop(lambda c: c[0] < count(c[1]), body, (0, tree))[1]
+  return lax.switch(index(tree), [keep, keep], tree)
 
 
 def _vector(x: jax.Array) -> bool:
@@ -101,8 +109,8 @@ def _vector(x: jax.Array) -> bool:
   return sum(d > 1 for d in x.shape) <= 1
 
 
-def _flat_loop(tree, values, count):
-  """(`tree`, `values`) through `one_trip_loop`, `tree`'s vectors (scales)
+def _flat_fence(tree, values, index):
+  """(`tree`, `values`) through `fence`, `tree`'s vectors (scales)
   carried as 1-D (reshapes: free). So the kernels writing a row scale
   [., M, 1] and a column scale [., 1, N] of one size are one fused
   computation, which XLA:CPU compiles once (each kernel costs ~10 ms of
@@ -110,7 +118,7 @@ def _flat_loop(tree, values, count):
   XLA copies them in a decode loop."""
   leaves, treedef = jax.tree.flatten(tree)
   flat = [x.reshape(-1) if _vector(x) else x for x in leaves]
-  flat, values = one_trip_loop((flat, values), count)
+  flat, values = fence((flat, values), index)
   leaves = [x.reshape(y.shape) for x, y in zip(flat, leaves, strict=True)]
   return jax.tree.unflatten(treedef, leaves), values
 
@@ -118,21 +126,21 @@ def _flat_loop(tree, values, count):
 def fusion_boundary(tree, transposed: jax.Array | None = None):
   """`tree`'s arrays as buffers of their own that no fusion reaches across.
 
-  Lowered for CPU outside a mesh, a one-trip while loop whose trip count
-  XLA cannot fold (XLA:CPU drops `optimization_barrier`s before fusion,
-  but keeps a loop; `tree`'s vectors carried 1-D, see `_flat_loop`);
-  elsewhere an `optimization_barrier` (`lowering.per_platform`). The
-  values are unchanged.
+  Lowered for CPU outside a mesh, a `fence`: a conditional whose branch
+  index XLA cannot fold (XLA:CPU drops `optimization_barrier`s before
+  fusion, but keeps a conditional; `tree`'s vectors carried 1-D, see
+  `_flat_fence`); elsewhere an `optimization_barrier`
+  (`lowering.per_platform`). The values are unchanged.
 
   `transposed` (`copyable`): an array [B, T, X, Y] also returned as
-  [B, T, Y, X]. For CPU the same loop makes it a buffer of its own, then
+  [B, T, Y, X]. For CPU the same fence makes it a buffer of its own, then
   a plain copy transposes it (the job of `passes.with_transposed_copy`
-  without a loop of its own: each loop costs compile time); for GPU it is
-  transposed as it is (a 1-byte array, no loop).
+  without a fence of its own: each costs compile time); for GPU it is
+  transposed as it is (a 1-byte array, no fence).
 
   Args:
     tree: a pytree of arrays (None leaves allowed).
-    transposed: an array to copy transposed after the loop, or None.
+    transposed: an array to copy transposed after the fence, or None.
 
   Returns:
     The same tree, same values; with `transposed`, `(tree, values,
@@ -145,23 +153,23 @@ def fusion_boundary(tree, transposed: jax.Array | None = None):
     [0.5, 2.0]
   """
   copies = transposed is not None
-  loops = loops_allowed(tree, transposed)
-  if copies and loops and copyable(transposed):
+  fences = loops_allowed(tree, transposed)
+  if copies and fences and copyable(transposed):
 
     def cpu(tree, values):
-      tree, values = _flat_loop(tree, values, lambda t: copy_trips(t[1]))
+      tree, values = _flat_fence(tree, values, _scales_or_values_index)
       return tree, values, swap_last(values)
 
     def gpu(tree, values):
       return _barrier(tree), values, swap_last(values)
 
     return per_platform(tree, transposed, cpu=cpu, gpu=gpu)
-  if not loops:
+  if not fences:
     tree = _barrier(tree)
   elif any(x.size for x in jax.tree.leaves(tree)):
     tree = per_platform(
       tree,
-      cpu=lambda t: _flat_loop(t, None, lambda c: _first_trips(c[0]))[0],
+      cpu=lambda t: _flat_fence(t, None, lambda c: _first_index(c[0]))[0],
       gpu=_barrier,
     )
   return (tree, transposed, None) if copies else tree
@@ -174,14 +182,23 @@ def _barrier(tree):
   return tree
 
 
-def _first_trips(tree) -> jax.Array:
+def _first_index(tree) -> jax.Array:
   first = [x for x in jax.tree.leaves(tree) if x.size][0]
-  return _trips(first.reshape(-1)[0])
+  return _index(first.reshape(-1)[0])
+
+
+def _scales_or_values_index(tree_values) -> jax.Array:
+  """The index from the first scale (its kernel is alike for every scale
+  of one size), else from the values' first bits."""
+  tree, values = tree_values
+  if any(x.size for x in jax.tree.leaves(tree)):
+    return _first_index(tree)
+  return copy_index(values)
 
 
 def cotangent_boundary(g: jax.Array) -> jax.Array:
-  """`g` written to a buffer of its own (a one-trip loop) where lowered for
-  CPU outside a mesh and `g` is not sharded; else `g` as it is.
+  """`g` written to a buffer of its own (a `fence`) where lowered for CPU
+  outside a mesh and `g` is not sharded; else `g` as it is.
 
   For a cotangent read by several fusions: XLA:CPU otherwise fuses the
   elementwise chain that makes it (a GELU's backward, say) into each of
@@ -194,6 +211,6 @@ def cotangent_boundary(g: jax.Array) -> jax.Array:
   """
   if g.size and loops_allowed(g):
     return per_platform(
-      g, cpu=lambda g: one_trip_loop(g, _first_trips), gpu=lambda g: g
+      g, cpu=lambda g: fence(g, _first_index), gpu=lambda g: g
     )
   return g

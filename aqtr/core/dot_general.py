@@ -38,7 +38,7 @@ as it lies and its int8 values copied transposed (`passes.qdot`,
 `QuantizedOperand.with_transposed`): XLA:CPU quantizes a transposed float
 array several times slower. That is the form lowered for CPU; lowered for
 GPU, every low-precision dot has both operands contracting their minor
-axis, with no loop or barrier before it (`core.lowering`: one traced
+axis, with no fence or barrier before it (`core.lowering`: one traced
 function holds both forms).
 """
 
@@ -100,7 +100,7 @@ def fenced_cotangent(x: jax.Array) -> jax.Array:
   """`x`, whose cotangent is written to a buffer of its own on the way back.
 
   The identity forward; backward, the cotangent passes through
-  `boundary.cotangent_boundary` (a loop on CPU, no mesh, an unsharded
+  `boundary.cotangent_boundary` (a fence on CPU, no mesh, an unsharded
   cotangent), so no fusion after it recomputes the elementwise chain that
   made it. For a float product whose gradient contracts the
   tokens (LoRA's B): XLA:CPU copies that cotangent transposed and would
@@ -127,8 +127,8 @@ def _fence(g):
 
 @_fence.defjvp
 def _fence_jvp(primals, tangents):
-  # The loop is the identity: so is its derivative (a gradient of this
-  # gradient, any order, differentiates no loop).
+  # The fence is the identity: so is its derivative (a gradient of this
+  # gradient, any order, differentiates no fence).
   return _fence(primals[0]), tangents[0]
 
 

@@ -3,15 +3,16 @@
 XLA:CPU and XLA:GPU (cuBLASLt) run a quantized dot fast in different forms:
 
   CPU  an integer dot is fast when its lhs contracts its last axis; XLA
-       drops `optimization_barrier`s before fusion, so a one-trip while
-       loop makes an array a buffer of its own (fusion boundaries, the
-       transposed int8 copy of the forward lhs); a one-row integer dot gets
+       drops `optimization_barrier`s before fusion, so a conditional it
+       cannot fold, both branches the identity, makes an array a buffer of
+       its own (`boundary.fence`: fusion boundaries, the transposed int8
+       copy of the forward lhs); a one-row integer dot gets
        a zero row; the operands of a low-precision dot are pinned by a
        barrier; tiles are summed as chained adds (XLA:CPU reduces a
        non-minor axis slowly).
   GPU  cuBLASLt's int8 and fp8 GEMMs want both operands contracting their
        minor axis ("TN"): the quantized (1-byte) operand is transposed,
-       never a float one; no loop or barrier stands between a quantization
+       never a float one; no fence or barrier stands between a quantization
        and its GEMM; tiles are summed by one reduction, and the per-tile
        dots of emulated block formats (MX, NVFP4, sub-channel int8) become
        one dot of the dequantized operands.
@@ -23,8 +24,8 @@ both forms are traced, and lowering keeps the one of the platform it
 lowers for. So one jitted function serves CPU and GPU, and
 `jax.export(f, platforms=('cuda',))` on a CPU-only machine emits the GPU
 form (tests/core/test_lowering.py checks that StableHLO). TPU and ROCm
-take the GPU form. Under a mesh the loop forms are not used (a loop's
-trip count, read from a sharded array, costs a collective), and tiles are
+take the GPU form. Under a mesh the fences are not used (a fence's
+branch index, read from a sharded array, costs a collective), and tiles are
 summed by one reduction (the tile axis may be split: one all-reduce).
 
 `sub_jaxprs` reads a traced program as one platform's lowering would
@@ -73,10 +74,11 @@ def sub_jaxprs(eqn, platform: str = 'cpu') -> list:
 
 
 def loops_allowed(*trees) -> bool:
-  """Whether the CPU form may use its one-trip loops: outside a mesh, and
-  no array of `trees` sharded by its type (an explicitly sharded array
-  under `jit` without `jax.set_mesh`: the loop's trip count slices its
-  first value, which a sharded type refuses).
+  """Whether the CPU form may use its fences (`boundary.fence`) and chained
+  tile sums: outside a mesh, and no array of `trees` sharded by its type
+  (an explicitly sharded array under `jit` without `jax.set_mesh`: a
+  fence's branch index slices its first value, which a sharded type
+  refuses).
 
   Example:
     >>> loops_allowed(jnp.ones(2))  # No mesh set, unsharded.

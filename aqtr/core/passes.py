@@ -25,9 +25,9 @@ from jax import lax
 
 from aqtr.core import prims
 from aqtr.core.boundary import (
-  copy_trips,
+  copy_index,
   copyable,
-  one_trip_loop,
+  fence,
   swap_last,
 )
 from aqtr.core.config import DotGeneralRaw, TensorConfig
@@ -87,25 +87,34 @@ class Operand:
   state: dict | None = None
 
 
-def with_transposed_copy(values: jax.Array) -> tuple[jax.Array, jax.Array]:
+def with_transposed_copy(
+  values: jax.Array, scale: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
   """`values` [B, T, X, Y], and as [B, T, Y, X] written by a plain copy.
 
   XLA:CPU fuses an elementwise producer (here the quantization) into a
   transposing consumer: one loop of strided scalar loads from the float
   input, several times the cost of copying the 1-byte result; and it drops
-  `optimization_barrier`s before fusion. A while loop is a fusion boundary
-  it keeps: run once (a trip count it cannot fold, from the first value's
-  bits), the loop makes `values` a buffer of their own that the transpose
-  then copies, and that every other consumer reads (no recomputation).
-  The forward pass writes its copy in its fusion boundary's loop instead
-  (`boundary.fusion_boundary`). Lowered for GPU, a plain transpose (no
-  loop; `lowering.py`).
+  `optimization_barrier`s before fusion. A conditional is a fusion
+  boundary it keeps (`boundary.fence`: a branch index it cannot fold, from
+  the first value of `scale` if given, else of `values`' bits): it makes
+  `values` a buffer of their own that the transpose then copies, and that
+  every other consumer reads (no recomputation). The forward pass writes
+  its copy in its fusion boundary instead (`boundary.fusion_boundary`).
+  Lowered for GPU, a plain transpose (no fence; `lowering.py`).
   """
   if not copyable(values) or not loops_allowed(values):
     return values, swap_last(values)
+  from_scale = scale is not None and scale.size and loops_allowed(scale)
+
+  def index(values):
+    if not from_scale:
+      return copy_index(values)
+    first = scale.reshape(-1)[0]  # Its kernel then quantizes nothing.
+    return (first == first).astype(jnp.int32)
 
   def cpu(values):
-    values = one_trip_loop(values, copy_trips)
+    values = fence(values, index)
     return values, swap_last(values)
 
   return per_platform(values, cpu=cpu, gpu=lambda v: (v, swap_last(v)))
@@ -155,9 +164,9 @@ class QuantizedOperand:
 
     Both read one buffer of values; use the first in place of `self`.
     `copied`: (values, values transposed) already written (by the forward
-    pass's fusion boundary), else a loop of its own writes them.
+    pass's fusion boundary), else a fence of its own writes them.
     """
-    values, values_t = copied or with_transposed_copy(self.values)
+    values, values_t = copied or with_transposed_copy(self.values, self.scale)
     transposed = QuantizedOperand(
       values_t,
       swap_last(self.scale),

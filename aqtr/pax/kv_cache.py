@@ -373,8 +373,8 @@ def _written_once(tree: Any) -> Any:
   (three to four copies of every array per decode step on CPU: a float
   cache's arrays, and an int8 cache's codes); behind a fusion boundary it
   is written once, in place. The boundary is
-  a while loop on CPU, which reverse mode cannot differentiate: the rule
-  below passes tangents straight through (the values are unchanged).
+  a conditional on CPU (`boundary.fence`); the rule below passes tangents
+  straight through, as through the identity (the values are unchanged).
   """
   return fusion_boundary(tree)
 
