@@ -40,7 +40,7 @@ import numpy as np
 
 from aqtr.core import codecs, slot_state
 from aqtr.core.config import TensorConfig
-from aqtr.core.qtensor import QTensor, to_view
+from aqtr.core.qtensor import QTensor, stored_form, to_view
 from aqtr.core.quantizer import quantize_scaled, quantize_view
 from aqtr.freezers import configure, lifecycle
 from aqtr.numerics.nvfp4 import NvFp4
@@ -176,7 +176,7 @@ class Grid:
       parts['qvalue'],
       parts['scale'],
       self.call.layout,
-      self.call.form,
+      stored_form(jnp.shape(parts['scale']), self.call.form),
       parts.get('zero_point'),
     )
     w = np.asarray(_dequant(qt))

@@ -106,8 +106,8 @@ def test_restoring_into_other_shapes_names_the_leaf(tmp_path):
   ckpt.save(tmp_path / 's', ql.convert(_Dense(16, cfg, Mode.CONVERT), v, x))
   with pytest.raises(
     ckpt.CheckpointError,
-    match=r"'aqtr\.Dense_0\..*rhs\.qvalue' is int8\[1, 1, 32, 16\] in the "
-    r'checkpoint but int8\[1, 1, 32, 8\] in the target.*\(and 1 more\)\. '
+    match=r"'aqtr\.Dense_0\..*rhs\.qvalue' is int8\[1, 1, 16, 32\] in the "
+    r'checkpoint but int8\[1, 1, 8, 32\] in the target.*\(and 1 more\)\. '
     'The files are intact',
   ):
     ckpt.restore(tmp_path / 's', serving(8))
