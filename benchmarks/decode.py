@@ -116,7 +116,9 @@ def dot_limit(
   feeding the next input, on fresh weights of the same bytes as the
   model's: 'float' float32 dots of `batch` rows; 'int8' int8 x int8 ->
   int32 dots of max(batch, 2) rows (the engine runs a one-row integer
-  dot as two). No quantization, attention or cache: the step time a cell
+  dot as two) against weights stored [N, K], as frozen integer-dot
+  weights are (`aqtr.freezers.weights.minor_k`). No quantization,
+  attention or cache: the step time a cell
   could reach with XLA:CPU's own dot kernels (min of `rounds`).
   """
   rng = np.random.default_rng(0)
@@ -128,10 +130,11 @@ def dot_limit(
 
   def chain(x, ws):
     for w in ws:
-      if x.shape[1] != w.shape[0]:  # Feeds the output back (any K).
-        x = jnp.tile(x, (1, w.shape[0] // x.shape[1] + 1))[:, : w.shape[0]]
+      k = 1 if x.dtype == jnp.int8 else 0  # int8: stored [N, K].
+      if x.shape[1] != w.shape[k]:  # Feeds the output back (any K).
+        x = jnp.tile(x, (1, w.shape[k] // x.shape[1] + 1))[:, : w.shape[k]]
       y = lax.dot_general(
-        x, w, (((1,), (0,)), ((), ())), preferred_element_type=y_dtype(x)
+        x, w, (((1,), (k,)), ((), ())), preferred_element_type=y_dtype(x)
       )
       x = y.astype(x.dtype)
     return x
@@ -142,7 +145,8 @@ def dot_limit(
   best = {}
   calls = {}
   for kind, dt in dtypes.items():
-    ws = [jnp.asarray(rng.integers(-127, 128, s), dt) for s in shapes]
+    stored = shapes if kind == 'float' else [s[::-1] for s in shapes]
+    ws = [jnp.asarray(rng.integers(-127, 128, s), dt) for s in stored]
     x = jnp.ones((rows[kind], d_model), dt)
     calls[kind] = (jax.jit(chain).lower(x, ws).compile(), x, ws)
     best[kind] = float('inf')

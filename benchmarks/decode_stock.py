@@ -24,12 +24,14 @@ reads floats), so a quantized cache costs time here; it saves memory.
 keeps an int4 code in a byte).
 
 Run: python benchmarks/decode_stock.py [--rounds 3] [--context 256]
+     [--hidden 512 --layers 4 --heads 8] [--rows 'int8 w + int8 kv'] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import sys
 
 import host
@@ -58,14 +60,14 @@ def cpu_flags() -> str:
   return ' '.join(x for x in want if x in flags) or 'none of them'
 
 
-def models(context: int):
+def models(context: int, hidden: int = 512, layers: int = 4, heads: int = 8):
   cfg = transformers.LlamaConfig(
     vocab_size=256,
-    hidden_size=512,
-    intermediate_size=2048,
-    num_hidden_layers=4,
-    num_attention_heads=8,
-    num_key_value_heads=8,
+    hidden_size=hidden,
+    intermediate_size=4 * hidden,
+    num_hidden_layers=layers,
+    num_attention_heads=heads,
+    num_key_value_heads=heads,
     max_position_embeddings=context,
   )
   with jax.numpy_rank_promotion('allow'):
@@ -107,19 +109,41 @@ def main() -> None:
   p.add_argument('--steps', type=int, default=32)
   p.add_argument('--batches', type=int, nargs='+', default=[1, 8])
   p.add_argument('--context', type=int, default=256)
+  p.add_argument('--hidden', type=int, default=512, help='MLP: 4x hidden')
+  p.add_argument('--layers', type=int, default=4)
+  p.add_argument('--heads', type=int, default=8)
+  p.add_argument(
+    '--rows',
+    nargs='+',
+    default=None,
+    help='only the rows whose label starts with one of these (the float '
+    'row is always run: the x float column needs it)',
+  )
+  p.add_argument(
+    '--json',
+    action='store_true',
+    help='one JSON row per cell (for benchmarks/before_after.py)',
+  )
   args = p.parse_args()
+  rows = [
+    r
+    for r in ROWS
+    if args.rows is None
+    or r[0] == ROWS[0][0]
+    or any(r[0].startswith(x) for x in args.rows)
+  ]
   print(f'CPU: {host.cpu_model()}; flags: {cpu_flags()}; jax {jax.__version__}')
   print(f'command: python benchmarks/decode_stock.py {" ".join(sys.argv[1:])}')
   print(f'date: {datetime.date.today()}')
-  weights = models(args.context)
+  weights = models(args.context, args.hidden, args.layers, args.heads)
   wbytes = {k: kv_cache.cache_bytes(v) for k, (_, v) in weights.items()}
   rng = np.random.default_rng(0)
-  decoders, best = {}, {}
+  decoders, best, cpu = {}, {}, {}
   with jax.numpy_rank_promotion('allow'):
     for r in range(args.rounds):
       for batch in args.batches:
         prompts = rng.integers(0, 256, (batch, 8)).tolist()
-        for label, w, rule in ROWS:
+        for label, w, rule in rows:
           module, variables = weights[w]
           key = (label, batch)
           if key not in decoders:
@@ -127,9 +151,25 @@ def main() -> None:
           out = decoders[key].generate(variables, prompts, args.steps + 1)
           if key not in best or out.decode_s < best[key].decode_s:
             best[key] = out
+          cpu[key] = min(cpu.get(key, float('inf')), out.decode_cpu_s)
       print(f'round {r + 1}/{args.rounds} done', flush=True)
+  if args.json:
+    for (label, batch), out in best.items():
+      base = best[('float w + float kv', batch)]
+      c0 = cpu[('float w + float kv', batch)]
+      c = cpu[(label, batch)]
+      row = {'row': label, 'batch': str(batch)}
+      ms = {
+        'ms/step': 1e3 * out.decode_s / args.steps,
+        'cpu ms/step': 1e3 * c / args.steps,
+        'x float': base.decode_s / out.decode_s,
+        'cpu x float': c0 / c,
+      }
+      print(json.dumps(row | ms), flush=True)
+    return
   print(
-    f'\nFlaxLlamaForCausalLM hidden 512, 4 layers, 8 heads, MLP 2048; '
+    f'\nFlaxLlamaForCausalLM hidden {args.hidden}, {args.layers} layers, '
+    f'{args.heads} heads, MLP {4 * args.hidden}; '
     f'{args.context} slots; {args.steps} steps; min of {args.rounds}\n'
   )
   print(
@@ -139,7 +179,7 @@ def main() -> None:
   print('|---|---|---|---|---|---|---|---|')
   for batch in args.batches:
     base = best[('float w + float kv', batch)]
-    for label, w, _ in ROWS:
+    for label, w, _ in rows:
       out = best[(label, batch)]
       print(
         f'| {label} | {batch} | {out.tokens_per_s:.0f} | '

@@ -44,6 +44,7 @@ from aqtr import presets
 from aqtr.calibrations.minmax import MinMax
 from aqtr.checkpoints.stored import CheckpointError, Stored
 from aqtr.core import codecs
+from aqtr.core.qtensor import as_stored_in, stored_form, swapped_view
 from aqtr.numerics.int_asymmetric import IntAsymmetric
 from aqtr.numerics.int_symmetric import IntSymmetric
 from aqtr.tilings.per_channel import PerChannel
@@ -71,6 +72,8 @@ def to_stored(parts: dict, shape: tuple, where: str, bits=None) -> Stored:
       'int or MXFP4 weights.'
     )
   parts = codecs.decode_parts(parts)  # Packed int4 codes -> int8.
+  if 'scale' in parts:  # Stored [.., d_out, d_in] ('fk') -> the 'kf' view.
+    parts = as_stored_in(parts, 'kf', 'kf')
   perm = parts.pop('perm', None)
   q = parts['qvalue']
   if len(shape) != 2:
@@ -229,7 +232,14 @@ def _from_one(w: Stored, like: dict, perm: bool = False) -> dict:
   (stored through the codec of `config_for(w)`'s numerics); an act-order
   `w` (or `perm`: always) adds its row order 'perm'."""
   numerics = config_for(w).fwd.rhs.numerics
-  qs = jax.ShapeDtypeStruct(codecs.stored_shape(like), numerics.dtype)
+  shape, scale_shape = codecs.stored_shape(like), like['scale'].shape
+  # A skeleton stored with the contraction minor ('fk', the served int8
+  # layout): the parts are built in the 'kf' view, then swapped.
+  minor = stored_form(scale_shape, 'kf') == 'fk'
+  if minor:
+    shape = (*shape[:-2], shape[-1], shape[-2])
+    scale_shape = (*scale_shape[:-2], scale_shape[-1], scale_shape[-2])
+  qs = jax.ShapeDtypeStruct(shape, numerics.dtype)
   n, t, d_out = qs.shape[1], qs.shape[2], qs.shape[3]
   if (n * t, d_out) != (w.d_in, w.d_out) or t != w.group:
     raise CheckpointError(
@@ -248,12 +258,12 @@ def _from_one(w: Stored, like: dict, perm: bool = False) -> dict:
     zero = zero + 2 ** (w.bits - 1)
   out = {
     'qvalue': jnp.asarray(q.reshape(qs.shape)).astype(qs.dtype),
-    'scale': jnp.asarray(
-      w.scale.astype(np.float32).reshape(like['scale'].shape)
-    ),
+    'scale': jnp.asarray(w.scale.astype(np.float32).reshape(scale_shape)),
   }
   if 'zero_point' in like:
     out['zero_point'] = jnp.asarray(zero.reshape(like['zero_point'].shape))
   if perm or w.g_idx is not None:
     out['perm'] = jnp.asarray(order.astype(np.int32))
+  if minor:
+    out = swapped_view(out)
   return codecs.encode_parts(out, numerics)

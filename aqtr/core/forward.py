@@ -54,7 +54,8 @@ def _stored_operand(plan: Plan, side: Side, x: QTensor) -> QuantizedOperand:
       f'qvalue dtype {x.qvalue.dtype} != config numerics dtype {numerics.dtype}'
     )
   natural = 'fk' if side is Side.LHS else op.layout.natural_form()
-  if x.form != natural:
+  # A rhs may also be stored with its contraction minor ('fk').
+  if x.form not in {natural, 'fk'}:
     problems.append(f"layout {x.layout}/{x.form} != the dot's form {natural}")
   if tuple(x.qvalue.shape) != view:
     problems.append(f'qvalue shape {x.qvalue.shape} != expected {view}')

@@ -51,6 +51,65 @@ def from_view(x4: jax.Array, form: str) -> jax.Array:
   return x4.reshape(b, d1, n * d2)
 
 
+def stored_form(scale_shape, form: str) -> str:
+  """The view stored parts are in: `form`, or 'fk' for a 'kf' operand
+  stored with its contraction minor (`minor_k`).
+
+  Math. A 'kf' view [B, T, t, F] has scales [B, T, 1, F]; the same parts
+  with their last two axes swapped are the 'fk' view [B, T, F, t] with
+  scales [B, T, F, 1]. Scales that vary along F (F > 1) tell them apart;
+  parts with one scale column are only ever stored as they were quantized.
+
+  Args:
+    scale_shape: the stored scale's shape (4-D tiled view).
+    form: the operand's own form in the dot ('fk' or 'kf').
+
+  Returns:
+    'fk' or 'kf'.
+
+  Example:
+    >>> stored_form((1, 1, 1, 8), 'kf'), stored_form((1, 1, 8, 1), 'kf')
+    ('kf', 'fk')
+  """
+  s = tuple(scale_shape)
+  if form == 'kf' and len(s) == 4 and s[2] > 1 and s[3] == 1:
+    return 'fk'
+  return form
+
+
+def swapped_view(parts: dict) -> dict:
+  """Stored parts in the other view ('kf' <-> 'fk'): the last two axes of
+  `qvalue`, `scale` and `zero_point` swapped (other entries as they are).
+
+  Example:
+    >>> import numpy as np
+    >>> p = swapped_view({'qvalue': np.zeros((1, 1, 4, 8), np.int8),
+    ...                   'scale': np.ones((1, 1, 1, 8), np.float32)})
+    >>> p['qvalue'].shape, p['scale'].shape
+    ((1, 1, 8, 4), (1, 1, 8, 1))
+  """
+  out = dict(parts)
+  for k in ('qvalue', 'scale', 'zero_point'):
+    if out.get(k) is not None:
+      out[k] = jnp.swapaxes(out[k], -1, -2)
+  return out
+
+
+def as_stored_in(parts: dict, form: str, want: str) -> dict:
+  """Stored parts of an operand of `form` in the view `want` ('kf' for
+  a [K, N] weight's readers), whichever view they were stored in.
+
+  Example:
+    >>> import numpy as np
+    >>> p = {'qvalue': np.zeros((1, 1, 8, 4), np.int8),
+    ...      'scale': np.ones((1, 1, 8, 1), np.float32)}
+    >>> as_stored_in(p, 'kf', 'kf')['qvalue'].shape
+    (1, 1, 4, 8)
+  """
+  have = stored_form(jnp.shape(parts['scale']), form)
+  return parts if have == want else swapped_view(parts)
+
+
 @dataclasses.dataclass(frozen=True)
 class QTensor:
   """Stored values and scale of a quantized tensor: `x ~ qvalue * scale`.

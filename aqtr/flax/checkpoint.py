@@ -216,7 +216,7 @@ def _check_keys(path: str, saved: set, wanted: set) -> None:
 
 def _check_shapes(path: str, meta: dict, abstract: dict) -> None:
   """Reports target leaves whose shape or dtype differs from the saved one."""
-  bad = []
+  bad, views = [], False
   for key in sorted(abstract):
     want, m = abstract[key], meta[key]
     if getattr(m, 'shape', None) is None or getattr(m, 'dtype', None) is None:
@@ -227,14 +227,37 @@ def _check_shapes(path: str, meta: dict, abstract: dict) -> None:
         f'{key!r} is {have[1].name}{list(have[0])} in the checkpoint but '
         f'{np.dtype(want.dtype).name}{list(want.shape)} in the target'
       )
+      views |= _other_view(key, have[0], tuple(want.shape))
   if bad:
     more = f' (and {len(bad) - 2} more)' if len(bad) > 2 else ''
+    fix = (
+      'build the target from the model and config that were saved (same '
+      'layer sizes, same weight format).'
+    )
+    if views:
+      fix = (
+        'the frozen weights were saved in the view they were quantized in '
+        '([.., K, N]), before aqtr stored integer-dot weights with their '
+        'contraction minor ([.., N, K]): convert the model again, or move '
+        'the weights through aqtr.checkpoints (export, then load).'
+      )
     raise CheckpointError(
       path,
       f'the target differs from the saved tree: {"; ".join(bad[:2])}{more}. '
-      'The files are intact: build the target from the model and config '
-      'that were saved (same layer sizes, same weight format).',
+      f'The files are intact: {fix}',
     )
+
+
+def _other_view(key: str, have: tuple, want: tuple) -> bool:
+  """Whether a frozen scale was saved in the other tiled view: [.., 1, N]
+  saved, [.., N, 1] wanted (`aqtr.core.qtensor.stored_form`)."""
+  return (
+    key.endswith('.scale')
+    and len(have) == len(want) >= 2
+    and have[:-2] == want[:-2]
+    and have[-2:] == want[-2:][::-1]
+    and have[-2] == 1
+  )
 
 
 __all__ = ['CHECKSUM_FILE', 'CheckpointError', 'restore', 'save']

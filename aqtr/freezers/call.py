@@ -31,7 +31,7 @@ from aqtr.core.config import DotGeneralConfig, TensorConfig
 from aqtr.core.dimension_numbers import OperandLayout
 from aqtr.core.operand import quantize_planned
 from aqtr.core.plan import Plan
-from aqtr.core.qtensor import QTensor
+from aqtr.core.qtensor import QTensor, stored_form
 from aqtr.core.slots import Side, Slot
 
 
@@ -185,14 +185,22 @@ class OperandCall:
     qvalue: jax.Array,
     scale: jax.Array,
     zero_point: jax.Array | None = None,
+    form: str | None = None,
   ) -> QTensor:
     """A QTensor of this operand from stored `qvalue`, `scale` (and z).
 
     They must be in the view `quantize()` returns (`.qvalue`, `.scale`,
-    `.zero_point`: None unless the numerics are affine).
+    `.zero_point`: None unless the numerics are affine), or, for a 'kf'
+    operand, that view with its last two axes swapped (the contraction
+    minor, `aqtr.freezers.weights.minor_k`), which `form` names or (None)
+    the scale's shape tells (`aqtr.core.qtensor.stored_form`).
     """
     t = self.tensor.transform if self.tensor.rotated else None
-    return QTensor(qvalue, scale, self.layout, self.form, zero_point, t)
+    if form is None:
+      form = self.form
+      if scale is not None:
+        form = stored_form(jnp.shape(scale), self.form)
+    return QTensor(qvalue, scale, self.layout, form, zero_point, t)
 
   def over_free(self, b: jax.Array) -> jax.Array:
     """`b` (a scalar, or over the free axes) reshaped to broadcast with x."""

@@ -19,7 +19,9 @@ per column. The merge is taken only where that holds: every projection a
 serves in `Mode.SERVE` with the same config, its weight
 frozen by the `WeightsFreezer` with per-channel scales (nothing else
 frozen, no calibration state, no random key), and each frozen array
-concatenable along its last (output) axis. Anything else (training,
+concatenable along its output axis (the last one in the 'kf' view the
+weight is quantized in, the one before it when stored with the
+contraction minor, `aqtr.freezers.weights.minor_k`). Anything else (training,
 float ops, calibrated activation bounds, tiled weights) runs the
 projections one by one, as before.
 
@@ -42,6 +44,7 @@ import jax
 import jax.numpy as jnp
 
 from aqtr.core import slot_state
+from aqtr.core.qtensor import stored_form
 from aqtr.flax import intercept
 from aqtr.flax.common import FROZEN, einsum_plan
 from aqtr.flax.linen import Einsum
@@ -108,24 +111,40 @@ def mergeable(
     return False
   if len({lin.use_bias for lin in linears}) != 1:
     return False
-  parts = None
+  parts, axes = None, set()
   for lin, entry in zip(linears, entries, strict=True):
     rhs = entry.get('rhs') if isinstance(entry, Mapping) else None
     if not isinstance(rhs, Mapping) or set(entry) != {'rhs'}:
       return False
     if parts is None:
       parts = set(rhs)
-    if set(rhs) != parts or not {'qvalue', 'scale'} <= parts:
+    if set(rhs) != parts or 'scale' not in parts:
       return False
+    axis = _features_axis(rhs)
+    axes.add(axis)
     for v in rhs.values():
-      if jnp.ndim(v) < 1 or jnp.shape(v)[-1] != lin.features:
+      if jnp.ndim(v) < 2 or jnp.shape(v)[axis] != lin.features:
         return False
+  if len(axes) != 1:
+    return False
+  (axis,) = axes
   first = entries[0]['rhs']
+
+  def others(v):
+    shape = list(jnp.shape(v))
+    del shape[axis]
+    return shape
+
   return all(
-    jnp.shape(e['rhs'][k])[:-1] == jnp.shape(first[k])[:-1]
-    for e in entries
-    for k in parts
+    others(e['rhs'][k]) == others(first[k]) for e in entries for k in parts
   )
+
+
+def _features_axis(rhs: Mapping) -> int:
+  """The output-feature axis of a frozen [d, features] weight's parts: -1
+  in the 'kf' view it is quantized in, -2 stored with its contraction
+  minor ('fk', `aqtr.freezers.weights.minor_k`)."""
+  return -2 if stored_form(jnp.shape(rhs['scale']), 'kf') == 'fk' else -1
 
 
 def _entry(module: nn.Module, name: str, config: Any) -> Any:
@@ -160,9 +179,10 @@ def project(
   if any(e is None for e in entries) or not mergeable(linears, entries, module):
     return tuple(lin(x) for lin in linears)
   sizes = [lin.features for lin in linears]
+  axis = _features_axis(entries[0]['rhs'])
   frozen = {
     'rhs': {
-      k: jnp.concatenate([e['rhs'][k] for e in entries], axis=-1)
+      k: jnp.concatenate([e['rhs'][k] for e in entries], axis=axis)
       for k in entries[0]['rhs']
     }
   }

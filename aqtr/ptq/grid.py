@@ -40,9 +40,10 @@ import numpy as np
 
 from aqtr.core import codecs, slot_state
 from aqtr.core.config import TensorConfig
-from aqtr.core.qtensor import QTensor, to_view
+from aqtr.core.qtensor import QTensor, stored_form, swapped_view, to_view
 from aqtr.core.quantizer import quantize_scaled, quantize_view
 from aqtr.freezers import configure, lifecycle
+from aqtr.freezers.weights import minor_k
 from aqtr.numerics.nvfp4 import NvFp4
 from aqtr.tilings.per_channel import PerChannel
 from aqtr.tilings.per_tensor import PerTensor
@@ -139,7 +140,8 @@ class Grid:
         slice(0, 1) if n == 1 else slice(None) for n in out[name].shape
       )
       out[name] = jnp.asarray(full[keep]).astype(out[name].dtype)
-    return out
+    # Stored as CONVERT stores it (integer dots: the contraction minor).
+    return swapped_view(out) if minor_k(self.call, out) else out
 
   def regroup(self) -> tuple[int, Regroup | None]:
     """(group size along d_in, `Regroup`) for per-group grids refreshed
@@ -176,7 +178,7 @@ class Grid:
       parts['qvalue'],
       parts['scale'],
       self.call.layout,
-      self.call.form,
+      stored_form(jnp.shape(parts['scale']), self.call.form),
       parts.get('zero_point'),
     )
     w = np.asarray(_dequant(qt))

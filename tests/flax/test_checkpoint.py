@@ -106,8 +106,8 @@ def test_restoring_into_other_shapes_names_the_leaf(tmp_path):
   ckpt.save(tmp_path / 's', ql.convert(_Dense(16, cfg, Mode.CONVERT), v, x))
   with pytest.raises(
     ckpt.CheckpointError,
-    match=r"'aqtr\.Dense_0\..*rhs\.qvalue' is int8\[1, 1, 32, 16\] in the "
-    r'checkpoint but int8\[1, 1, 32, 8\] in the target.*\(and 1 more\)\. '
+    match=r"'aqtr\.Dense_0\..*rhs\.qvalue' is int8\[1, 1, 16, 32\] in the "
+    r'checkpoint but int8\[1, 1, 8, 32\] in the target.*\(and 1 more\)\. '
     'The files are intact',
   ):
     ckpt.restore(tmp_path / 's', serving(8))
@@ -115,3 +115,28 @@ def test_restoring_into_other_shapes_names_the_leaf(tmp_path):
   with pytest.raises(ckpt.CheckpointError, match=r"'w' is int8\[2\].*float32"):
     ckpt.save(tmp_path / 'w', {'w': jnp.ones(2, jnp.int8)})
     ckpt.restore(tmp_path / 'w', {'w': jnp.ones(2)})
+
+
+def test_a_tree_saved_in_the_view_as_quantized_names_the_layout(tmp_path):
+  # Serving trees saved before int8-dot weights were stored [.., N, K]
+  # hold them [.., K, N]: restoring one into a model converted now names
+  # the layout change and the fix, not only the shapes.
+  cfg, x = _cfg(), jnp.ones((2, 32))
+  v = _Dense(16, cfg).init(jax.random.key(0), x)
+  served = ql.convert(_Dense(16, cfg, Mode.CONVERT), v, x)
+
+  def as_quantized(path, a):
+    name = jax.tree_util.keystr(path)
+    if "['rhs']" in name and ("'qvalue'" in name or "'scale'" in name):
+      return jnp.swapaxes(a, -1, -2)
+    return a
+
+  old = jax.tree_util.tree_map_with_path(as_quantized, served)
+  ckpt.save(tmp_path / 'old', old)
+  with pytest.raises(
+    ckpt.CheckpointError,
+    match=r'rhs\.scale. is float32\[1, 1, 1, 16\] in the checkpoint but '
+    r'float32\[1, 1, 16, 1\] in the target.*contraction minor.*convert the '
+    'model again',
+  ):
+    ckpt.restore(tmp_path / 'old', jax.eval_shape(lambda: served))

@@ -72,7 +72,7 @@ def test_compiled_serving_never_materializes_a_float_kernel():
   cfg, x, v, serving = _linen(LinenMLP, 'int8')
   text = jax.jit(LinenMLP(cfg, Mode.SERVE).apply).lower(serving, x).as_text()
   assert 'tensor<64x128xf32>' not in text and 'tensor<128x10xf32>' not in text
-  assert 'tensor<1x1x64x128xi8>' in text  # qvalues enter as int8 arguments
+  assert 'tensor<1x1x128x64xi8>' in text  # qvalues enter as int8 [N, K]
   train = jax.jit(LinenMLP(cfg).apply).lower(v, x).as_text()
   assert 'tensor<64x128xf32>' in train
 

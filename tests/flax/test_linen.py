@@ -92,11 +92,12 @@ def test_float_kernel_is_removed_and_not_read(kind):
 def test_serving_kernels_are_int8_with_per_channel_scales():
   cfg, x, v, serving = _converted('dense_general')
   rhs = _entry(serving)['rhs']
-  # kernel [4, 5, 2, 3]: contraction 20, 6 output channels ('kf' view).
+  # kernel [4, 5, 2, 3]: contraction 20, 6 output channels, stored with
+  # the contraction minor ('fk' view, an int8 x int8 dot).
   assert rhs['qvalue'].dtype == jnp.int8
-  assert rhs['qvalue'].shape == (1, 1, 20, 6)
+  assert rhs['qvalue'].shape == (1, 1, 6, 20)
   assert rhs['scale'].dtype == jnp.float32
-  assert rhs['scale'].shape == (1, 1, 1, 6)
+  assert rhs['scale'].shape == (1, 1, 6, 1)
   assert set(serving['params']) == {'kernel', 'bias'}
   assert set(serving) == {'params', ql.FROZEN}
 

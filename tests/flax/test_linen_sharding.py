@@ -106,8 +106,9 @@ def test_linen_train_convert_serve_restore_keep_sharding(kind, tmp_path):
   np.testing.assert_array_equal(kernel_grad, want_grad['params']['kernel'])
   frozen, back = _frozen(serving), _frozen(restored)
   assert sorted(k.rsplit("'", 2)[-2] for k in frozen) == ['qvalue', 'scale']
-  for k, a in frozen.items():
-    assert a.sharding.spec[-1] == 'model', (k, a.sharding)
+  for k, a in frozen.items():  # Stored [.., N, K]: N is the one before last.
+    spec = (*a.sharding.spec, *[None] * (a.ndim - len(a.sharding.spec)))
+    assert spec[-2] == 'model', (k, a.sharding)
     assert back[k].sharding.is_equivalent_to(a.sharding, a.ndim), k
     np.testing.assert_array_equal(back[k], a)
   assert frozen[next(k for k in frozen if 'qvalue' in k)].dtype == jnp.int8

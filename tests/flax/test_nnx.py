@@ -74,9 +74,10 @@ def test_serving_kernels_are_int8_with_per_channel_scales():
   m = nnx_layer('einsum', weights_config())
   qn.convert(m, data('einsum'))
   rhs = _rhs(m)
-  # kernel [5, 2, 3] contracted over d=5: 6 output channels.
-  assert rhs['qvalue'].dtype == jnp.int8 and rhs['qvalue'].shape == (1, 1, 5, 6)
-  assert rhs['scale'].shape == (1, 1, 1, 6)
+  # kernel [5, 2, 3] contracted over d=5: 6 output channels, stored with
+  # the contraction minor ('fk' view, an int8 x int8 dot).
+  assert rhs['qvalue'].dtype == jnp.int8 and rhs['qvalue'].shape == (1, 1, 6, 5)
+  assert rhs['scale'].shape == (1, 1, 6, 1)
   assert isinstance(_op(m).frozen_entries(), dict)
 
 

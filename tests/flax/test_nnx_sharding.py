@@ -73,8 +73,9 @@ def test_nnx_train_convert_serve_restore_keep_sharding(tmp_path):
   np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
   np.testing.assert_array_equal(grad.kernel[...], want_grad.kernel[...])
   assert sorted(k.rsplit("'", 2)[-2] for k in frozen) == ['qvalue', 'scale']
-  for k, v in frozen.items():
-    assert jax.typeof(v).sharding.spec[-1] == 'model', k
+  for k, v in frozen.items():  # Stored [.., N, K]: N is the one before last.
+    spec = jax.typeof(v).sharding.spec
+    assert (*spec, *[None] * (v.ndim - len(spec)))[-2] == 'model', k
     assert restored_specs[k] == jax.typeof(v).sharding.spec, k
   assert frozen[next(k for k in frozen if 'qvalue' in k)].dtype == jnp.int8
   np.testing.assert_array_equal(y_serve, y_train)

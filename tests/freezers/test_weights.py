@@ -1,5 +1,8 @@
 """Tests of the 'weights' freezer: frozen int values serve bit for bit."""
 
+import dataclasses
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -95,3 +98,127 @@ def test_frozen_values_of_another_shape_are_rejected():
     lifecycle.run(
       lifecycle.DotCall(x, bigger, dn, cfg), Mode.SERVE, frozen=frozen
     )
+
+
+# Integer x integer dots store a 'kf' weight with its contraction minor.
+MINOR_K = {  # preset, lhs shape, rhs shape, dimension numbers, stored form
+  'int8 [K, N]': ('int8', (3, 64), (64, 48), (((1,), (0,)), ((), ())), 'fk'),
+  'int8 batched [B, K, N]': (
+    'int8',
+    (2, 3, 32),
+    (2, 32, 8),
+    (((2,), (1,)), ((0,), (0,))),
+    'fk',
+  ),
+  'int8 [N, K] (already minor)': (
+    'int8',
+    (3, 64),
+    (48, 64),
+    (((1,), (1,)), ((), ())),
+    'fk',
+  ),
+  'w4a8 [K, N]': ('w4a8', (3, 64), (64, 48), (((1,), (0,)), ((), ())), 'fk'),
+  'int8 sub-channel [K, N]': (
+    'int8_g32',
+    (3, 64),
+    (64, 48),
+    (((1,), (0,)), ((), ())),
+    'fk',
+  ),
+  'int8 weight only (float dot)': (
+    'int8_weight_only',
+    (3, 64),
+    (64, 48),
+    (((1,), (0,)), ((), ())),
+    'kf',
+  ),
+  'fp8 (float dot)': ('fp8', (3, 64), (64, 48), (((1,), (0,)), ((), ())), 'kf'),
+  'int8 one output column': (
+    'int8',
+    (3, 64),
+    (64, 1),
+    (((1,), (0,)), ((), ())),
+    'kf',
+  ),
+}
+
+
+def _minor_k_config(name):
+  replace = dataclasses.replace
+  if name == 'int8_g32':
+    cfg = aqtr.presets.int8()
+    tiled = aqtr.tilings.SubChannel(tile_size=32)
+    fwd = replace(
+      cfg.fwd,
+      lhs=replace(cfg.fwd.lhs, tiling=tiled),
+      rhs=replace(cfg.fwd.rhs, tiling=tiled),
+    )
+    cfg = replace(cfg, fwd=fwd)
+  elif name == 'w4a8':  # int4 weights x int8 activations.
+    w4 = aqtr.presets.int4_weight_only()
+    a8 = aqtr.presets.int8().fwd.lhs
+    cfg = replace(
+      w4, fwd=replace(w4.fwd, lhs=replace(a8, tiling=w4.fwd.rhs.tiling))
+    )
+  else:
+    cfg = getattr(aqtr.presets, name)()
+  return aqtr.freezers.configure(cfg, rhs='weights')
+
+
+@pytest.mark.parametrize('case', sorted(MINOR_K))
+def test_integer_dots_store_the_weight_with_its_contraction_minor(case):
+  name, ls, rs, dn, form = MINOR_K[case]
+  cfg = _minor_k_config(name)
+  x, w = _data(0, ls), _data(1, rs)
+  conv = lifecycle.run(lifecycle.DotCall(x, w, dn, cfg), Mode.CONVERT)
+  part = codecs.decode_parts(conv.frozen['rhs'], cfg.fwd.rhs.numerics)
+  q = lifecycle.DotCall(x, w, dn, cfg).operand('rhs').quantize()
+  want = q.qvalue if form == q.form else jnp.swapaxes(q.qvalue, -1, -2)
+  np.testing.assert_array_equal(part['qvalue'], want)
+  assert aqtr.core.qtensor.stored_form(part['scale'].shape, q.form) == form
+  for rows in (
+    x,
+    x[..., :1, :],
+    jnp.concatenate([x, x, x], axis=-2)[..., :8, :],
+  ):
+    train = lifecycle.run(lifecycle.DotCall(rows, w, dn, cfg), Mode.TRAIN).out
+    served = lifecycle.run(
+      lifecycle.DotCall(rows, jnp.zeros_like(w), dn, cfg),
+      Mode.SERVE,
+      frozen=conv.frozen,
+    ).out
+    np.testing.assert_array_equal(served, train)
+
+
+def test_a_weight_stored_as_quantized_still_serves_the_same_bits():
+  # Entries frozen before the contraction-minor layout (the 'kf' view as
+  # quantized) are read by their scale's shape and serve unchanged.
+  cfg = aqtr.freezers.configure(aqtr.presets.int8(), rhs='weights')
+  dn = (((1,), (0,)), ((), ()))
+  x, w = _data(0, (4, 64)), _data(1, (64, 48))
+  conv = lifecycle.run(lifecycle.DotCall(x, w, dn, cfg), Mode.CONVERT)
+  old = aqtr.core.qtensor.swapped_view(conv.frozen['rhs'])
+  assert old['qvalue'].shape == (1, 1, 64, 48)
+  served = lifecycle.run(
+    lifecycle.DotCall(x, jnp.zeros_like(w), dn, cfg),
+    Mode.SERVE,
+    frozen={'rhs': old},
+  ).out
+  np.testing.assert_array_equal(served, conv.out)
+
+
+def test_the_served_dot_contracts_the_weights_minor_axis():
+  cfg = aqtr.freezers.configure(aqtr.presets.int8(), rhs='weights')
+  dn = (((1,), (0,)), ((), ()))
+  x, w = _data(0, (2, 64)), _data(1, (64, 48))
+  frozen = lifecycle.run(lifecycle.DotCall(x, w, dn, cfg), Mode.CONVERT).frozen
+
+  def serve(x, frozen):
+    call = lifecycle.DotCall(x, jnp.zeros((64, 48)), dn, cfg)
+    return lifecycle.run(call, Mode.SERVE, frozen=frozen).out
+
+  text = jax.jit(serve).lower(x, frozen).as_text()
+  dots = [ln for ln in text.splitlines() if 'dot_general' in ln]
+  assert len(dots) == 1, dots
+  assert 'contracting_dims = [2] x [2]' in dots[0], dots[0]
+  assert 'tensor<1x48x64xi8>' in dots[0], dots[0]
