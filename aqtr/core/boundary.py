@@ -10,11 +10,12 @@ different multiply and the add after it into one fused multiply-add
 (NVFP4 tile sums, int8 / fp8 rescales of real Hugging Face LMs).
 
 `fusion_boundary` writes arrays to buffers of their own that no fusion
-reaches across (lowered for CPU, a conditional XLA cannot fold whose two
-branches are the identity, `fence`; for GPU an `optimization_barrier`,
-see `lowering.py`). The forward puts each quantized operand's scales behind
-one in both programs, so everything after it is the same code on the same
-arrays: XLA fuses it alike, and the outputs are equal bit for bit.
+reaches across (lowered for CPU, a one-trip while loop, or in training a
+conditional XLA cannot fold whose two branches are the identity, `fence`;
+for GPU an `optimization_barrier`, see `lowering.py`). The forward puts
+each quantized operand's scales behind one in both programs, so
+everything after it is the same code on the same arrays: XLA fuses it
+alike, and the outputs are equal bit for bit.
 
 Internal API (for `forward.py`, `dot_general.py`,
 `aqtr.flax.serving` and `aqtr.pax.kv_cache`): `fusion_boundary`,
@@ -34,7 +35,7 @@ from aqtr.core.lowering import loops_allowed, per_platform
 def fusion_fenced() -> bool:
   """Whether `fusion_boundary` fences fusion on the default backend.
 
-  True on CPU outside a mesh context (a conditional, `fence`; measured:
+  True on CPU outside a mesh context (a loop or a conditional; measured:
   serve == train bit for bit on real models under XLA's default flags).
   Elsewhere it is an `optimization_barrier`, which XLA may drop before
   fusion (not measured): under a mesh the conditional's branch index,
@@ -80,19 +81,41 @@ def swap_last(x: jax.Array | None) -> jax.Array | None:
   return None if x is None else x.transpose(0, 1, 3, 2)
 
 
+def one_trip_loop(tree, count):
+  """`tree` through a while loop of `count(tree)` trips (an int32 XLA
+  cannot fold, 1 or, where the loop is the identity anyway, 0).
+
+  The count is computed in the loop's condition, from the carried arrays:
+  no kernel of its own before the loop. XLA:CPU runs a small loop as one
+  kernel (fast in a decoding step), but compiles that kernel for each
+  loop (~15 ms; `fence` ~4 ms).
+  """
+
+  def body(carry):
+    i, t = carry
+    # The barrier keeps `t` a loop output (JAX hoists an unchanged carry
+    # out of the loop, and XLA would then fuse across it again).
+    return i + 1, lax.optimization_barrier(t)
+
+  return lax.while_loop(lambda c: c[0] < count(c[1]), body, (0, tree))[1]
+
+
 def fence(tree, index):
   """`tree` through a conditional on `index(tree)` (an int32 XLA cannot
   fold: 1 or, where either branch gives the same outputs, 0) whose two
-  branches are the identity.
+  branches are the identity: the fence of the differentiated forward and
+  of the backward (training).
 
   XLA keeps the conditional (its branches are computations of their own),
   so no fusion reaches across it: its operands are written to buffers of
   their own, which the branches return as they are (no copy). XLA:CPU
-  compiles one in ~4 ms; a one-trip while loop, the fence before this one,
-  took ~15 ms (a kernel of its own per loop, never shared). The index is
-  computed before the conditional: from a scale, XLA fuses it with the
-  scale's reductions into one small kernel, alike for every scale of one
-  size (compiled once).
+  compiles one in ~4 ms, a `one_trip_loop` in ~15 ms (a kernel of its own
+  per loop, never shared); but it runs a conditional as a thunk of its
+  own, which made a batch-1 decoding step (~1 ms, ~30 fences) 10-40 %
+  slower in wall time on two threads: the primal and serving keep the
+  loop. The index is computed before the conditional: from a scale, XLA
+  fuses it with the scale's reductions into one small kernel, alike for
+  every scale of one size (compiled once).
   """
 
   def keep(t):
@@ -109,28 +132,34 @@ def _vector(x: jax.Array) -> bool:
   return sum(d > 1 for d in x.shape) <= 1
 
 
-def _flat_fence(tree, values, index):
-  """(`tree`, `values`) through `fence`, `tree`'s vectors (scales)
-  carried as 1-D (reshapes: free). So the kernels writing a row scale
+def _flat_fence(tree, values, index, conditional: bool):
+  """(`tree`, `values`) through `fence` (`conditional`) or
+  `one_trip_loop`, `tree`'s vectors (scales) carried as 1-D (reshapes:
+  free). So the kernels writing a row scale
   [., M, 1] and a column scale [., 1, N] of one size are one fused
   computation, which XLA:CPU compiles once (each kernel costs ~10 ms of
   compile time). Other arrays (a KV cache) keep their shapes: reshaped,
   XLA copies them in a decode loop."""
   leaves, treedef = jax.tree.flatten(tree)
   flat = [x.reshape(-1) if _vector(x) else x for x in leaves]
-  flat, values = fence((flat, values), index)
+  through = fence if conditional else one_trip_loop
+  flat, values = through((flat, values), index)
   leaves = [x.reshape(y.shape) for x, y in zip(flat, leaves, strict=True)]
   return jax.tree.unflatten(treedef, leaves), values
 
 
-def fusion_boundary(tree, transposed: jax.Array | None = None):
+def fusion_boundary(
+  tree, transposed: jax.Array | None = None, *, conditional: bool = False
+):
   """`tree`'s arrays as buffers of their own that no fusion reaches across.
 
-  Lowered for CPU outside a mesh, a `fence`: a conditional whose branch
-  index XLA cannot fold (XLA:CPU drops `optimization_barrier`s before
-  fusion, but keeps a conditional; `tree`'s vectors carried 1-D, see
-  `_flat_fence`); elsewhere an `optimization_barrier`
-  (`lowering.per_platform`). The values are unchanged.
+  Lowered for CPU outside a mesh, a `one_trip_loop`, or with
+  `conditional` a `fence` (cheaper to compile, slower to run where a
+  step is ~1 ms of small kernels: the differentiated forward takes it);
+  XLA:CPU drops `optimization_barrier`s before fusion, but keeps a loop
+  and a conditional; `tree`'s vectors carried 1-D, see `_flat_fence`.
+  Elsewhere an `optimization_barrier` (`lowering.per_platform`). The
+  values are unchanged.
 
   `transposed` (`copyable`): an array [B, T, X, Y] also returned as
   [B, T, Y, X]. For CPU the same fence makes it a buffer of its own, then
@@ -141,6 +170,7 @@ def fusion_boundary(tree, transposed: jax.Array | None = None):
   Args:
     tree: a pytree of arrays (None leaves allowed).
     transposed: an array to copy transposed after the fence, or None.
+    conditional: fence with a conditional instead of a loop.
 
   Returns:
     The same tree, same values; with `transposed`, `(tree, values,
@@ -157,7 +187,8 @@ def fusion_boundary(tree, transposed: jax.Array | None = None):
   if copies and fences and copyable(transposed):
 
     def cpu(tree, values):
-      tree, values = _flat_fence(tree, values, _scales_or_values_index)
+      index = _scales_or_values_index if conditional else _values_index
+      tree, values = _flat_fence(tree, values, index, conditional)
       return tree, values, swap_last(values)
 
     def gpu(tree, values):
@@ -169,7 +200,9 @@ def fusion_boundary(tree, transposed: jax.Array | None = None):
   elif any(x.size for x in jax.tree.leaves(tree)):
     tree = per_platform(
       tree,
-      cpu=lambda t: _flat_fence(t, None, lambda c: _first_index(c[0]))[0],
+      cpu=lambda t: _flat_fence(
+        t, None, lambda c: _first_index(c[0]), conditional
+      )[0],
       gpu=_barrier,
     )
   return (tree, transposed, None) if copies else tree
@@ -185,6 +218,10 @@ def _barrier(tree):
 def _first_index(tree) -> jax.Array:
   first = [x for x in jax.tree.leaves(tree) if x.size][0]
   return _index(first.reshape(-1)[0])
+
+
+def _values_index(tree_values) -> jax.Array:
+  return copy_index(tree_values[1])
 
 
 def _scales_or_values_index(tree_values) -> jax.Array:

@@ -107,7 +107,9 @@ def forward_operand(plan: Plan, side: Side, x, key, st: SlotState | None):
   return quantize_tiled(operand, plan.fwd_tile)
 
 
-def _pinned(q: dict, transpose_lhs: bool) -> tuple[dict, tuple | None]:
+def _pinned(
+  q: dict, transpose_lhs: bool, conditional: bool
+) -> tuple[dict, tuple | None]:
   """({side: q} with the scales and zero points behind a fusion boundary,
   (q_L's values, q_L^T) written by it or None).
 
@@ -115,16 +117,20 @@ def _pinned(q: dict, transpose_lhs: bool) -> tuple[dict, tuple | None]:
   from here on both programs run the same code on the same arrays (the
   contraction's rescale and tile sum), which XLA then fuses alike. One
   boundary for both sides (each one costs compile time), which also
-  writes q_L^T for the weight gradient when `transpose_lhs`.
+  writes q_L^T for the weight gradient when `transpose_lhs`;
+  `conditional`: the differentiated forward's (cheaper to compile), else
+  a loop (faster in a decoding step; `boundary.fusion_boundary`).
   """
   sides = [s for s in SIDES if q[s].scale is not None]
   parts = [(q[s].scale, q[s].zero_point) for s in sides]
   copied = None
   if transpose_lhs:
-    parts, values, values_t = fusion_boundary(parts, q[Side.LHS].values)
+    parts, values, values_t = fusion_boundary(
+      parts, q[Side.LHS].values, conditional=conditional
+    )
     copied = None if values_t is None else (values, values_t)
   else:
-    parts = fusion_boundary(parts)
+    parts = fusion_boundary(parts, conditional=conditional)
   out = dict(q)
   for s, (scale, zero_point) in zip(sides, parts, strict=True):
     out[s] = dataclasses.replace(q[s], scale=scale, zero_point=zero_point)
@@ -181,7 +187,7 @@ def forward(
     for s in SIDES
   }
   transpose_lhs = plan.transposed_lhs and residuals
-  q, copied = _pinned(keep_on_shards(q, plan), transpose_lhs)
+  q, copied = _pinned(keep_on_shards(q, plan), transpose_lhs, residuals)
   kept = dict(q)
   if transpose_lhs:
     q[Side.LHS], kept[Side.LHS] = q[Side.LHS].with_transposed(copied)
