@@ -58,11 +58,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import json
 import os
 import sys
 import time
 
+import decode_dots
 import host
 import jax
 import jax.numpy as jnp
@@ -225,26 +225,9 @@ def main() -> None:
   p.add_argument('--d_model', type=int, default=512)
   p.add_argument('--layers', type=int, default=4)
   p.add_argument('--heads', type=int, default=8)
-  p.add_argument(
-    '--rows',
-    nargs='+',
-    default=None,
-    help='only the rows whose label starts with one of these (the float '
-    'row is always run: the x float column needs it)',
-  )
-  p.add_argument(
-    '--json',
-    action='store_true',
-    help='one JSON row per cell (for benchmarks/before_after.py)',
-  )
+  decode_dots.row_options(p)
   args = p.parse_args()
-  rows = [
-    r
-    for r in ROWS
-    if args.rows is None
-    or r[0] == ROWS[0][0]
-    or any(r[0].startswith(x) for x in args.rows)
-  ]
+  rows = decode_dots.chosen_rows(ROWS, args.rows)
   print(f'CPU: {host.cpu_model()}; jax {jax.__version__}; {jax.devices()[0]}')
   print(f'CPU flags: {cpu_flags()}')
   print(f'command: python benchmarks/decode.py {" ".join(sys.argv[1:])}')
@@ -285,13 +268,7 @@ def main() -> None:
       c = cpu[(label, batch, context)]
       c0 = cpu[('float w + float kv', batch, context)]
       row = {'row': label, 'batch': str(batch), 'context': str(context)}
-      ms = {
-        'ms/step': 1e3 * out.decode_s / args.steps,
-        'cpu ms/step': 1e3 * c / args.steps,
-        'x float': base.decode_s / out.decode_s,
-        'cpu x float': c0 / c,
-      }
-      print(json.dumps(row | ms), flush=True)
+      decode_dots.json_row(row, out, base, c, c0, args.steps)
     return
   dots = {b: dot_limit(args.d_model, args.layers, b) for b in args.batches}
   print(

@@ -171,6 +171,46 @@ def _body_kinds(hlo: str) -> collections.Counter:
   return kinds
 
 
+def row_options(p: argparse.ArgumentParser) -> None:
+  """Adds `--rows` (label prefixes) and `--json` to a decode benchmark."""
+  p.add_argument(
+    '--rows',
+    nargs='+',
+    default=None,
+    help='only the rows whose label starts with one of these (the float '
+    'row is always run: the x float column needs it)',
+  )
+  p.add_argument(
+    '--json',
+    action='store_true',
+    help='one JSON row per cell (for benchmarks/before_after.py)',
+  )
+
+
+def chosen_rows(rows: list, wanted: list[str] | None) -> list:
+  """The `rows` ((label, ...) tuples, the float row first) `--rows` asks
+  for, the float row always."""
+  return [
+    r
+    for r in rows
+    if wanted is None
+    or r[0] == rows[0][0]
+    or any(r[0].startswith(x) for x in wanted)
+  ]
+
+
+def json_row(row: dict, out, base, cpu: float, cpu0: float, steps: int):
+  """Prints one decode cell as a JSON row (`--json`): `out` and the float
+  cell `base` (generate results), `cpu` and `cpu0` their CPU seconds."""
+  ms = {
+    'ms/step': 1e3 * out.decode_s / steps,
+    'cpu ms/step': 1e3 * cpu / steps,
+    'x float': base.decode_s / out.decode_s,
+    'cpu x float': cpu0 / cpu,
+  }
+  print(json.dumps(row | ms), flush=True)
+
+
 def compile_cell(dec, variables, prompts, steps: int, switch) -> int:
   """Traces and compiles the decoder `dec`'s loop anew with `switch` (a
   context manager, e.g. `unittest.mock.patch.object(...)`) active, and

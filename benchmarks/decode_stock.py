@@ -31,9 +31,9 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import sys
 
+import decode_dots
 import host
 import jax
 import jax.numpy as jnp
@@ -112,26 +112,9 @@ def main() -> None:
   p.add_argument('--hidden', type=int, default=512, help='MLP: 4x hidden')
   p.add_argument('--layers', type=int, default=4)
   p.add_argument('--heads', type=int, default=8)
-  p.add_argument(
-    '--rows',
-    nargs='+',
-    default=None,
-    help='only the rows whose label starts with one of these (the float '
-    'row is always run: the x float column needs it)',
-  )
-  p.add_argument(
-    '--json',
-    action='store_true',
-    help='one JSON row per cell (for benchmarks/before_after.py)',
-  )
+  decode_dots.row_options(p)
   args = p.parse_args()
-  rows = [
-    r
-    for r in ROWS
-    if args.rows is None
-    or r[0] == ROWS[0][0]
-    or any(r[0].startswith(x) for x in args.rows)
-  ]
+  rows = decode_dots.chosen_rows(ROWS, args.rows)
   print(f'CPU: {host.cpu_model()}; flags: {cpu_flags()}; jax {jax.__version__}')
   print(f'command: python benchmarks/decode_stock.py {" ".join(sys.argv[1:])}')
   print(f'date: {datetime.date.today()}')
@@ -159,13 +142,7 @@ def main() -> None:
       c0 = cpu[('float w + float kv', batch)]
       c = cpu[(label, batch)]
       row = {'row': label, 'batch': str(batch)}
-      ms = {
-        'ms/step': 1e3 * out.decode_s / args.steps,
-        'cpu ms/step': 1e3 * c / args.steps,
-        'x float': base.decode_s / out.decode_s,
-        'cpu x float': c0 / c,
-      }
-      print(json.dumps(row | ms), flush=True)
+      decode_dots.json_row(row, out, base, c, c0, args.steps)
     return
   print(
     f'\nFlaxLlamaForCausalLM hidden {args.hidden}, {args.layers} layers, '
