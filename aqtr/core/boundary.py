@@ -19,7 +19,8 @@ alike, and the outputs are equal bit for bit.
 
 Internal API (for `forward.py`, `dot_general.py`,
 `aqtr.flax.serving` and `aqtr.pax.kv_cache`): `fusion_boundary`,
-`fusion_fenced`, `cotangent_boundary`.
+`fusion_fenced`, `cotangent_boundary`; `fence`, `first_index`,
+`copy_index` and `copyable` for `passes.py`.
 """
 
 from __future__ import annotations
@@ -201,7 +202,7 @@ def fusion_boundary(
     tree = per_platform(
       tree,
       cpu=lambda t: _flat_fence(
-        t, None, lambda c: _first_index(c[0]), conditional
+        t, None, lambda c: first_index(c[0]), conditional
       )[0],
       gpu=_barrier,
     )
@@ -215,7 +216,9 @@ def _barrier(tree):
   return tree
 
 
-def _first_index(tree) -> jax.Array:
+def first_index(tree) -> jax.Array:
+  """An index XLA cannot fold (1, or 0 for a NaN), from the first value
+  of `tree`'s first non-empty array."""
   first = [x for x in jax.tree.leaves(tree) if x.size][0]
   return _index(first.reshape(-1)[0])
 
@@ -229,7 +232,7 @@ def _scales_or_values_index(tree_values) -> jax.Array:
   of one size), else from the values' first bits."""
   tree, values = tree_values
   if any(x.size for x in jax.tree.leaves(tree)):
-    return _first_index(tree)
+    return first_index(tree)
   return copy_index(values)
 
 
@@ -247,7 +250,5 @@ def cotangent_boundary(g: jax.Array) -> jax.Array:
     [1.0, 1.0]
   """
   if g.size and loops_allowed(g):
-    return per_platform(
-      g, cpu=lambda g: fence(g, _first_index), gpu=lambda g: g
-    )
+    return per_platform(g, cpu=lambda g: fence(g, first_index), gpu=lambda g: g)
   return g

@@ -28,6 +28,7 @@ from aqtr.core.boundary import (
   copy_index,
   copyable,
   fence,
+  first_index,
   swap_last,
 )
 from aqtr.core.config import DotGeneralRaw, TensorConfig
@@ -107,11 +108,8 @@ def with_transposed_copy(
     return values, swap_last(values)
   from_scale = scale is not None and scale.size and loops_allowed(scale)
 
-  def index(values):
-    if not from_scale:
-      return copy_index(values)
-    first = scale.reshape(-1)[0]  # Its kernel then quantizes nothing.
-    return (first == first).astype(jnp.int32)
+  def index(values):  # From the scale, its kernel quantizes nothing.
+    return first_index(scale) if from_scale else copy_index(values)
 
   def cpu(values):
     values = fence(values, index)

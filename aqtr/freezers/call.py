@@ -185,21 +185,19 @@ class OperandCall:
     qvalue: jax.Array,
     scale: jax.Array,
     zero_point: jax.Array | None = None,
-    form: str | None = None,
   ) -> QTensor:
     """A QTensor of this operand from stored `qvalue`, `scale` (and z).
 
     They must be in the view `quantize()` returns (`.qvalue`, `.scale`,
     `.zero_point`: None unless the numerics are affine), or, for a 'kf'
     operand, that view with its last two axes swapped (the contraction
-    minor, `aqtr.freezers.weights.minor_k`), which `form` names or (None)
-    the scale's shape tells (`aqtr.core.qtensor.stored_form`).
+    minor, `aqtr.freezers.weights.minor_k`), which the scale's shape tells
+    (`aqtr.core.qtensor.stored_form`).
     """
     t = self.tensor.transform if self.tensor.rotated else None
-    if form is None:
-      form = self.form
-      if scale is not None:
-        form = stored_form(jnp.shape(scale), self.form)
+    form = self.form
+    if scale is not None:
+      form = stored_form(jnp.shape(scale), self.form)
     return QTensor(qvalue, scale, self.layout, form, zero_point, t)
 
   def over_free(self, b: jax.Array) -> jax.Array:

@@ -51,6 +51,12 @@ def minor_k(call, parts: dict) -> bool:
   )
 
 
+def frozen_view(call, parts: dict) -> dict:
+  """`parts` (in the view `call.quantize()` gives) as CONVERT stores them:
+  swapped to the contraction minor where `minor_k`, else as they are."""
+  return swapped_view(parts) if minor_k(call, parts) else parts
+
+
 @register('weights')
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class WeightsFreezer(Freezer):
@@ -85,7 +91,7 @@ class WeightsFreezer(Freezer):
     parts = {'qvalue': q.qvalue, 'scale': q.scale}
     if q.zero_point is not None:  # Affine numerics (int_asymmetric).
       parts['zero_point'] = q.zero_point
-    return swapped_view(parts) if minor_k(call, parts) else parts
+    return frozen_view(call, parts)
 
   def serve(self, call, frozen: dict) -> Served:
     return Served(  # The view (as quantized, or 'fk') read from the scale.

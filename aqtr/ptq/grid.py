@@ -40,10 +40,10 @@ import numpy as np
 
 from aqtr.core import codecs, slot_state
 from aqtr.core.config import TensorConfig
-from aqtr.core.qtensor import QTensor, stored_form, swapped_view, to_view
+from aqtr.core.qtensor import QTensor, to_view
 from aqtr.core.quantizer import quantize_scaled, quantize_view
 from aqtr.freezers import configure, lifecycle
-from aqtr.freezers.weights import minor_k
+from aqtr.freezers.weights import frozen_view
 from aqtr.numerics.nvfp4 import NvFp4
 from aqtr.tilings.per_channel import PerChannel
 from aqtr.tilings.per_tensor import PerTensor
@@ -141,7 +141,7 @@ class Grid:
       )
       out[name] = jnp.asarray(full[keep]).astype(out[name].dtype)
     # Stored as CONVERT stores it (integer dots: the contraction minor).
-    return swapped_view(out) if minor_k(self.call, out) else out
+    return frozen_view(self.call, out)
 
   def regroup(self) -> tuple[int, Regroup | None]:
     """(group size along d_in, `Regroup`) for per-group grids refreshed
@@ -174,12 +174,8 @@ class Grid:
     """The weight the frozen `parts` serve, as [d_in, d_out] (`parts`
     as `parts()` gives them or as stored, `aqtr.core.codecs`)."""
     parts = codecs.decode_parts(parts, self.numerics)
-    qt = QTensor(
-      parts['qvalue'],
-      parts['scale'],
-      self.call.layout,
-      stored_form(jnp.shape(parts['scale']), self.call.form),
-      parts.get('zero_point'),
+    qt = self.call.qtensor(  # Either stored view (the scale tells).
+      parts['qvalue'], parts['scale'], parts.get('zero_point')
     )
     w = np.asarray(_dequant(qt))
     _, to2 = _maps_of(self.call, self.contracting, w.shape)
