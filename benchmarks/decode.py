@@ -33,9 +33,10 @@ cache between steps, so a cell may beat the DRAM limit.
 The dot limit (`dot_limit`, printed after the table): the step's weight
 dots alone, chained in one jitted call on fresh weights of the model's
 shapes and bytes (float32 dots of `batch` rows; int8 x int8 -> int32 dots
-of max(batch, 2) rows, as the engine runs them), no quantization,
+as the engine runs them: the native few-row dot where it runs, else XLA's
+of max(batch, 2) rows), no quantization,
 attention or cache. `int8 dots x float` is the most an int8-weight step
-could gain over float with XLA:CPU's own dot kernels.
+could gain over float with the dot kernels it runs.
 
 Each cell decodes `--steps` tokens per sequence after an 8-token prompt,
 with a cache of `context` slots: the cache has a fixed size and every step
@@ -71,6 +72,7 @@ from jax import lax
 
 import aqtr
 import aqtr.flax.linen as aqtr_linen
+from aqtr.core import native_dot
 from aqtr.flax import common
 from aqtr.freezers import Mode
 from aqtr.pax import decode
@@ -115,17 +117,19 @@ def dot_limit(
   MLP: d x 4d, 4d x d; logits: d x vocab, per layer), each dot's output
   feeding the next input, on fresh weights of the same bytes as the
   model's: 'float' float32 dots of `batch` rows; 'int8' int8 x int8 ->
-  int32 dots of max(batch, 2) rows (the engine runs a one-row integer
-  dot as two) against weights stored [N, K], as frozen integer-dot
-  weights are (`aqtr.freezers.weights.minor_k`). No quantization,
-  attention or cache: the step time a cell
-  could reach with XLA:CPU's own dot kernels (min of `rounds`).
+  int32 dots against weights stored [N, K], as frozen integer-dot
+  weights are (`aqtr.freezers.weights.minor_k`), by the native few-row
+  dot where the engine takes it (`aqtr.core.native_dot`), else XLA's of
+  max(batch, 2) rows (the engine runs a one-row integer dot as two). No
+  quantization, attention or cache: the step time a cell could reach with
+  these dot kernels (min of `rounds`).
   """
   rng = np.random.default_rng(0)
   shapes = [(d_model, d_model)] * 4 + [(d_model, 4 * d_model)]
   shapes = shapes + [(4 * d_model, d_model)]
   shapes = shapes * layers + [(d_model, vocab)]
-  rows = {'float': batch, 'int8': max(batch, 2)}
+  native = native_dot.ready() and batch <= native_dot.MAX_ROWS
+  rows = {'float': batch, 'int8': batch if native else max(batch, 2)}
   dtypes = {'float': jnp.float32, 'int8': jnp.int8}
 
   def chain(x, ws):
@@ -133,9 +137,12 @@ def dot_limit(
       k = 1 if x.dtype == jnp.int8 else 0  # int8: stored [N, K].
       if x.shape[1] != w.shape[k]:  # Feeds the output back (any K).
         x = jnp.tile(x, (1, w.shape[k] // x.shape[1] + 1))[:, : w.shape[k]]
-      y = lax.dot_general(
-        x, w, (((1,), (k,)), ((), ())), preferred_element_type=y_dtype(x)
-      )
+      if k and native_dot.usable(x[None], w[None]):  # As the engine runs.
+        y = native_dot.rows_dot(x[None], w[None])[0]
+      else:
+        y = lax.dot_general(
+          x, w, (((1,), (k,)), ((), ())), preferred_element_type=y_dtype(x)
+        )
       x = y.astype(x.dtype)
     return x
 
@@ -229,7 +236,10 @@ def main() -> None:
   args = p.parse_args()
   rows = decode_dots.chosen_rows(ROWS, args.rows)
   print(f'CPU: {host.cpu_model()}; jax {jax.__version__}; {jax.devices()[0]}')
-  print(f'CPU flags: {cpu_flags()}')
+  print(
+    f'CPU flags: {cpu_flags()}; native few-row int dot: '
+    f'{"yes" if native_dot.ready() else "no"}'
+  )
   print(f'command: python benchmarks/decode.py {" ".join(sys.argv[1:])}')
   print(f'date: {datetime.date.today()}')
   weights = models_by_weights(

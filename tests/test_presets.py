@@ -11,7 +11,7 @@ import pytest
 
 import aqtr
 from aqtr import calibrations, numerics, presets, tilings
-from aqtr.core.lowering import sub_jaxprs
+from aqtr.core.lowering import is_dot, sub_jaxprs
 
 NAMES = sorted(presets.__all__)
 PASSES = ('fwd', 'dlhs', 'drhs')
@@ -254,7 +254,7 @@ def _dot_dtypes(jaxpr) -> dict:
   """Counts dot_general eqns by (lhs dtype, rhs dtype), recursively."""
   found = {}
   for eqn in jaxpr.eqns:
-    if eqn.primitive.name == 'dot_general':
+    if is_dot(eqn):
       key = tuple(str(v.aval.dtype) for v in eqn.invars[:2])
       found[key] = found.get(key, 0) + 1
     for sub in sub_jaxprs(eqn):

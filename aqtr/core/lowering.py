@@ -28,8 +28,9 @@ take the GPU form. Under a mesh the fences are not used (a fence's
 branch index, read from a sharded array, costs a collective), and tiles are
 summed by one reduction (the tile axis may be split: one all-reduce).
 
-`sub_jaxprs` reads a traced program as one platform's lowering would
-(for tests and benchmarks that count the dots in a jaxpr).
+`sub_jaxprs` reads a traced program as one platform's lowering would,
+and `is_dot` tells its dots (for tests and benchmarks that count the dots
+in a jaxpr).
 
 Internal API (for `boundary.py`, `passes.py`, `geometry.py`):
 `per_platform`, `loops_allowed`, `tn_dot`, `tile_sum`, and the dtype
@@ -71,6 +72,22 @@ def sub_jaxprs(eqn, platform: str = 'cpu') -> list:
     if kept is None or platform in kept:
       return [branch.jaxpr]
   raise ValueError(f'no branch of this cond is lowered for {platform!r}')
+
+
+NATIVE_DOT = 'aqtr_int_rows_dot'  # `native_dot.rows_dot`'s primitive.
+
+
+def is_dot(eqn) -> bool:
+  """Whether jaxpr equation `eqn` is a dot: a `dot_general`, or the native
+  few-row integer dot (`aqtr.core.native_dot`; operands int8 and int8 /
+  int4, result int32: XLA's int8 dot's bits) that stands for one.
+
+  Example:
+    >>> x = jnp.ones((2, 2))
+    >>> [is_dot(e) for e in jax.make_jaxpr(jnp.matmul)(x, x).eqns]
+    [True]
+  """
+  return eqn.primitive.name in ('dot_general', NATIVE_DOT)
 
 
 def loops_allowed(*trees) -> bool:

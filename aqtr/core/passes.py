@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from aqtr.core import prims
+from aqtr.core import native_dot, prims
 from aqtr.core.boundary import (
   copy_index,
   copyable,
@@ -386,6 +386,19 @@ def contract(
   return _tiled_contract(a, b, raw, precision)
 
 
+def _native_operands(va, codes_b, za, zb, kind: str, b_contract: int, t: int):
+  """[B*T, F_a, t] int8 and [B*T, F_b, t] int8|int4 for the native
+  few-row dot (`native_dot`), or None where XLA's dot runs: zero points,
+  a 'kf' rhs, more rows than `native_dot.MAX_ROWS`, other types."""
+  if kind != 'int' or za is not None or zb is not None or b_contract != 2:
+    return None
+  if codes_b.dtype not in (jnp.int8, jnp.int4) or va.dtype != jnp.int8:
+    return None
+  qa = va.reshape(-1, va.shape[2], t)
+  qb = codes_b.reshape(-1, codes_b.shape[2], t)
+  return (qa, qb) if native_dot.usable(qa, qb) else None
+
+
 def _tiled_contract(a: QuantizedOperand, b: QuantizedOperand, raw, precision):
   """`contract` as one dot per tile, scaled, then summed over tiles."""
   bsz, n, fa, t = a.values.shape
@@ -403,10 +416,14 @@ def _tiled_contract(a: QuantizedOperand, b: QuantizedOperand, raw, precision):
     # Widened to the dot's type first (int4 codes -> int8: exact), so a
     # stored weight's widening depends on the weight alone and XLA can
     # hoist it out of a decode loop.
+    codes_b = vb  # As stored: int4 codes reach the native dot packed.
     va, vb = va.astype(a.dot_dtype), vb.astype(b.dot_dtype)
     pref = jnp.int32 if kind == 'int' else jnp.float32
 
     def cpu(va, vb):
+      native = _native_operands(va, codes_b, za, zb, kind, b_contract, t)
+      if native is not None:
+        return native_dot.rows_dot(*native)
       # XLA:CPU runs a one-row integer dot as a slow int32 loop: add a
       # zero row (integer sums are exact: same bits) and drop its output.
       one_row = za is None and zb is None and fa == 1 and kind == 'int'

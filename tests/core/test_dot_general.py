@@ -31,6 +31,7 @@ from jax._src.interpreters import partial_eval as pe  # DCE for jaxpr checks
 import aqtr
 from aqtr import calibrations, numerics, presets, tilings
 from aqtr.core import dot_general as dg_lib
+from aqtr.core import native_dot
 from aqtr.core.lowering import sub_jaxprs
 
 MK_KN = (((1,), (0,)), ((), ()))  # rhs [K, N]: the engine's 'kf' path.
@@ -190,6 +191,8 @@ def dots(eqns):
   """(operand dtypes, preferred dtype) of every dot_general eqn."""
   out = []
   for e in eqns:
+    if e.primitive.name == native_dot.TARGET:  # XLA's int8 dot's bits.
+      out.append((tuple(str(v.aval.dtype) for v in e.invars), 'int32'))
     if e.primitive.name == 'dot_general':
       pref = e.params['preferred_element_type']
       out.append(

@@ -15,7 +15,7 @@ from jax import lax
 import aqtr
 from aqtr import calibrations, numerics, presets, tilings
 from aqtr.core import einsum as einsum_lib
-from aqtr.core.lowering import sub_jaxprs
+from aqtr.core.lowering import is_dot, sub_jaxprs
 
 
 def tensor(quantized=True) -> aqtr.TensorConfig:
@@ -220,8 +220,8 @@ def test_int8_einsum_runs_int8_dots():
   def int32_dots(jaxpr):  # As lowered for CPU (`lowering.sub_jaxprs`).
     n = 0
     for e in jaxpr.eqns:
-      pref = e.params.get('preferred_element_type')
-      n += e.primitive.name == 'dot_general' and pref == jnp.int32
+      pref = e.params.get('preferred_element_type', jnp.int32)  # Native: int32.
+      n += is_dot(e) and pref == jnp.int32
       n += sum(int32_dots(sub) for sub in sub_jaxprs(e))
     return n
 

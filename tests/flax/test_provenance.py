@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 
 import aqtr.flax as af
-from aqtr.core.lowering import sub_jaxprs
+from aqtr.core.lowering import is_dot, sub_jaxprs
 from aqtr.flax import Rule, provenance
 
 V, D = 32, 16
@@ -26,7 +26,7 @@ X = jax.random.normal(jax.random.key(1), (2, 8, D))
 def _int8_dots(jaxpr) -> int:
   n = 0
   for eqn in jaxpr.eqns:
-    if eqn.primitive.name == 'dot_general':
+    if is_dot(eqn):
       n += str(eqn.invars[0].aval.dtype) == 'int8'
     for sub in sub_jaxprs(eqn):
       n += _int8_dots(sub)

@@ -16,7 +16,7 @@ from flax import nnx
 import aqtr
 import aqtr.flax as af
 import aqtr.pax
-from aqtr.core.lowering import sub_jaxprs
+from aqtr.core.lowering import is_dot, sub_jaxprs
 from aqtr.flax import Rule
 from aqtr.flax.frozen import FrozenBox, is_holder
 
@@ -29,8 +29,9 @@ def _dots(jaxpr) -> collections.Counter:
   """(primitive, lhs dtype) of every dot in `jaxpr`, recursively."""
   found = collections.Counter()
   for eqn in jaxpr.eqns:
-    if eqn.primitive.name in ('dot_general', 'ragged_dot_general'):
-      found[(eqn.primitive.name, str(eqn.invars[0].aval.dtype))] += 1
+    if is_dot(eqn) or eqn.primitive.name == 'ragged_dot_general':
+      name = 'dot_general' if is_dot(eqn) else eqn.primitive.name
+      found[(name, str(eqn.invars[0].aval.dtype))] += 1
     for sub in sub_jaxprs(eqn):
       found += _dots(sub)
   return found

@@ -30,7 +30,7 @@ import zoo
 import aqtr.flax as af
 import aqtr.lora as lora
 import aqtr.ptq as ptq
-from aqtr.core.lowering import sub_jaxprs
+from aqtr.core.lowering import is_dot, sub_jaxprs
 from aqtr.flax import Rule, serving
 from aqtr.lora.config import base_config
 
@@ -101,7 +101,7 @@ def _count(jaxpr, found=None) -> collections.Counter:
   found = collections.Counter() if found is None else found
   for eqn in jaxpr.eqns:
     name = eqn.primitive.name
-    if name == 'dot_general':
+    if is_dot(eqn):
       found['dots'] += 1
       dts = {str(v.aval.dtype) for v in eqn.invars}
       if dts == {'int8'}:

@@ -7,7 +7,7 @@ import pytest
 
 import aqtr
 from aqtr import calibrations, numerics
-from aqtr.core.lowering import sub_jaxprs
+from aqtr.core.lowering import is_dot, sub_jaxprs
 from aqtr.numerics import Ternary
 
 _BITNET = aqtr.TensorConfig(
@@ -20,7 +20,7 @@ def dot_dtypes(fn, *args):
 
   def walk(jaxpr):
     for e in jaxpr.eqns:
-      if e.primitive.name == 'dot_general':
+      if is_dot(e):
         yield tuple(str(v.aval.dtype) for v in e.invars)
       for sub in sub_jaxprs(e):
         yield from walk(sub)

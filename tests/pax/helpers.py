@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 import aqtr.pax
-from aqtr.core.lowering import sub_jaxprs
+from aqtr.core.lowering import is_dot, sub_jaxprs
 from aqtr.pax import templates
 
 VOCAB, D_MODEL, LAYERS, HEADS, HIDDEN, SEQ = 32, 32, 2, 2, 64, 16
@@ -35,7 +35,7 @@ def dot_dtypes(jaxpr) -> collections.Counter:
   """Counts dot_general eqns by (lhs dtype, rhs dtype), recursively."""
   found = collections.Counter()
   for eqn in jaxpr.eqns:
-    if eqn.primitive.name == 'dot_general':
+    if is_dot(eqn):
       lhs, rhs = eqn.invars[:2]
       found[(str(lhs.aval.dtype), str(rhs.aval.dtype))] += 1
     for sub in sub_jaxprs(eqn):

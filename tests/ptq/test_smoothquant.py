@@ -12,7 +12,7 @@ import pytest
 import aqtr
 import aqtr.flax
 import aqtr.ptq
-from aqtr.core.lowering import sub_jaxprs
+from aqtr.core.lowering import is_dot, sub_jaxprs
 from aqtr.ptq import fold, outliers, smoothquant
 from aqtr.ptq.stats import LayerStats
 from aqtr.rules import Rule
@@ -137,7 +137,7 @@ def _dots(jaxpr) -> collections.Counter:
   """dot_general eqns by (lhs dtype, rhs dtype), sub-jaxprs included."""
   found = collections.Counter()
   for eqn in jaxpr.eqns:
-    if eqn.primitive.name == 'dot_general':
+    if is_dot(eqn):
       found[tuple(str(v.aval.dtype) for v in eqn.invars[:2])] += 1
     for inner in sub_jaxprs(eqn):
       found += _dots(inner)

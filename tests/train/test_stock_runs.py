@@ -10,7 +10,7 @@ from flax import nnx
 
 import aqtr.flax
 from aqtr import fiddle as aqtr_fiddle
-from aqtr.core.lowering import sub_jaxprs
+from aqtr.core.lowering import is_dot, sub_jaxprs
 from aqtr.rules import Rule
 from aqtr.train import cli, experiment, job, stock_lm
 
@@ -69,7 +69,7 @@ def test_config_json_keeps_the_rules(rows_and_out):
 def _int8_dots(jaxpr) -> int:
   n = 0
   for eqn in jaxpr.eqns:
-    if eqn.primitive.name == 'dot_general':
+    if is_dot(eqn):
       n += str(eqn.invars[0].aval.dtype) == 'int8'
     for sub in sub_jaxprs(eqn):
       n += _int8_dots(sub)

@@ -1,0 +1,246 @@
+// A few-row integer dot for XLA:CPU: out[b, m, n] = sum_k a[b, m, k] w[b, n, k]
+// with int8 activations a, int8 or packed int4 weights w, int32 results
+// that wrap modulo 2^32 as XLA's int32 dot does (integer sums: the same
+// bits as XLA's dot, in any order).
+//
+// Why: XLA:CPU runs an int8 dot of one to sixteen activation rows well
+// below memory bandwidth (and has no int4 dot at all: it widens int4 codes
+// to int8 first), so int8 decoding at batch 1 read weights at ~15 GB/s
+// where float32 reads them at ~30. This kernel streams each weight row once
+// and dots it with every activation row (AVX-512 VNNI `vpdpbusd`), which
+// reaches memory bandwidth at one or two rows.
+//
+// vpdpbusd multiplies unsigned by signed bytes:
+//   int8 weights:  sum (a + 128) w - 128 sum w   (a + 128 is a's bits ^ 0x80)
+//   int4 weights:  sum (u + 8) a - 8 sum a       (u: the nibble, signed;
+//                  u + 8 in [0, 15] is the nibble's bits ^ 0x8)
+// XLA:CPU stores an s4 array packed, two elements a byte, the even element
+// in the low nibble; the int4 path reads the low and high nibbles of a row
+// against the even and odd activations. aqtr checks both paths against
+// XLA's own dot once per process before using them (`native_dot.py`).
+//
+// Built by aqtr on first use with the host's compiler (see native_dot.py);
+// registered as the XLA FFI target "aqtr_int_rows_dot" for CPU.
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kMaxRows = 8;  // Activation rows per pass over a weight.
+constexpr int64_t kLane = 64;    // Bytes per AVX-512 register.
+
+// One pass over weight rows [n0, n1): int8 weights, `au` the activations
+// as unsigned (a ^ 0x80), each row padded with zeros to `kp` bytes.
+template <int64_t kRows>
+void RowsInt8(const uint8_t* au, int64_t kp, const int8_t* w, int64_t k,
+              int32_t* out, int64_t n_cols, int64_t n0, int64_t n1) {
+  const __m512i ones = _mm512_set1_epi8(1);
+  const int64_t full = k / kLane;
+  const int64_t rest = k % kLane;
+  const __mmask64 tail = rest ? (~__mmask64(0)) >> (kLane - rest) : 0;
+  for (int64_t n = n0; n < n1; ++n) {
+    const int8_t* wr = w + n * k;
+    __m512i acc[kRows];
+    __m512i sw = _mm512_setzero_si512();
+    for (int64_t m = 0; m < kRows; ++m) acc[m] = _mm512_setzero_si512();
+    for (int64_t i = 0; i <= full; ++i) {
+      if (i == full && !rest) break;
+      __m512i wv = i < full ? _mm512_loadu_si512(wr + i * kLane)
+                            : _mm512_maskz_loadu_epi8(tail, wr + i * kLane);
+      sw = _mm512_dpbusd_epi32(sw, ones, wv);
+      for (int64_t m = 0; m < kRows; ++m) {
+        __m512i av = _mm512_loadu_si512(au + m * kp + i * kLane);
+        acc[m] = _mm512_dpbusd_epi32(acc[m], av, wv);
+      }
+    }
+    uint32_t s = uint32_t(_mm512_reduce_add_epi32(sw)) * 128u;
+    for (int64_t m = 0; m < kRows; ++m) {
+      uint32_t d = uint32_t(_mm512_reduce_add_epi32(acc[m]));
+      out[m * n_cols + n] = int32_t(d - s);
+    }
+  }
+}
+
+// One pass over weight rows [n0, n1): packed int4 weights (k even, k / 2
+// bytes a row), `ae` / `ao` the even / odd activations (signed), each row
+// padded with zeros to `kp` bytes, `sa` each activation row's sum.
+template <int64_t kRows>
+void RowsInt4(const int8_t* ae, const int8_t* ao, const int32_t* sa,
+              int64_t kp, const uint8_t* w, int64_t k, int32_t* out,
+              int64_t n_cols, int64_t n0, int64_t n1) {
+  const __m512i flip = _mm512_set1_epi8(char(0x88));
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  const int64_t bytes = k / 2;
+  const int64_t full = bytes / kLane;
+  const int64_t rest = bytes % kLane;
+  const __mmask64 tail = rest ? (~__mmask64(0)) >> (kLane - rest) : 0;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* wr = w + n * bytes;
+    __m512i acc[kRows];
+    for (int64_t m = 0; m < kRows; ++m) acc[m] = _mm512_setzero_si512();
+    for (int64_t i = 0; i <= full; ++i) {
+      if (i == full && !rest) break;
+      __m512i v = i < full ? _mm512_loadu_si512(wr + i * kLane)
+                           : _mm512_maskz_loadu_epi8(tail, wr + i * kLane);
+      v = _mm512_xor_si512(v, flip);
+      __m512i lo = _mm512_and_si512(v, low);
+      __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      for (int64_t m = 0; m < kRows; ++m) {
+        __m512i e = _mm512_loadu_si512(ae + m * kp + i * kLane);
+        __m512i o = _mm512_loadu_si512(ao + m * kp + i * kLane);
+        acc[m] = _mm512_dpbusd_epi32(acc[m], lo, e);
+        acc[m] = _mm512_dpbusd_epi32(acc[m], hi, o);
+      }
+    }
+    for (int64_t m = 0; m < kRows; ++m) {
+      uint32_t d = uint32_t(_mm512_reduce_add_epi32(acc[m]));
+      out[m * n_cols + n] = int32_t(d - 8u * uint32_t(sa[m]));
+    }
+  }
+}
+
+// Splits weight rows [0, n) into chunks that the caller and XLA's intra-op
+// pool claim from one counter. The caller waits only for chunks another
+// thread has claimed and is running, never for a task still queued: a pool
+// busy with other work cannot deadlock the call.
+template <typename F>
+void Parallel(ffi::ThreadPool& pool, int64_t n, int64_t weight_bytes, F f) {
+  int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  if (weight_bytes < (int64_t(1) << 20)) threads = 1;
+  int64_t chunks = std::min<int64_t>(n, threads * 4);
+  if (threads == 1 || chunks <= 1) {
+    f(0, n);
+    return;
+  }
+  struct Shared {
+    std::atomic<int64_t> next{0};
+    std::atomic<int64_t> done{0};
+  };
+  auto shared = std::make_shared<Shared>();
+  int64_t size = (n + chunks - 1) / chunks;
+  auto work = [shared, chunks, size, n, f] {
+    for (int64_t c; (c = shared->next.fetch_add(1)) < chunks;) {
+      f(std::min(n, c * size), std::min(n, (c + 1) * size));
+      if (shared->done.fetch_add(1, std::memory_order_release) + 1 == chunks) {
+        shared->done.notify_all();
+      }
+    }
+  };
+  for (int64_t t = 1; t < threads; ++t) pool.Schedule(decltype(work)(work));
+  work();
+  // A short spin, then sleep on the counter: on a host with more busy
+  // threads than cores, spinning would hold the core the last chunk needs.
+  for (int spin = 0; spin < 256; ++spin) {
+    if (shared->done.load(std::memory_order_acquire) == chunks) return;
+    _mm_pause();
+  }
+  for (int64_t d; (d = shared->done.load(std::memory_order_acquire)) < chunks;) {
+    shared->done.wait(d, std::memory_order_acquire);
+  }
+}
+
+int64_t Padded(int64_t bytes) { return (bytes + kLane - 1) / kLane * kLane; }
+
+template <typename Pass>
+void ByRowBlocks(int64_t m, Pass pass) {
+  for (int64_t m0 = 0; m0 < m; m0 += kMaxRows) {
+    switch (std::min(kMaxRows, m - m0)) {
+      case 1: pass.template operator()<1>(m0); break;
+      case 2: pass.template operator()<2>(m0); break;
+      case 3: pass.template operator()<3>(m0); break;
+      case 4: pass.template operator()<4>(m0); break;
+      case 5: pass.template operator()<5>(m0); break;
+      case 6: pass.template operator()<6>(m0); break;
+      case 7: pass.template operator()<7>(m0); break;
+      default: pass.template operator()<8>(m0); break;
+    }
+  }
+}
+
+ffi::Error IntRowsDot(ffi::ThreadPool pool, ffi::AnyBuffer a,
+                      ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> out) {
+  auto ad = a.dimensions();
+  auto wd = w.dimensions();
+  const int64_t r = ad.size();
+  if (r < 2 || int64_t(wd.size()) != r || ad[r - 1] != wd[r - 1]) {
+    return ffi::Error::InvalidArgument(
+        "aqtr_int_rows_dot: operands must be [..., M, K] and [..., N, K]");
+  }
+  const bool int4 = w.element_type() == ffi::DataType::S4;
+  if (a.element_type() != ffi::DataType::S8 ||
+      !(int4 || w.element_type() == ffi::DataType::S8)) {
+    return ffi::Error::InvalidArgument(
+        "aqtr_int_rows_dot: wants int8 activations, int8 or int4 weights");
+  }
+  const int64_t k = ad[r - 1], m = ad[r - 2], n = wd[r - 2];
+  if (int4 && k % 2) {
+    return ffi::Error::InvalidArgument(
+        "aqtr_int_rows_dot: int4 weights need an even contraction size");
+  }
+  int64_t batch = 1;
+  for (int64_t i = 0; i < r - 2; ++i) batch *= ad[i];
+  const int8_t* ap = static_cast<const int8_t*>(a.untyped_data());
+  const uint8_t* wp = static_cast<const uint8_t*>(w.untyped_data());
+  int32_t* op = static_cast<int32_t*>(out->untyped_data());
+  const int64_t w_row = int4 ? k / 2 : k;  // Bytes per weight row.
+  const int64_t kp = Padded(w_row);
+  for (int64_t b = 0; b < batch; ++b) {
+    const int8_t* ab = ap + b * m * k;
+    const uint8_t* wb = wp + b * n * w_row;
+    int32_t* ob = op + b * m * n;
+    if (!int4) {
+      std::vector<uint8_t> au(m * kp, 0);
+      for (int64_t i = 0; i < m; ++i) {
+        for (int64_t j = 0; j < k; ++j) {
+          au[i * kp + j] = uint8_t(ab[i * k + j]) ^ 0x80u;
+        }
+      }
+      ByRowBlocks(m, [&]<int64_t kRows>(int64_t m0) {
+        Parallel(pool, n, n * w_row, [&, m0](int64_t n0, int64_t n1) {
+          RowsInt8<kRows>(au.data() + m0 * kp, kp,
+                          reinterpret_cast<const int8_t*>(wb), k, ob + m0 * n,
+                          n, n0, n1);
+        });
+      });
+    } else {
+      std::vector<int8_t> ae(m * kp, 0), ao(m * kp, 0);
+      std::vector<int32_t> sa(m, 0);
+      for (int64_t i = 0; i < m; ++i) {
+        int32_t s = 0;
+        for (int64_t j = 0; j < k / 2; ++j) {
+          ae[i * kp + j] = ab[i * k + 2 * j];
+          ao[i * kp + j] = ab[i * k + 2 * j + 1];
+          s += int32_t(ab[i * k + 2 * j]) + int32_t(ab[i * k + 2 * j + 1]);
+        }
+        sa[i] = s;
+      }
+      ByRowBlocks(m, [&]<int64_t kRows>(int64_t m0) {
+        Parallel(pool, n, n * w_row, [&, m0](int64_t n0, int64_t n1) {
+          RowsInt4<kRows>(ae.data() + m0 * kp, ao.data() + m0 * kp,
+                          sa.data() + m0, kp, wb, k, ob + m0 * n, n, n0, n1);
+        });
+      });
+    }
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AqtrIntRowsDot, IntRowsDot,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>());
