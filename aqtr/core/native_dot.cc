@@ -40,24 +40,35 @@ namespace {
 constexpr int64_t kMaxRows = 8;  // Activation rows per pass over a weight.
 constexpr int64_t kLane = 64;    // Bytes per AVX-512 register.
 
+// A row of `bytes` bytes as `count` 64-byte loads, the last one masked
+// (zeros past the row's end).
+struct Steps {
+  explicit Steps(int64_t bytes)
+      : full(bytes / kLane),
+        count((bytes + kLane - 1) / kLane),
+        tail(bytes % kLane ? (~__mmask64(0)) >> (kLane - bytes % kLane) : 0) {}
+  __m512i Load(const void* row, int64_t i) const {
+    const char* p = static_cast<const char*>(row) + i * kLane;
+    return i < full ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi8(tail, p);
+  }
+  int64_t full, count;
+  __mmask64 tail;
+};
+
 // One pass over weight rows [n0, n1): int8 weights, `au` the activations
 // as unsigned (a ^ 0x80), each row padded with zeros to `kp` bytes.
 template <int64_t kRows>
 void RowsInt8(const uint8_t* au, int64_t kp, const int8_t* w, int64_t k,
               int32_t* out, int64_t n_cols, int64_t n0, int64_t n1) {
   const __m512i ones = _mm512_set1_epi8(1);
-  const int64_t full = k / kLane;
-  const int64_t rest = k % kLane;
-  const __mmask64 tail = rest ? (~__mmask64(0)) >> (kLane - rest) : 0;
+  const Steps steps(k);
   for (int64_t n = n0; n < n1; ++n) {
     const int8_t* wr = w + n * k;
     __m512i acc[kRows];
     __m512i sw = _mm512_setzero_si512();
     for (int64_t m = 0; m < kRows; ++m) acc[m] = _mm512_setzero_si512();
-    for (int64_t i = 0; i <= full; ++i) {
-      if (i == full && !rest) break;
-      __m512i wv = i < full ? _mm512_loadu_si512(wr + i * kLane)
-                            : _mm512_maskz_loadu_epi8(tail, wr + i * kLane);
+    for (int64_t i = 0; i < steps.count; ++i) {
+      __m512i wv = steps.Load(wr, i);
       sw = _mm512_dpbusd_epi32(sw, ones, wv);
       for (int64_t m = 0; m < kRows; ++m) {
         __m512i av = _mm512_loadu_si512(au + m * kp + i * kLane);
@@ -82,18 +93,13 @@ void RowsInt4(const int8_t* ae, const int8_t* ao, const int32_t* sa,
   const __m512i flip = _mm512_set1_epi8(char(0x88));
   const __m512i low = _mm512_set1_epi8(0x0F);
   const int64_t bytes = k / 2;
-  const int64_t full = bytes / kLane;
-  const int64_t rest = bytes % kLane;
-  const __mmask64 tail = rest ? (~__mmask64(0)) >> (kLane - rest) : 0;
+  const Steps steps(bytes);
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* wr = w + n * bytes;
     __m512i acc[kRows];
     for (int64_t m = 0; m < kRows; ++m) acc[m] = _mm512_setzero_si512();
-    for (int64_t i = 0; i <= full; ++i) {
-      if (i == full && !rest) break;
-      __m512i v = i < full ? _mm512_loadu_si512(wr + i * kLane)
-                           : _mm512_maskz_loadu_epi8(tail, wr + i * kLane);
-      v = _mm512_xor_si512(v, flip);
+    for (int64_t i = 0; i < steps.count; ++i) {
+      __m512i v = _mm512_xor_si512(steps.Load(wr, i), flip);
       __m512i lo = _mm512_and_si512(v, low);
       __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
       for (int64_t m = 0; m < kRows; ++m) {
