@@ -3,6 +3,7 @@
 import os
 import pathlib
 import shutil
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -111,6 +112,9 @@ def test_build_is_cached_and_a_broken_source_names_the_error(
 ):
   monkeypatch.setenv('AQTR_KERNEL_CACHE', str(tmp_path / 'cache'))
   compiler = native_dot._compiler()
+  small = tmp_path / 'small.cc'  # The build logic, not the kernel: fast.
+  small.write_text('extern "C" int aqtr_small() { return 1; }\n')
+  monkeypatch.setattr(native_dot, '_SOURCE', small)
   first = native_dot._build(compiler)
   stamp = first.stat().st_mtime_ns
   assert native_dot._build(compiler) == first  # Cached: not rebuilt.
@@ -134,8 +138,13 @@ def test_an_unwritable_cache_falls_back_to_the_temp_dir(tmp_path, monkeypatch):
     ro = tmp_path / 'ro'
     ro.mkdir(mode=0o500)
     monkeypatch.setenv('AQTR_KERNEL_CACHE', str(ro / 'cache'))
+  small = tmp_path / 'small.cc'
+  small.write_text(f'extern "C" int aqtr_small() {{ return {os.getpid()}; }}\n')
+  monkeypatch.setattr(native_dot, '_SOURCE', small)
   path = native_dot._build(native_dot._compiler())
   assert pathlib.Path(path).exists() and 'aqtr' in str(path.parent)
+  assert str(path).startswith(tempfile.gettempdir())
+  path.unlink()
 
 
 def test_no_compiler_warns_once_and_leaves_xla(monkeypatch):
