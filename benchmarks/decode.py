@@ -128,7 +128,7 @@ def dot_limit(
   shapes = [(d_model, d_model)] * 4 + [(d_model, 4 * d_model)]
   shapes = shapes + [(4 * d_model, d_model)]
   shapes = shapes * layers + [(d_model, vocab)]
-  native = native_dot.ready() and batch <= native_dot.MAX_ROWS
+  native = native_dot.ready() and batch <= native_dot.max_rows()
   rows = {'float': batch, 'int8': batch if native else max(batch, 2)}
   dtypes = {'float': jnp.float32, 'int8': jnp.int8}
 

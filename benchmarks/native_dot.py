@@ -16,6 +16,7 @@ the speedup of the kernel over what ran before; `f32/native` over float.
 The kernel's results equal XLA's int8 dot's bit for bit (checked here).
 
 Run: python benchmarks/native_dot.py [--rows 1 2 4 8 16] [--rounds 15]
+(`AQTR_NATIVE_ISA=avx2` times the AVX2 form on an AVX-512 VNNI host.)
 """
 
 from __future__ import annotations
@@ -74,9 +75,10 @@ def main() -> None:
   p.add_argument('--weights', type=int, default=6)
   args = p.parse_args()
   host.header('native_dot.py')
-  flags = native_dot._cpu_flags()
+  flags, form = native_dot._cpu_flags(), native_dot.form()
   print(
     f'avx512_vnni: {"yes" if "avx512_vnni" in flags else "no"}; '
+    f'kernel form: {form[0] if form else "none"}; '
     f'load: {host.load_average()}'
   )
   if not native_dot.ready():

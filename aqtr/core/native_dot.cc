@@ -7,8 +7,10 @@
 // below memory bandwidth (and has no int4 dot at all: it widens int4 codes
 // to int8 first), so int8 decoding at batch 1 read weights at ~15 GB/s
 // where float32 reads them at ~30. This kernel streams each weight row once
-// and dots it with every activation row (AVX-512 VNNI `vpdpbusd`), which
-// reaches memory bandwidth at one or two rows.
+// and dots it with every activation row, which reaches memory bandwidth at
+// one or two rows. Two forms, chosen when aqtr builds it for the host:
+// AVX-512 VNNI (`vpdpbusd`, 64 bytes a step) and AVX2 (`vpmaddwd` on codes
+// widened to int16, 32 bytes a step).
 //
 // vpdpbusd multiplies unsigned by signed bytes:
 //   int8 weights:  sum (a + 128) w - 128 sum w   (a + 128 is a's bits ^ 0x80)
@@ -38,7 +40,12 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr int64_t kMaxRows = 8;  // Activation rows per pass over a weight.
-constexpr int64_t kLane = 64;    // Bytes per AVX-512 register.
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+
+constexpr int64_t kLane = 64;  // Weight bytes a step: an AVX-512 register.
+using Int8Act = uint8_t;  // a ^ 0x80: a + 128.
+using Int4Act = int8_t;
+inline Int8Act Int8ActOf(int8_t a) { return uint8_t(a) ^ 0x80u; }
 
 // A row of `bytes` bytes as `count` 64-byte loads, the last one masked
 // (zeros past the row's end).
@@ -58,7 +65,7 @@ struct Steps {
 // One pass over weight rows [n0, n1): int8 weights, `au` the activations
 // as unsigned (a ^ 0x80), each row padded with zeros to `kp` bytes.
 template <int64_t kRows>
-void RowsInt8(const uint8_t* au, int64_t kp, const int8_t* w, int64_t k,
+void RowsInt8(const Int8Act* au, int64_t kp, const int8_t* w, int64_t k,
               int32_t* out, int64_t n_cols, int64_t n0, int64_t n1) {
   const __m512i ones = _mm512_set1_epi8(1);
   const Steps steps(k);
@@ -87,7 +94,7 @@ void RowsInt8(const uint8_t* au, int64_t kp, const int8_t* w, int64_t k,
 // bytes a row), `ae` / `ao` the even / odd activations (signed), each row
 // padded with zeros to `kp` bytes, `sa` each activation row's sum.
 template <int64_t kRows>
-void RowsInt4(const int8_t* ae, const int8_t* ao, const int32_t* sa,
+void RowsInt4(const Int4Act* ae, const Int4Act* ao, const int32_t* sa,
               int64_t kp, const uint8_t* w, int64_t k, int32_t* out,
               int64_t n_cols, int64_t n0, int64_t n1) {
   const __m512i flip = _mm512_set1_epi8(char(0x88));
@@ -115,6 +122,113 @@ void RowsInt4(const int8_t* ae, const int8_t* ao, const int32_t* sa,
     }
   }
 }
+
+#elif defined(__AVX2__)
+
+constexpr int64_t kLane = 32;  // Weight bytes a step: an AVX2 register.
+using Int8Act = int16_t;  // Widened once per call; weights per step.
+using Int4Act = int16_t;
+inline Int8Act Int8ActOf(int8_t a) { return a; }
+
+// A row of `bytes` bytes as `count` 32-byte loads, the last one padded
+// with zeros past the row's end.
+struct Steps {
+  explicit Steps(int64_t bytes)
+      : full(bytes / kLane), count((bytes + kLane - 1) / kLane),
+        rest(bytes % kLane) {}
+  __m256i Load(const void* row, int64_t i) const {
+    const char* p = static_cast<const char*>(row) + i * kLane;
+    if (i < full) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    alignas(32) char buf[kLane] = {0};
+    std::memcpy(buf, p, rest);
+    return _mm256_load_si256(reinterpret_cast<const __m256i*>(buf));
+  }
+  int64_t full, count, rest;
+};
+
+inline int32_t Sum(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v),
+                            _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+  return _mm_cvtsi128_si32(s);
+}
+
+// acc += (32 int8 codes, widened) . (32 int16 activations at `a`).
+inline __m256i Madd(__m256i acc, __m256i lo, __m256i hi, const int16_t* a) {
+  acc = _mm256_add_epi32(
+      acc, _mm256_madd_epi16(lo, _mm256_loadu_si256(
+                                     reinterpret_cast<const __m256i*>(a))));
+  return _mm256_add_epi32(
+      acc, _mm256_madd_epi16(hi, _mm256_loadu_si256(
+                                     reinterpret_cast<const __m256i*>(a + 16))));
+}
+
+inline __m256i Low16(__m256i v) {
+  return _mm256_cvtepi8_epi16(_mm256_castsi256_si128(v));
+}
+inline __m256i High16(__m256i v) {
+  return _mm256_cvtepi8_epi16(_mm256_extracti128_si256(v, 1));
+}
+
+// One pass over weight rows [n0, n1): int8 weights, `au` the activations
+// as int16, each row padded with zeros to `kp` elements.
+template <int64_t kRows>
+void RowsInt8(const Int8Act* au, int64_t kp, const int8_t* w, int64_t k,
+              int32_t* out, int64_t n_cols, int64_t n0, int64_t n1) {
+  const Steps steps(k);
+  for (int64_t n = n0; n < n1; ++n) {
+    const int8_t* wr = w + n * k;
+    __m256i acc[kRows];
+    for (int64_t m = 0; m < kRows; ++m) acc[m] = _mm256_setzero_si256();
+    for (int64_t i = 0; i < steps.count; ++i) {
+      __m256i v = steps.Load(wr, i);
+      __m256i lo = Low16(v), hi = High16(v);
+      for (int64_t m = 0; m < kRows; ++m) {
+        acc[m] = Madd(acc[m], lo, hi, au + m * kp + i * kLane);
+      }
+    }
+    for (int64_t m = 0; m < kRows; ++m) out[m * n_cols + n] = Sum(acc[m]);
+  }
+}
+
+// One pass over weight rows [n0, n1): packed int4 weights (k even), the
+// nibbles sign-extended (((u & 0xF) ^ 8) - 8) against `ae` / `ao`, the even
+// / odd activations as int16 padded to `kp`; `sa` is unused here.
+template <int64_t kRows>
+void RowsInt4(const Int4Act* ae, const Int4Act* ao, const int32_t* sa,
+              int64_t kp, const uint8_t* w, int64_t k, int32_t* out,
+              int64_t n_cols, int64_t n0, int64_t n1) {
+  (void)sa;
+  const __m256i low = _mm256_set1_epi8(0x0F), eight = _mm256_set1_epi8(8);
+  const int64_t bytes = k / 2;
+  const Steps steps(bytes);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* wr = w + n * bytes;
+    __m256i acc[kRows];
+    for (int64_t m = 0; m < kRows; ++m) acc[m] = _mm256_setzero_si256();
+    for (int64_t i = 0; i < steps.count; ++i) {
+      __m256i v = steps.Load(wr, i);
+      __m256i lo = _mm256_sub_epi8(
+          _mm256_xor_si256(_mm256_and_si256(v, low), eight), eight);
+      __m256i hi = _mm256_sub_epi8(
+          _mm256_xor_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low),
+                           eight),
+          eight);
+      __m256i lo0 = Low16(lo), lo1 = High16(lo);
+      __m256i hi0 = Low16(hi), hi1 = High16(hi);
+      for (int64_t m = 0; m < kRows; ++m) {
+        acc[m] = Madd(acc[m], lo0, lo1, ae + m * kp + i * kLane);
+        acc[m] = Madd(acc[m], hi0, hi1, ao + m * kp + i * kLane);
+      }
+    }
+    for (int64_t m = 0; m < kRows; ++m) out[m * n_cols + n] = Sum(acc[m]);
+  }
+}
+
+#else
+#error "aqtr native dot: build with AVX-512 VNNI or AVX2"
+#endif
 
 // Splits weight rows [0, n) into chunks that the caller and XLA's intra-op
 // pool claim from one counter. The caller waits only for chunks another
@@ -206,11 +320,9 @@ ffi::Error IntRowsDot(ffi::ThreadPool pool, ffi::AnyBuffer a,
     const uint8_t* wb = wp + b * n * w_row;
     int32_t* ob = op + b * m * n;
     if (!int4) {
-      std::vector<uint8_t> au(m * kp, 0);
+      std::vector<Int8Act> au(m * kp, 0);
       for (int64_t i = 0; i < m; ++i) {
-        for (int64_t j = 0; j < k; ++j) {
-          au[i * kp + j] = uint8_t(ab[i * k + j]) ^ 0x80u;
-        }
+        for (int64_t j = 0; j < k; ++j) au[i * kp + j] = Int8ActOf(ab[i * k + j]);
       }
       ByRowBlocks(m, [&]<int64_t kRows>(int64_t m0) {
         Parallel(pool, n, n * w_row, [&, m0](int64_t n0, int64_t n1) {
@@ -220,7 +332,7 @@ ffi::Error IntRowsDot(ffi::ThreadPool pool, ffi::AnyBuffer a,
         });
       });
     } else {
-      std::vector<int8_t> ae(m * kp, 0), ao(m * kp, 0);
+      std::vector<Int4Act> ae(m * kp, 0), ao(m * kp, 0);
       std::vector<int32_t> sa(m, 0);
       for (int64_t i = 0; i < m; ++i) {
         int32_t s = 0;

@@ -4,9 +4,9 @@ XLA:CPU runs an int8 dot of one to sixteen activation rows against a
 weight at about half of memory bandwidth, and has no int4 dot (it widens
 int4 codes to int8 first): at batch 1 an int8 model decodes barely faster
 than float32. `native_dot.cc` streams each weight row once against every
-activation row with AVX-512 VNNI (`vpdpbusd`) and reads int4 weights
-packed; at one or two rows it reads weights at memory bandwidth
-(benchmarks/native_dot.py).
+activation row (AVX-512 VNNI `vpdpbusd`, or AVX2 `vpmaddwd` where the host
+has no VNNI) and reads int4 weights packed; at one or two rows it reads
+weights at memory bandwidth (benchmarks/native_dot.py).
 
     out[b, m, n] = sum_k a[b, m, k] w[b, n, k]    (int32, wrapping)
 
@@ -20,16 +20,21 @@ jaxlib version, compiler and flags), registered as an XLA FFI target, and
 checked against XLA's own dot once per process. It is used only where all
 of these hold; otherwise the engine runs XLA's dot, as before:
 
-- the host has AVX-512 VNNI and BW (`/proc/cpuinfo`), a compiler builds
-  the source, and the check passes (a failed build or check warns once);
+- the host has AVX-512 VNNI and BW, or AVX2 (`/proc/cpuinfo`; `form`;
+  `AQTR_NATIVE_ISA=avx2` takes the AVX2 form on a VNNI host), a compiler
+  builds the source, and the check passes (a failed build or check warns
+  once);
 - `AQTR_NATIVE_DOT` is not `0` (set it to `0` to turn the kernel off, e.g.
   before `jax.export`: an exported program that holds the custom call
   needs this target registered where it runs);
-- the dot is lowered for CPU outside a mesh, with at most `MAX_ROWS`
-  activation rows, int8 activations and int8 or int4 weights (int4 with
-  an even contraction), both operands contracting their minor axis.
+- the dot is lowered for CPU outside a mesh, with at most `max_rows()`
+  activation rows (16 for the AVX-512 form, 4 for AVX2: where XLA's own
+  int8 dot catches up, measured), int8 activations and int8 or int4
+  weights (int4 with an even contraction), both operands contracting
+  their minor axis.
 
-Internal API (for `passes.py`): `usable`, `rows_dot`, `MAX_ROWS`.
+Internal API (for `passes.py`): `usable`, `rows_dot`, `max_rows`; `form`
+and `ready` for benchmarks and tests.
 
 Example:
   >>> a = jnp.ones((1, 1, 64), jnp.int8)
@@ -63,20 +68,20 @@ from aqtr.core import prims
 from aqtr.core.lowering import NATIVE_DOT as TARGET
 from aqtr.core.lowering import loops_allowed
 
-MAX_ROWS = 16  # Beyond this XLA's own int8 dot is as fast (measured).
 _SOURCE = pathlib.Path(__file__).with_name('native_dot.cc')
-_FLAGS = (
-  '-O3',
-  '-std=c++20',
-  '-mavx512f',
-  '-mavx512bw',
-  '-mavx512vnni',
-  '-mtune=native',
-  '-shared',
-  '-fPIC',
-  '-w',
+_FLAGS = ('-O3', '-std=c++20', '-mtune=native', '-shared', '-fPIC', '-w')
+# The kernel's forms, fastest first: (name, CPU flags it needs, its flags,
+# the most rows it takes: beyond them XLA's own int8 dot is as fast,
+# measured on AMD Zen 4 with benchmarks/native_dot.py).
+FORMS = (
+  (
+    'avx512_vnni',
+    ('avx512f', 'avx512bw', 'avx512_vnni'),
+    ('-mavx512f', '-mavx512bw', '-mavx512vnni'),
+    16,
+  ),
+  ('avx2', ('avx2',), ('-mavx2',), 4),
 )
-_ISA = ('avx512f', 'avx512bw', 'avx512_vnni')
 
 
 def xla_rows_dot(a: jax.Array, w: jax.Array) -> jax.Array:
@@ -145,7 +150,7 @@ def usable(a: jax.Array, w: jax.Array) -> bool:
   if a.ndim < 2 or a.ndim != w.ndim or a.shape[:-2] != w.shape[:-2]:
     return False
   m, k = a.shape[-2:]
-  if a.shape[-1] != w.shape[-1] or not 0 < m <= MAX_ROWS or not k:
+  if a.shape[-1] != w.shape[-1] or not 0 < m <= max_rows() or not k:
     return False
   if a.dtype != jnp.int8 or w.dtype not in (jnp.int8, jnp.int4):
     return False
@@ -169,6 +174,28 @@ def _cpu_flags() -> set[str]:
   return set()
 
 
+def form() -> tuple[str, tuple[str, ...]] | None:
+  """(name, compiler flags) of the kernel's form for this host: the
+  fastest whose CPU flags it has, or the one `AQTR_NATIVE_ISA` names (to
+  compare forms on one host); None where none runs.
+
+  Example:
+    >>> form() is None or form()[0] in ('avx512_vnni', 'avx2')
+    True
+  """
+  flags, wanted = _cpu_flags(), os.environ.get('AQTR_NATIVE_ISA')
+  for name, needs, cflags, _ in FORMS:
+    if set(needs) <= flags and wanted in (None, name):
+      return name, cflags
+  return None
+
+
+def max_rows() -> int:
+  """The most activation rows the kernel takes on this host (0: none)."""
+  chosen = form()
+  return next(r for n, _, _, r in FORMS if n == chosen[0]) if chosen else 0
+
+
 def _compiler() -> str | None:
   for name in (os.environ.get('CXX'), 'c++', 'g++', 'clang++'):
     if name and shutil.which(name):
@@ -184,13 +211,15 @@ def _cache_dir() -> pathlib.Path:
   return pathlib.Path(xdg) / 'aqtr' / 'kernels'
 
 
-def _build(compiler: str) -> pathlib.Path:
-  """Compiles the kernel (or finds it cached); returns the library path."""
+def _build(compiler: str, cflags: tuple[str, ...] = ()) -> pathlib.Path:
+  """Compiles the kernel with `cflags` (or finds it cached); returns the
+  library path."""
   version = subprocess.run(
     [compiler, '--version'], capture_output=True, text=True, check=False
   ).stdout.splitlines()[:1]
   key = hashlib.sha256()
-  for part in (_SOURCE.read_bytes(), jax.lib.__version__, *version, *_FLAGS):
+  flags = (*_FLAGS, *cflags)
+  for part in (_SOURCE.read_bytes(), jax.lib.__version__, *version, *flags):
     key.update(part if isinstance(part, bytes) else part.encode())
   name = f'native_dot-{key.hexdigest()[:16]}.so'
   for root in (_cache_dir(), pathlib.Path(tempfile.gettempdir()) / 'aqtr'):
@@ -203,7 +232,7 @@ def _build(compiler: str) -> pathlib.Path:
       os.close(fd)
     except OSError:
       continue  # Not writable: the next place.
-    cmd = [compiler, *_FLAGS, f'-I{jax.ffi.include_dir()}', str(_SOURCE)]
+    cmd = [compiler, *flags, f'-I{jax.ffi.include_dir()}', str(_SOURCE)]
     done = subprocess.run([*cmd, '-o', tmp], capture_output=True, text=True)
     if done.returncode:
       os.unlink(tmp)
@@ -242,8 +271,9 @@ def _check() -> None:
 def ready() -> bool:
   """Whether the kernel is built, registered and checked on this host
   (once per process; a failure warns once and leaves XLA's dot)."""
-  if not set(_ISA) <= _cpu_flags():
-    return False  # No AVX-512 VNNI: XLA's dot (nothing to warn about).
+  chosen = form()
+  if chosen is None:
+    return False  # Neither AVX-512 VNNI nor AVX2: XLA's dot, no warning.
   compiler = _compiler()
   if compiler is None:
     warnings.warn(
@@ -253,7 +283,7 @@ def ready() -> bool:
     )
     return False
   try:
-    lib = ctypes.cdll.LoadLibrary(str(_build(compiler)))
+    lib = ctypes.cdll.LoadLibrary(str(_build(compiler, chosen[1])))
     jax.ffi.register_ffi_target(
       TARGET, jax.ffi.pycapsule(lib.AqtrIntRowsDot), platform='cpu'
     )

@@ -3,6 +3,8 @@
 import os
 import pathlib
 import shutil
+import subprocess
+import sys
 import tempfile
 
 import jax
@@ -14,11 +16,9 @@ from aqtr.core import lowering, native_dot
 
 # Where the host can build the kernel, it must: a broken build would
 # otherwise only show as a skip.
-CAN_BUILD = set(native_dot._ISA) <= native_dot._cpu_flags() and bool(
-  native_dot._compiler()
-)
+CAN_BUILD = native_dot.form() is not None and bool(native_dot._compiler())
 needs_kernel = pytest.mark.skipif(
-  not CAN_BUILD, reason='no AVX-512 VNNI or no C++ compiler on this host'
+  not CAN_BUILD, reason='no AVX-512 VNNI / AVX2 or no C++ compiler here'
 )
 
 
@@ -88,7 +88,7 @@ def test_vmap_and_concurrent_calls():
 def test_usable_only_for_its_contract(monkeypatch):
   a, w = jnp.zeros((1, 2, 64), jnp.int8), jnp.zeros((1, 5, 64), jnp.int8)
   assert native_dot.usable(a, w) == native_dot.ready()
-  many = jnp.zeros((1, native_dot.MAX_ROWS + 1, 64), jnp.int8)
+  many = jnp.zeros((1, native_dot.max_rows() + 1, 64), jnp.int8)
   assert not native_dot.usable(many, w)
   assert not native_dot.usable(a.astype(jnp.int16), w)
   assert not native_dot.usable(a, w.astype(jnp.float32))
@@ -129,7 +129,7 @@ def test_build_is_cached_and_a_broken_source_names_the_error(
 
 def test_an_unwritable_cache_falls_back_to_the_temp_dir(tmp_path, monkeypatch):
   if not CAN_BUILD:
-    pytest.skip('no AVX-512 VNNI or no C++ compiler on this host')
+    pytest.skip('no AVX-512 VNNI / AVX2 or no C++ compiler here')
   if os.geteuid() == 0:  # Root writes anywhere: a file stands in the way.
     blocked = tmp_path / 'file'
     blocked.write_text('')
@@ -148,8 +148,8 @@ def test_an_unwritable_cache_falls_back_to_the_temp_dir(tmp_path, monkeypatch):
 
 
 def test_no_compiler_warns_once_and_leaves_xla(monkeypatch):
-  if not set(native_dot._ISA) <= native_dot._cpu_flags():
-    pytest.skip('no AVX-512 VNNI: the kernel is never tried')
+  if native_dot.form() is None:
+    pytest.skip('no AVX-512 VNNI / AVX2: the kernel is never tried')
   monkeypatch.setattr(shutil, 'which', lambda name: None)
   native_dot.ready.cache_clear()
   try:
@@ -179,3 +179,36 @@ def test_eager_call_and_is_dot():
   )
   (eqn,) = jax.make_jaxpr(native_dot.rows_dot)(a, w).eqns
   assert lowering.is_dot(eqn)
+
+
+_OTHER_FORM = """
+import jax, jax.numpy as jnp, numpy as np
+from aqtr.core import native_dot
+assert native_dot.form()[0] == 'avx2' and native_dot.ready()
+rng = np.random.default_rng(0)
+for m, k, dtype in [(1, 4096, jnp.int8), (3, 130, jnp.int8), (16, 64, jnp.int8),
+                    (1, 4096, jnp.int4), (5, 258, jnp.int4), (9, 62, jnp.int4)]:
+  lo = -8 if dtype == jnp.int4 else -128
+  a = jnp.asarray(rng.integers(-128, 128, (2, m, k)), jnp.int8)
+  w = jnp.asarray(rng.integers(lo, -lo, (2, 300, k)), dtype)
+  got = jax.jit(native_dot.rows_dot)(a, w)
+  np.testing.assert_array_equal(got, native_dot.xla_rows_dot(a, w))
+print('ok')
+"""
+
+
+@pytest.mark.skipif(
+  'avx2' not in native_dot._cpu_flags() or not native_dot._compiler(),
+  reason='no AVX2 or no C++ compiler here',
+)
+def test_the_avx2_form_equals_xla_dot():
+  # A process of its own: one form is registered per process.
+  env = {**os.environ, 'AQTR_NATIVE_ISA': 'avx2', 'JAX_PLATFORMS': 'cpu'}
+  done = subprocess.run(
+    [sys.executable, '-c', _OTHER_FORM],
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert done.returncode == 0 and done.stdout.strip() == 'ok', done.stderr
