@@ -315,42 +315,52 @@ ffi::Error IntRowsDot(ffi::ThreadPool pool, ffi::AnyBuffer a,
   int32_t* op = static_cast<int32_t*>(out->untyped_data());
   const int64_t w_row = int4 ? k / 2 : k;  // Bytes per weight row.
   const int64_t kp = Padded(w_row);
-  for (int64_t b = 0; b < batch; ++b) {
-    const int8_t* ab = ap + b * m * k;
-    const uint8_t* wb = wp + b * n * w_row;
-    int32_t* ob = op + b * m * n;
-    if (!int4) {
-      std::vector<Int8Act> au(m * kp, 0);
-      for (int64_t i = 0; i < m; ++i) {
-        for (int64_t j = 0; j < k; ++j) au[i * kp + j] = Int8ActOf(ab[i * k + j]);
+  // Activations of every batch entry first; then one parallel pass over
+  // all batch x N weight rows (a tiled dot is many short batch entries).
+  std::vector<Int8Act> au;
+  std::vector<Int4Act> ae, ao;
+  std::vector<int32_t> sa;
+  if (!int4) {
+    au.assign(batch * m * kp, 0);
+    for (int64_t i = 0; i < batch * m; ++i) {
+      for (int64_t j = 0; j < k; ++j) au[i * kp + j] = Int8ActOf(ap[i * k + j]);
+    }
+  } else {
+    ae.assign(batch * m * kp, 0);
+    ao.assign(batch * m * kp, 0);
+    sa.assign(batch * m, 0);
+    for (int64_t i = 0; i < batch * m; ++i) {
+      int32_t s = 0;
+      for (int64_t j = 0; j < k / 2; ++j) {
+        ae[i * kp + j] = ap[i * k + 2 * j];
+        ao[i * kp + j] = ap[i * k + 2 * j + 1];
+        s += int32_t(ap[i * k + 2 * j]) + int32_t(ap[i * k + 2 * j + 1]);
       }
-      ByRowBlocks(m, [&]<int64_t kRows>(int64_t m0) {
-        Parallel(pool, n, n * w_row, [&, m0](int64_t n0, int64_t n1) {
-          RowsInt8<kRows>(au.data() + m0 * kp, kp,
-                          reinterpret_cast<const int8_t*>(wb), k, ob + m0 * n,
-                          n, n0, n1);
-        });
-      });
-    } else {
-      std::vector<Int4Act> ae(m * kp, 0), ao(m * kp, 0);
-      std::vector<int32_t> sa(m, 0);
-      for (int64_t i = 0; i < m; ++i) {
-        int32_t s = 0;
-        for (int64_t j = 0; j < k / 2; ++j) {
-          ae[i * kp + j] = ab[i * k + 2 * j];
-          ao[i * kp + j] = ab[i * k + 2 * j + 1];
-          s += int32_t(ab[i * k + 2 * j]) + int32_t(ab[i * k + 2 * j + 1]);
-        }
-        sa[i] = s;
-      }
-      ByRowBlocks(m, [&]<int64_t kRows>(int64_t m0) {
-        Parallel(pool, n, n * w_row, [&, m0](int64_t n0, int64_t n1) {
-          RowsInt4<kRows>(ae.data() + m0 * kp, ao.data() + m0 * kp,
-                          sa.data() + m0, kp, wb, k, ob + m0 * n, n, n0, n1);
-        });
-      });
+      sa[i] = s;
     }
   }
+  ByRowBlocks(m, [&]<int64_t kRows>(int64_t m0) {
+    // Global weight rows [r0, r1) of batch x N, cut at batch boundaries.
+    auto rows = [&, m0](int64_t r0, int64_t r1) {
+      while (r0 < r1) {
+        const int64_t b = r0 / n, n0 = r0 % n;
+        const int64_t n1 = std::min(n, n0 + (r1 - r0));
+        const int64_t act = (b * m + m0) * kp;
+        int32_t* ob = op + b * m * n + m0 * n;
+        const uint8_t* wb = wp + b * n * w_row;
+        if (!int4) {
+          RowsInt8<kRows>(au.data() + act, kp,
+                          reinterpret_cast<const int8_t*>(wb), k, ob, n, n0,
+                          n1);
+        } else {
+          RowsInt4<kRows>(ae.data() + act, ao.data() + act,
+                          sa.data() + b * m + m0, kp, wb, k, ob, n, n0, n1);
+        }
+        r0 += n1 - n0;
+      }
+    };
+    Parallel(pool, batch * n, batch * n * w_row, rows);
+  });
   return ffi::Error::Success();
 }
 
