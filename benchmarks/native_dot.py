@@ -15,7 +15,11 @@ GB/s is the weight bytes one dot reads over its time. `xla/native` is
 the speedup of the kernel over what ran before; `f32/native` over float.
 The kernel's results equal XLA's int8 dot's bit for bit (checked here).
 
+With `--tiles T` each int weight is T tiles [T, N, K/T] (a scale per group
+of K/T, as w4a8 runs): T short tile dots in one call.
+
 Run: python benchmarks/native_dot.py [--rows 1 2 4 8 16] [--rounds 15]
+[--tiles 32]
 (`AQTR_NATIVE_ISA=avx2` times the AVX2 form on an AVX-512 VNNI host.)
 """
 
@@ -73,6 +77,13 @@ def main() -> None:
   p.add_argument('--rows', type=int, nargs='+', default=[1, 2, 4, 8, 16])
   p.add_argument('--rounds', type=int, default=15)
   p.add_argument('--weights', type=int, default=6)
+  p.add_argument(
+    '--tiles',
+    type=int,
+    default=1,
+    help='T: each int weight as T tiles [T, N, K/T] (a scale per group of '
+    'K/T along K, as sub-channel formats such as w4a8 run: T tile dots)',
+  )
   args = p.parse_args()
   host.header('native_dot.py')
   flags, form = native_dot._cpu_flags(), native_dot.form()
@@ -90,13 +101,15 @@ def main() -> None:
     'f32/native i4 |'
   )
   print('|---|---:|---:|---:|---:|---:|---:|---:|---:|')
+  tiles = args.tiles
   for n, k in SHAPES:
+    tk = (tiles, n, k // tiles)
     w8 = [
-      jnp.asarray(rng.integers(-127, 128, (1, n, k)), jnp.int8)
+      jnp.asarray(rng.integers(-127, 128, tk), jnp.int8)
       for _ in range(args.weights)
     ]
     w4 = [
-      jnp.asarray(rng.integers(-7, 8, (1, n, k)), jnp.int4)
+      jnp.asarray(rng.integers(-7, 8, tk), jnp.int4)
       for _ in range(args.weights)
     ]
     wf = [
@@ -104,14 +117,15 @@ def main() -> None:
       for _ in range(args.weights)
     ]
     for m in args.rows:
-      a = jnp.asarray(rng.integers(-127, 128, (1, m, k)), jnp.int8)
+      a = jnp.asarray(rng.integers(-127, 128, (tiles, m, k // tiles)), jnp.int8)
       native, xla = _chain(native_dot.rows_dot), _chain(_xla_int8)
       if not np.array_equal(native(a, w8), xla(a, w8)):
         raise SystemExit(f'native != xla at {n}x{k}, M={m}')
       t8 = _time(native, a, w8, args.rounds)
       t4 = _time(native, a, w4, args.rounds)
       tx = _time(xla, a, w8, args.rounds)
-      tf = _time(_chain(_f32), a.astype(jnp.float32), wf, args.rounds)
+      af = jnp.ones((1, m, k), jnp.float32)  # Float: one dot over all of K.
+      tf = _time(_chain(_f32), af, wf, args.rounds)
       gb = n * k / 1e9
       print(
         f'| {n} x {k} | {m} | {t8 * 1e3:.3f} ({gb / t8:.1f}) | '

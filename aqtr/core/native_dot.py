@@ -15,7 +15,8 @@ model serves the same bits with or without it, and serve == train holds.
 
 The kernel is compiled on first use with the host's C++ compiler (`CXX`,
 else `c++`) against jaxlib's FFI headers, cached under
-`$AQTR_KERNEL_CACHE` (default `~/.cache/aqtr/kernels`, keyed by source,
+`$AQTR_KERNEL_CACHE` (default `~/.cache/aqtr/kernels`, else a per-user
+directory in the temp dir; keyed by source,
 jaxlib version, compiler and flags), registered as an XLA FFI target, and
 checked against XLA's own dot once per process. It is used only where all
 of these hold; otherwise the engine runs XLA's dot, as before:
@@ -211,6 +212,12 @@ def _cache_dir() -> pathlib.Path:
   return pathlib.Path(xdg) / 'aqtr' / 'kernels'
 
 
+def _temp_cache() -> pathlib.Path:
+  """The fallback cache: a per-user directory in the temp dir (not named
+  `aqtr`, which would shadow the package for a script run from there)."""
+  return pathlib.Path(tempfile.gettempdir()) / f'aqtr-kernels-{os.getuid()}'
+
+
 def _build(compiler: str, cflags: tuple[str, ...] = ()) -> pathlib.Path:
   """Compiles the kernel with `cflags` (or finds it cached); returns the
   library path."""
@@ -222,12 +229,14 @@ def _build(compiler: str, cflags: tuple[str, ...] = ()) -> pathlib.Path:
   for part in (_SOURCE.read_bytes(), jax.lib.__version__, *version, *flags):
     key.update(part if isinstance(part, bytes) else part.encode())
   name = f'native_dot-{key.hexdigest()[:16]}.so'
-  for root in (_cache_dir(), pathlib.Path(tempfile.gettempdir()) / 'aqtr'):
+  for root in (_cache_dir(), _temp_cache()):
     path = root / name
     if path.exists():
       return path
     try:
-      root.mkdir(parents=True, exist_ok=True)
+      root.mkdir(mode=0o700, parents=True, exist_ok=True)
+      if root.stat().st_uid != os.getuid():
+        continue  # Someone else's directory: never load a library from it.
       fd, tmp = tempfile.mkstemp(suffix='.so', dir=root)
       os.close(fd)
     except OSError:
