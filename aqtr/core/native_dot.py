@@ -30,9 +30,10 @@ of these hold; otherwise the engine runs XLA's dot, as before:
   needs this target registered where it runs);
 - the dot is lowered for CPU outside a mesh, with at most `max_rows()`
   activation rows (16 for the AVX-512 form, 4 for AVX2: where XLA's own
-  int8 dot catches up, measured), int8 activations and int8 or int4
-  weights (int4 with an even contraction), both operands contracting
-  their minor axis.
+  int8 dot catches up, measured), a contraction of at least 128 (32 at
+  one or two rows: shorter tiles of sub-channel formats run XLA's dot),
+  int8 activations and int8 or int4 weights (int4 with an even
+  contraction), both operands contracting their minor axis.
 
 Internal API (for `passes.py`): `usable`, `rows_dot`, `max_rows`; `form`
 and `ready` for benchmarks and tests.
@@ -153,6 +154,9 @@ def usable(a: jax.Array, w: jax.Array) -> bool:
   m, k = a.shape[-2:]
   if a.shape[-1] != w.shape[-1] or not 0 < m <= max_rows() or not k:
     return False
+  if k < (32 if m <= 2 else 128):  # Short tiles: each output's horizontal
+    return False  # sum outweighs its few steps (measured: XLA is faster).
+
   if a.dtype != jnp.int8 or w.dtype not in (jnp.int8, jnp.int4):
     return False
   if w.dtype == jnp.int4 and k % 2:

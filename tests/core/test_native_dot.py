@@ -94,6 +94,9 @@ def test_usable_only_for_its_contract(monkeypatch):
   assert not native_dot.usable(a, jnp.zeros((1, 5, 63), jnp.int8))
   assert not native_dot.usable(a[..., :63], jnp.zeros((1, 5, 63), jnp.int4))
   assert not native_dot.usable(a, jnp.zeros((2, 5, 64), jnp.int8))
+  short = jnp.zeros((1, 3, 64), jnp.int8)  # 3 rows, a tile of 64.
+  assert not native_dot.usable(short, jnp.zeros((1, 5, 64), jnp.int8))
+  assert not native_dot.usable(a[..., :16], jnp.zeros((1, 5, 16), jnp.int8))
   monkeypatch.setenv('AQTR_NATIVE_DOT', '0')
   assert not native_dot.usable(a, w)
 
