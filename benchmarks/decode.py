@@ -80,17 +80,6 @@ from aqtr.pax.kv_cache import KVCacheConfig
 from aqtr.train import models
 
 
-def cpu_flags() -> str:
-  """The CPU's int8 / bf16 dot extensions (from /proc/cpuinfo)."""
-  try:
-    with open('/proc/cpuinfo') as f:
-      flags = set(f.read().split())
-  except OSError:
-    return 'unknown'
-  want = ('avx512f', 'avx512_vnni', 'avx_vnni', 'avx512_bf16', 'amx_int8')
-  return ' '.join(x for x in want if x in flags) or 'none of them'
-
-
 def bandwidth() -> float:
   """Memory read bandwidth in bytes/s: the faster of a jitted and a NumPy
   sum over 256 MiB of float32 (best of 5 each)."""
@@ -237,7 +226,7 @@ def main() -> None:
   rows = decode_dots.chosen_rows(ROWS, args.rows)
   print(f'CPU: {host.cpu_model()}; jax {jax.__version__}; {jax.devices()[0]}')
   print(
-    f'CPU flags: {cpu_flags()}; native few-row int dot: '
+    f'CPU flags: {host.cpu_flags()}; native few-row int dot: '
     f'{"yes" if native_dot.ready() else "no"}'
   )
   print(f'command: python benchmarks/decode.py {" ".join(sys.argv[1:])}')

@@ -49,17 +49,6 @@ from aqtr.rules import Rule
 CacheRule = kv_cache.CacheRule
 
 
-def cpu_flags() -> str:
-  """The CPU's int8 / bf16 dot extensions (from /proc/cpuinfo)."""
-  try:
-    with open('/proc/cpuinfo') as f:
-      flags = set(f.read().split())
-  except OSError:
-    return 'unknown'
-  want = ('avx512f', 'avx512_vnni', 'avx_vnni', 'avx512_bf16', 'amx_int8')
-  return ' '.join(x for x in want if x in flags) or 'none of them'
-
-
 def models(context: int, hidden: int = 512, layers: int = 4, heads: int = 8):
   cfg = transformers.LlamaConfig(
     vocab_size=256,
@@ -115,7 +104,9 @@ def main() -> None:
   decode_dots.row_options(p)
   args = p.parse_args()
   rows = decode_dots.chosen_rows(ROWS, args.rows)
-  print(f'CPU: {host.cpu_model()}; flags: {cpu_flags()}; jax {jax.__version__}')
+  print(
+    f'CPU: {host.cpu_model()}; flags: {host.cpu_flags()}; jax {jax.__version__}'
+  )
   print(f'command: python benchmarks/decode_stock.py {" ".join(sys.argv[1:])}')
   print(f'date: {datetime.date.today()}')
   weights = models(args.context, args.hidden, args.layers, args.heads)

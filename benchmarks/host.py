@@ -42,6 +42,17 @@ def header(script: str) -> None:
   print(f'date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC')
 
 
+def cpu_flags() -> str:
+  """The CPU's int8 / bf16 dot extensions among its flags."""
+  from aqtr.core import native_dot  # Only the benchmarks that ask.
+
+  flags = native_dot.cpu_flags()
+  if not flags:
+    return 'unknown'
+  want = ('avx512f', 'avx512_vnni', 'avx_vnni', 'avx512_bf16', 'amx_int8')
+  return ' '.join(x for x in want if x in flags) or 'none of them'
+
+
 def load_average() -> str:
   """The 1, 5 and 15 minute load averages ('?' where the OS has none)."""
   try:

@@ -86,7 +86,7 @@ def main() -> None:
   )
   args = p.parse_args()
   host.header('native_dot.py')
-  flags, form = native_dot._cpu_flags(), native_dot.form()
+  flags, form = native_dot.cpu_flags(), native_dot.form()
   print(
     f'avx512_vnni: {"yes" if "avx512_vnni" in flags else "no"}; '
     f'kernel form: {form[0] if form else "none"}; '

@@ -35,8 +35,8 @@ of these hold; otherwise the engine runs XLA's dot, as before:
   int8 activations and int8 or int4 weights (int4 with an even
   contraction), both operands contracting their minor axis.
 
-Internal API (for `passes.py`): `usable`, `rows_dot`, `max_rows`; `form`
-and `ready` for benchmarks and tests.
+Internal API (for `passes.py`): `usable`, `rows_dot`, `max_rows`; `form`,
+`ready` and `cpu_flags` for benchmarks and tests.
 
 Example:
   >>> a = jnp.ones((1, 1, 64), jnp.int8)
@@ -140,7 +140,8 @@ def _cpu_lowering(ctx, a, w):
 
 rows_dot_p = jex_core.Primitive('aqtr_int_rows_dot')
 rows_dot_p.def_abstract_eval(_abstract)
-rows_dot_p.def_impl(lambda a, w: jax.jit(rows_dot_p.bind)(a, w))
+_eager = jax.jit(lambda a, w: rows_dot_p.bind(a, w))  # Compiled once.
+rows_dot_p.def_impl(lambda a, w: _eager(a, w))
 mlir.register_lowering(rows_dot_p, _xla_lowering)
 mlir.register_lowering(rows_dot_p, _cpu_lowering, platform='cpu')
 batching.primitive_batchers[rows_dot_p] = _batched
@@ -168,15 +169,18 @@ def usable(a: jax.Array, w: jax.Array) -> bool:
   return ready()
 
 
-def _cpu_flags() -> set[str]:
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+  """The host CPU's flags (`/proc/cpuinfo`; empty where there is none).
+  Read once: `usable` asks at every traced integer dot."""
   try:
     text = pathlib.Path('/proc/cpuinfo').read_text()
   except OSError:
-    return set()
+    return frozenset()
   for line in text.splitlines():
     if line.startswith('flags'):
-      return set(line.split(':', 1)[1].split())
-  return set()
+      return frozenset(line.split(':', 1)[1].split())
+  return frozenset()
 
 
 def form() -> tuple[str, tuple[str, ...]] | None:
@@ -188,7 +192,7 @@ def form() -> tuple[str, tuple[str, ...]] | None:
     >>> form() is None or form()[0] in ('avx512_vnni', 'avx2')
     True
   """
-  flags, wanted = _cpu_flags(), os.environ.get('AQTR_NATIVE_ISA')
+  flags, wanted = cpu_flags(), os.environ.get('AQTR_NATIVE_ISA')
   for name, needs, cflags, _ in FORMS:
     if set(needs) <= flags and wanted in (None, name):
       return name, cflags

@@ -389,10 +389,8 @@ def contract(
 def _native_operands(va, codes_b, za, zb, kind: str, b_contract: int, t: int):
   """[B*T, F_a, t] int8 and [B*T, F_b, t] int8|int4 for the native
   few-row dot (`native_dot`), or None where XLA's dot runs: zero points,
-  a 'kf' rhs, more rows than `native_dot.max_rows()`, other types."""
+  a 'kf' rhs, and what `native_dot.usable` refuses (rows, types, ...)."""
   if kind != 'int' or za is not None or zb is not None or b_contract != 2:
-    return None
-  if codes_b.dtype not in (jnp.int8, jnp.int4) or va.dtype != jnp.int8:
     return None
   qa = va.reshape(-1, va.shape[2], t)
   qb = codes_b.reshape(-1, codes_b.shape[2], t)

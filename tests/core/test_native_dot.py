@@ -201,7 +201,7 @@ print('ok')
 
 
 @pytest.mark.skipif(
-  'avx2' not in native_dot._cpu_flags() or not native_dot._compiler(),
+  'avx2' not in native_dot.cpu_flags() or not native_dot._compiler(),
   reason='no AVX2 or no C++ compiler here',
 )
 def test_the_avx2_form_equals_xla_dot():
