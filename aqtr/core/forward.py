@@ -80,8 +80,11 @@ def _stored_operand(plan: Plan, side: Side, x: QTensor) -> QuantizedOperand:
       'using the same config and dimension numbers.'
     )
   dot_dtype = jnp.dtype(numerics.dot_dtype)
+  packed = x.packed if x.form == 'fk' and x.qvalue.dtype == jnp.int4 else None
+  if packed is not None and packed.shape != (*view[:-1], view[-1] // 2):
+    packed = None  # Not the qvalue's bytes: the dot reads qvalue.
   return QuantizedOperand(
-    x.qvalue, x.scale, None, x.form, dot_dtype, x.zero_point
+    x.qvalue, x.scale, None, x.form, dot_dtype, x.zero_point, packed=packed
   )
 
 

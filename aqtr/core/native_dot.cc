@@ -293,15 +293,21 @@ ffi::Error IntRowsDot(ffi::ThreadPool pool, ffi::AnyBuffer a,
   auto ad = a.dimensions();
   auto wd = w.dimensions();
   const int64_t r = ad.size();
-  if (r < 2 || int64_t(wd.size()) != r || ad[r - 1] != wd[r - 1]) {
+  // uint8 weights are int4 codes packed two a byte along K, the even code
+  // in the low nibble: the bytes XLA:CPU keeps an s4 array in.
+  const bool packed = w.element_type() == ffi::DataType::U8;
+  const bool int4 = packed || w.element_type() == ffi::DataType::S4;
+  if (r < 2 || int64_t(wd.size()) != r ||
+      ad[r - 1] != (packed ? 2 * wd[r - 1] : wd[r - 1])) {
     return ffi::Error::InvalidArgument(
-        "aqtr_int_rows_dot: operands must be [..., M, K] and [..., N, K]");
+        "aqtr_int_rows_dot: operands must be [..., M, K] and [..., N, K] "
+        "([..., N, K / 2] packed uint8)");
   }
-  const bool int4 = w.element_type() == ffi::DataType::S4;
   if (a.element_type() != ffi::DataType::S8 ||
       !(int4 || w.element_type() == ffi::DataType::S8)) {
     return ffi::Error::InvalidArgument(
-        "aqtr_int_rows_dot: wants int8 activations, int8 or int4 weights");
+        "aqtr_int_rows_dot: wants int8 activations, int8, int4 or packed "
+        "uint8 weights");
   }
   const int64_t k = ad[r - 1], m = ad[r - 2], n = wd[r - 2];
   if (int4 && k % 2) {

@@ -33,7 +33,9 @@ of these hold; otherwise the engine runs XLA's dot, as before:
   int8 dot catches up, measured), a contraction of at least 128 (32 at
   one or two rows: shorter tiles of sub-channel formats run XLA's dot),
   int8 activations and int8 or int4 weights (int4 with an even
-  contraction), both operands contracting their minor axis.
+  contraction; or int4 codes packed two a byte in uint8 [..., N, K / 2],
+  the even code in the low nibble, as aqtr's `int4` codec stores them),
+  both operands contracting their minor axis.
 
 Internal API (for `passes.py`): `usable`, `rows_dot`, `max_rows`; `form`,
 `ready` and `cpu_flags` for benchmarks and tests.
@@ -66,7 +68,7 @@ import numpy as np
 from jax import lax
 from jax.interpreters import batching, mlir
 
-from aqtr.core import prims
+from aqtr.core import codecs, prims
 from aqtr.core.lowering import NATIVE_DOT as TARGET
 from aqtr.core.lowering import loops_allowed
 
@@ -92,6 +94,8 @@ def xla_rows_dot(a: jax.Array, w: jax.Array) -> jax.Array:
   dot), a one-row dot given a zero row (XLA:CPU runs a one-row integer dot
   as a slow int32 loop; integer sums are exact: same bits)."""
   m, n = a.shape[-2], a.ndim - 2
+  if w.dtype == jnp.uint8:  # Packed int4 codes.
+    w = codecs.get('int4')().decode({'int4': w}, dtype=jnp.int8)
   if m == 1:
     a = jnp.concatenate([a, jnp.zeros_like(a)], axis=-2)
   a, w = lax.optimization_barrier((a, w.astype(jnp.int8)))
@@ -101,7 +105,9 @@ def xla_rows_dot(a: jax.Array, w: jax.Array) -> jax.Array:
 
 
 def rows_dot(a: jax.Array, w: jax.Array) -> jax.Array:
-  """[..., M, K] int8 . [..., N, K] int8|int4 -> [..., M, N] int32.
+  """[..., M, K] int8 . [..., N, K] int8|int4 -> [..., M, N] int32 (or
+  [..., N, K / 2] uint8: int4 codes packed two a byte, the even code in
+  the low nibble, as `codecs.Int4` stores them).
 
   One primitive (`aqtr_int_rows_dot` in a jaxpr): lowered for CPU to the
   native kernel, and to `xla_rows_dot` elsewhere, under `jax.export` (a
@@ -153,12 +159,15 @@ def usable(a: jax.Array, w: jax.Array) -> bool:
   if a.ndim < 2 or a.ndim != w.ndim or a.shape[:-2] != w.shape[:-2]:
     return False
   m, k = a.shape[-2:]
-  if a.shape[-1] != w.shape[-1] or not 0 < m <= max_rows() or not k:
+  packed = w.dtype == jnp.uint8
+  if k != w.shape[-1] * (2 if packed else 1) or not 0 < m <= max_rows():
+    return False
+  if not k:
     return False
   if k < (32 if m <= 2 else 128):  # Short tiles: each output's horizontal
     return False  # sum outweighs its few steps (measured: XLA is faster).
 
-  if a.dtype != jnp.int8 or w.dtype not in (jnp.int8, jnp.int4):
+  if a.dtype != jnp.int8 or w.dtype not in (jnp.int8, jnp.int4, jnp.uint8):
     return False
   if w.dtype == jnp.int4 and k % 2:
     return False
@@ -274,10 +283,15 @@ def _check() -> None:
     (11, 70, 256, jnp.int8),
     (3, 5, 258, jnp.int4),
     (9, 66, 128, jnp.int4),
+    (2, 7, 130, jnp.uint8),
   ):
     a = jnp.asarray(rng.integers(-128, 128, (2, m, k)), jnp.int8)
-    lo = -8 if dtype == jnp.int4 else -128
-    w = jnp.asarray(rng.integers(lo, -lo, (2, n, k)), dtype)
+    lo = -128 if dtype == jnp.int8 else -8
+    w = jnp.asarray(rng.integers(lo, -lo, (2, n, k)), jnp.int8)
+    if dtype == jnp.uint8:  # The same codes packed, as the codec stores them
+      w = codecs.get('int4')().encode(w)['int4']
+    else:
+      w = w.astype(dtype)
     got = jax.jit(_ffi_rows_dot)(a, w)
     want = jax.jit(xla_rows_dot)(a, w)
     if not np.array_equal(np.asarray(got), np.asarray(want)):

@@ -133,6 +133,7 @@ class QuantizedOperand:
       else None (see `zero_point.py`).
     state: the calibration's new state, or None (stateless).
     learned: {name: d xhat / d param} in the view (learned calibrations).
+    packed: int4 'fk' values as stored, two a byte (QTensor.packed), or None.
   """
 
   values: jax.Array
@@ -143,6 +144,7 @@ class QuantizedOperand:
   zero_point: jax.Array | None = None
   state: dict | None = None
   learned: dict | None = None
+  packed: jax.Array | None = None
 
   @property
   def n_tiles(self) -> int:
@@ -216,7 +218,7 @@ class QuantizedOperand:
 
 jax.tree_util.register_dataclass(
   QuantizedOperand,
-  data_fields=['values', 'scale', 'mask', 'zero_point', 'state', 'learned'],
+  data_fields='values scale mask zero_point state learned packed'.split(),
   meta_fields=['form', 'dot_dtype'],
 )
 
@@ -393,7 +395,7 @@ def _native_operands(va, codes_b, za, zb, kind: str, b_contract: int, t: int):
   if kind != 'int' or za is not None or zb is not None or b_contract != 2:
     return None
   qa = va.reshape(-1, va.shape[2], t)
-  qb = codes_b.reshape(-1, codes_b.shape[2], t)
+  qb = codes_b.reshape(-1, *codes_b.shape[2:])  # [.., t / 2] when packed
   return (qa, qb) if native_dot.usable(qa, qb) else None
 
 
@@ -414,7 +416,9 @@ def _tiled_contract(a: QuantizedOperand, b: QuantizedOperand, raw, precision):
     # Widened to the dot's type first (int4 codes -> int8: exact), so a
     # stored weight's widening depends on the weight alone and XLA can
     # hoist it out of a decode loop.
-    codes_b = vb  # As stored: int4 codes reach the native dot packed.
+    # As stored: int4 codes reach the native dot packed (jnp.int4, or the
+    # stored bytes, which spare a serving step the decode).
+    codes_b = vb if b.packed is None else b.packed
     va, vb = va.astype(a.dot_dtype), vb.astype(b.dot_dtype)
     pref = jnp.int32 if kind == 'int' else jnp.float32
 

@@ -129,6 +129,10 @@ class QTensor:
       rotated by before quantization, along the contraction (static), or
       None: `dequant()` then gives the rotated operand, and a dot takes
       the QTensor only with that forward transform.
+    packed: int4 `qvalue` as stored (`codecs.Int4`: uint8, two codes a
+      byte along the last axis), or None. Set by serving when the codes
+      come packed: a CPU dot then reads these bytes (`native_dot`) and
+      `qvalue` is not computed.
 
   Example:
     >>> import jax.numpy as jnp, aqtr
@@ -143,6 +147,7 @@ class QTensor:
   form: str = 'fk'
   zero_point: jax.Array | None = None
   transform: Any = None
+  packed: jax.Array | None = None
 
   def dequant(self, dtype=jnp.float32) -> jax.Array:
     """`(qvalue - zero_point) * scale` in the original layout and `dtype`."""
@@ -157,6 +162,6 @@ class QTensor:
 
 jax.tree_util.register_dataclass(
   QTensor,
-  data_fields=['qvalue', 'scale', 'zero_point'],
+  data_fields=['qvalue', 'scale', 'zero_point', 'packed'],
   meta_fields=['layout', 'form', 'transform'],
 )

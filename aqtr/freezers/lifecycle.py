@@ -239,7 +239,9 @@ def _served_dot(call: DotCall, calls: dict, entry) -> jax.Array:
   for side, op in calls.items():
     f = op.tensor.freezer
     part = entry.get(side) if isinstance(entry, Mapping) else None
+    packed = None
     if isinstance(part, Mapping):  # Packed codes back to the values.
+      packed = part.get('int4')
       part = codecs.decode_parts(part, op.tensor.numerics)
     want = f.frozen_parts
     if part is None or any(p not in part for p in want):
@@ -248,7 +250,7 @@ def _served_dot(call: DotCall, calls: dict, entry) -> jax.Array:
         'again with this config.'
       )
     served = f.serve(op, part)
-    ops[side] = served.operand
+    ops[side] = _with_packed(served.operand, part, packed)
     if side == 'rhs' and part.get('perm') is not None:
       ops['lhs'] = _permuted(call, calls, ops['lhs'], part['perm'])
     if served.tensor is not None:
@@ -270,6 +272,17 @@ def _served_dot(call: DotCall, calls: dict, entry) -> jax.Array:
   )
   out = out[0] if st is not None else out
   return out * _out_scale(scales, calls, out.ndim) if scales else out
+
+
+def _with_packed(operand, part: dict, packed):
+  """A served QTensor that holds the decoded int4 codes unchanged, given
+  their stored bytes too (`QTensor.packed`): a CPU dot reads those, and
+  no serving step decodes the codes. Anything else as it is."""
+  if packed is None or not isinstance(operand, QTensor):
+    return operand
+  if operand.qvalue is not part['qvalue']:  # The freezer changed them.
+    return operand
+  return dataclasses.replace(operand, packed=packed)
 
 
 def _permuted(call: DotCall, calls: dict, lhs, perm) -> jax.Array:

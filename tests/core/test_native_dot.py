@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from aqtr.core import lowering, native_dot
+from aqtr.core import codecs, lowering, native_dot
 
 # Where the host can build the kernel, it must: a broken build would
 # otherwise only show as a skip.
@@ -84,6 +84,36 @@ def test_vmap_and_concurrent_calls():
     np.testing.assert_array_equal(out, native_dot.xla_rows_dot(a[i], ws[i]))
 
 
+def _packed(codes):
+  """int4 codes as aqtr's `int4` codec stores them: uint8, two a byte."""
+  return codecs.get('int4')().encode(codes)['int4']
+
+
+@needs_kernel
+@pytest.mark.parametrize('m', [1, 2, 5, 16])
+@pytest.mark.parametrize('k', [64, 130, 258, 2048])
+def test_packed_int4_bytes_equal_xla_dot_over_the_codes(m, k):
+  # The stored bytes of a served int4 weight, read without decoding.
+  a = _codes(m + k, (2, m, k), jnp.int8)
+  codes = _codes(k + 1, (2, 300, k), jnp.int4).astype(jnp.int8)
+  w = _packed(codes)
+  assert w.dtype == jnp.uint8 and w.shape == (2, 300, k // 2)
+  want = jax.jit(native_dot.xla_rows_dot)(a, codes)
+  np.testing.assert_array_equal(jax.jit(native_dot.rows_dot)(a, w), want)
+  np.testing.assert_array_equal(jax.jit(native_dot.xla_rows_dot)(a, w), want)
+
+
+def test_packed_exports_as_xla_dot_over_the_unpacked_codes():
+  a = _codes(0, (1, 2, 128), jnp.int8)
+  codes = _codes(1, (1, 8, 128), jnp.int4).astype(jnp.int8)
+  exp = jax.export.export(jax.jit(native_dot.rows_dot), platforms=('cpu',))
+  got = exp(a, _packed(codes))
+  assert 'stablehlo.custom_call' not in got.mlir_module()
+  np.testing.assert_array_equal(
+    got.call(a, _packed(codes)), native_dot.xla_rows_dot(a, codes)
+  )
+
+
 def test_usable_only_for_its_contract(monkeypatch):
   a, w = jnp.zeros((1, 2, 64), jnp.int8), jnp.zeros((1, 5, 64), jnp.int8)
   assert native_dot.usable(a, w) == native_dot.ready()
@@ -94,6 +124,10 @@ def test_usable_only_for_its_contract(monkeypatch):
   assert not native_dot.usable(a, jnp.zeros((1, 5, 63), jnp.int8))
   assert not native_dot.usable(a[..., :63], jnp.zeros((1, 5, 63), jnp.int4))
   assert not native_dot.usable(a, jnp.zeros((2, 5, 64), jnp.int8))
+  packed = jnp.zeros((1, 5, 32), jnp.uint8)  # int4 codes, two a byte
+  assert native_dot.usable(a, packed) == native_dot.ready()
+  assert not native_dot.usable(a, jnp.zeros((1, 5, 64), jnp.uint8))
+  assert not native_dot.usable(a, jnp.zeros((1, 5, 31), jnp.uint8))
   short = jnp.zeros((1, 3, 64), jnp.int8)  # 3 rows, a tile of 64.
   assert not native_dot.usable(short, jnp.zeros((1, 5, 64), jnp.int8))
   assert not native_dot.usable(a[..., :16], jnp.zeros((1, 5, 16), jnp.int8))

@@ -227,3 +227,38 @@ def test_the_served_dot_contracts_the_weights_minor_axis():
   assert len(dots) == 1 and not native, dots
   assert 'contracting_dims = [2] x [2]' in dots[0], dots[0]
   assert 'tensor<1x48x64xi8>' in dots[0], dots[0]
+
+
+def test_served_int4_weights_reach_the_native_dot_as_stored_bytes():
+  # w4a8: the native dot reads the `int4` codec's bytes; the served
+  # program decodes nothing (no s4 array), and serves the training bits.
+  cfg = _minor_k_config('w4a8')
+  dn = (((1,), (0,)), ((), ()))
+  x, w = _data(0, (2, 256)), _data(1, (256, 48))
+  frozen = lifecycle.run(lifecycle.DotCall(x, w, dn, cfg), Mode.CONVERT).frozen
+  assert frozen['rhs']['int4'].shape == (1, 1, 48, 128)
+
+  def serve(x, frozen):
+    call = lifecycle.DotCall(x, jnp.zeros((256, 48)), dn, cfg)
+    return lifecycle.run(call, Mode.SERVE, frozen=frozen).out
+
+  lowered = jax.jit(serve).lower(x, frozen)
+  native = [ln for ln in lowered.as_text().splitlines() if 'rows_dot' in ln]
+  if native_dot.ready():
+    assert len(native) == 1 and 'tensor<1x48x128xui8>' in native[0]
+    assert 's4[' not in lowered.compile().as_text()
+  train = lifecycle.run(lifecycle.DotCall(x, w, dn, cfg), Mode.TRAIN).out
+  np.testing.assert_array_equal(jax.jit(serve)(x, frozen), train)
+
+
+def test_a_qtensors_packed_bytes_are_read_only_where_they_fit_its_codes():
+  cfg = _minor_k_config('w4a8')
+  dn = (((1,), (1,)), ((), ()))  # an [N, K] weight: its codes are 'fk'
+  x, w = _data(0, (1, 256)), _data(1, (48, 256))
+  q = lifecycle.DotCall(x, w, dn, cfg).operand('rhs').quantize()
+  assert q.form == 'fk' and q.qvalue.shape == (1, 1, 48, 256)
+  want = aqtr.dot_general(x, q, dn, cfg)
+  stored = codecs.get('int4')().encode(q.qvalue)['int4']
+  for packed in (stored, stored[:, :, :24]):  # its bytes; a wrong shape
+    got = aqtr.dot_general(x, dataclasses.replace(q, packed=packed), dn, cfg)
+    np.testing.assert_array_equal(got, want)
