@@ -14,6 +14,8 @@ heads of 64, MLP 2048, vocabulary 256). Rows:
                         packed int4 per token
   int4 w + int8 kv      `presets.int4_weight_only()` on every dot of the
                         blocks (the attention's too)
+  w4a8 + float kv       int4 weights x int8 activations (`decode.w4a8()`)
+                        on the projections' weights, as the int8 rows
 
 Each cell decodes `--steps` greedy tokens after an 8-token prompt with a
 cache of `--context` slots; tokens/s of the decode loop (compiled ahead),
@@ -39,6 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import transformers
+from decode import w4a8
 
 import aqtr
 import aqtr.flax
@@ -67,12 +70,13 @@ def models(context: int, hidden: int = 512, layers: int = 4, heads: int = 8):
   for name, config in [
     ('int8', aqtr.presets.int8()),
     ('int4', aqtr.presets.int4_weight_only()),
+    ('w4a8', w4a8()),
   ]:
     # int8: the projections' weights only (the attention's own dots, over
     # the whole cache, stay float as in benchmarks/decode.py). int4: every
     # dot of the blocks, as before (weight=True makes convert's serve ==
     # train check fail by 6 ULP on this model: reported, not yet fixed).
-    weight = True if name == 'int8' else None
+    weight = None if name == 'int4' else True
     rule = Rule(config, path='.*/layers/.*', weight=weight)
     q = aqtr.flax.quantize(hf.module, [rule])
     with jax.numpy_rank_promotion('allow'):
@@ -89,6 +93,7 @@ ROWS = [
   ('int8 w + int8 kv /32 slots', 'int8', CacheRule(numerics='int8', block=32)),
   ('int8 w + int4 kv', 'int8', CacheRule(numerics='int4')),
   ('int4 w + int8 kv', 'int4', CacheRule(numerics='int8')),
+  ('w4a8 + float kv', 'w4a8', CacheRule(numerics='none')),
 ]
 
 
