@@ -160,9 +160,7 @@ def usable(a: jax.Array, w: jax.Array) -> bool:
     return False
   m, k = a.shape[-2:]
   packed = w.dtype == jnp.uint8
-  if k != w.shape[-1] * (2 if packed else 1) or not 0 < m <= max_rows():
-    return False
-  if not k:
+  if k != w.shape[-1] * (1 + packed) or not 0 < m <= max_rows() or not k:
     return False
   if k < (32 if m <= 2 else 128):  # Short tiles: each output's horizontal
     return False  # sum outweighs its few steps (measured: XLA is faster).

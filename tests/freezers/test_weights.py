@@ -243,7 +243,8 @@ def test_served_int4_weights_reach_the_native_dot_as_stored_bytes():
     return lifecycle.run(call, Mode.SERVE, frozen=frozen).out
 
   lowered = jax.jit(serve).lower(x, frozen)
-  native = [ln for ln in lowered.as_text().splitlines() if 'rows_dot' in ln]
+  text = lowered.as_text().splitlines()
+  native = [ln for ln in text if native_dot.TARGET in ln]
   if native_dot.ready():
     assert len(native) == 1 and 'tensor<1x48x128xui8>' in native[0]
     assert 's4[' not in lowered.compile().as_text()
