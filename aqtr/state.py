@@ -32,6 +32,7 @@ import jax.numpy as jnp
 
 from aqtr.core import slot_state
 from aqtr.core.config import DotGeneralConfig
+from aqtr.core.eager import compiled_when_eager
 from aqtr.core.plan import Plan
 from aqtr.core.qtensor import to_view
 from aqtr.core.slots import GRADIENT_SLOTS, Side, Slot
@@ -50,6 +51,7 @@ __all__ = [
 _BWD = tuple(s.path for s in GRADIENT_SLOTS)
 
 
+@compiled_when_eager
 def init(lhs, rhs, dimension_numbers, config: DotGeneralConfig) -> dict:
   """The initial state tree of one `aqtr.dot_general` call.
 

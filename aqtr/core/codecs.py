@@ -55,6 +55,7 @@ import numpy as np
 from jax import lax
 
 from aqtr.core import prims
+from aqtr.core.eager import compiled_when_eager
 from aqtr.core.registry import Registry
 
 __all__ = [
@@ -81,6 +82,7 @@ __all__ = [
 ]
 
 
+@compiled_when_eager
 def pack(codes: jax.Array, bits: int) -> jax.Array:
   """Unsigned codes < 2^bits [..., L] -> uint8 [..., ceil(L bits / 8)].
 
@@ -115,6 +117,7 @@ def pack(codes: jax.Array, bits: int) -> jax.Array:
   return out
 
 
+@compiled_when_eager
 def unpack(packed: jax.Array, bits: int, length: int) -> jax.Array:
   """The inverse of `pack`: uint8 [..., P] -> uint8 codes [..., length]."""
   p = jnp.asarray(packed)
@@ -384,6 +387,7 @@ def value_codec(numerics, shape: tuple[int, ...]) -> Codec:
 _PACKED = ('int4', 'uint4', 'table4', 'e2m1')
 
 
+@compiled_when_eager
 def encode_parts(parts: dict, numerics) -> dict:
   """A frozen operand's parts {'qvalue', 'scale', ...} -> stored parts.
 
@@ -412,6 +416,7 @@ def packed_key(stored) -> str | None:
   return found[0] if found else None
 
 
+@compiled_when_eager
 def decode_parts(stored: dict, numerics=None) -> dict:
   """The inverse of `encode_parts`: parts with 'qvalue' in the numerics'
   dtype (bit for bit what the quantizer gave; see the module doc).

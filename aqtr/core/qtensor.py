@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from aqtr.core.dimension_numbers import OperandLayout
+from aqtr.core.eager import compiled_when_eager
 
 # The view axes of a quantized operand (see aqtr.tilings.base):
 #   'fk': [batch, tile, free, k]     'kf': [batch, tile, k, free]
@@ -149,6 +150,7 @@ class QTensor:
   transform: Any = None
   packed: jax.Array | None = None
 
+  @compiled_when_eager
   def dequant(self, dtype=jnp.float32) -> jax.Array:
     """`(qvalue - zero_point) * scale` in the original layout and `dtype`."""
     v = self.qvalue.astype(jnp.float32)

@@ -37,6 +37,7 @@ from jax import lax
 from aqtr.core import prims
 from aqtr.core.config import TensorConfig
 from aqtr.core.dimension_numbers import OperandLayout, normalize_axes
+from aqtr.core.eager import compiled_when_eager
 from aqtr.core.qtensor import ROLE_AXES, QTensor, from_view, to_view
 from aqtr.core.rounding import as_typed_key
 from aqtr.core.scale import (
@@ -326,6 +327,7 @@ def _quantize(x, config, contracting_axes, batch_axes, key):
   return QTensor(r.q, r.s, lay, 'fk', r.z), r.mask, keep
 
 
+@compiled_when_eager
 def quantize(
   x: jax.Array,
   config: TensorConfig | None = None,
@@ -359,6 +361,7 @@ def quantize(
   )[0]
 
 
+@compiled_when_eager
 def fake_quant(
   x: jax.Array,
   config: TensorConfig | None = None,
