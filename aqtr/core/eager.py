@@ -22,10 +22,10 @@ unhashable one runs eagerly, as before. `fn` returns a pytree of arrays;
 value checks it makes only when its inputs are concrete (`int(x)` inside
 `try`) do not run under the jit: do not wrap such a function.
 
-Values: the same primitives in one program. XLA may fuse them and keeps
-their results (no fast-math on CPU; tests compare every wrapped function
-against the engine under `jit`), so an eager call gives what the same call
-inside a user's `jit` gives.
+Values: the same primitives in one program, which XLA may fuse (no
+fast-math on CPU). An eager call gives what the same call inside a user's
+`jit` gives (tests/core/test_eager.py compares them bit for bit), which
+op-by-op calls did not promise.
 
 Example:
   >>> import jax.numpy as jnp
