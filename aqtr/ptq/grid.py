@@ -40,7 +40,7 @@ import numpy as np
 
 from aqtr.core import codecs, slot_state
 from aqtr.core.config import TensorConfig
-from aqtr.core.qtensor import QTensor, to_view
+from aqtr.core.qtensor import to_view
 from aqtr.core.quantizer import quantize_scaled, quantize_view
 from aqtr.freezers import configure, lifecycle
 from aqtr.freezers.weights import frozen_view
@@ -177,7 +177,7 @@ class Grid:
     qt = self.call.qtensor(  # Either stored view (the scale tells).
       parts['qvalue'], parts['scale'], parts.get('zero_point')
     )
-    w = np.asarray(_dequant(qt))
+    w = np.asarray(qt.dequant())  # One program when eager (core.eager).
     _, to2 = _maps_of(self.call, self.contracting, w.shape)
     return jnp.asarray(to2.from_weight(w))
 
@@ -188,11 +188,6 @@ def quantize_fixed(numerics, w2, s, z) -> tuple[jax.Array, jax.Array]:
   (the core's rounding step, `aqtr.core.quantizer.quantize_scaled`)."""
   q = quantize_scaled(w2, s, numerics, z).astype(jnp.float32)
   return q, (q - z) * s
-
-
-@jax.jit
-def _dequant(qt: QTensor) -> jax.Array:
-  return qt.dequant()
 
 
 @dataclasses.dataclass(frozen=True)
