@@ -57,7 +57,13 @@ import optax
 import train_step as ts
 from jax.extend import core as jex_core
 
-from aqtr.core.lowering import sub_jaxprs
+try:
+  from aqtr.core.lowering import sub_jaxprs
+except ImportError:  # An aqtr tree before 2026-11-28 (`before_after.py`).
+
+  def sub_jaxprs(eqn) -> list:
+    return list(jex_core.jaxprs_in_params(eqn.params))
+
 
 ROWS = ('mlp', 'lm', 'pax')
 

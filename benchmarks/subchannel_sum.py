@@ -35,7 +35,8 @@ from aqtr.lora.config import nf4
 from aqtr.tilings.subchannel import SubChannel
 
 M, K, N = 2048, 512, 512
-passes_dense = passes.dense_tiles
+# None in an aqtr tree before 2026-11-27: every tiled dot was per tile.
+passes_dense = getattr(passes, 'dense_tiles', None)
 
 
 def _time(f, args, rounds: int, reps: int = 3) -> float:
@@ -130,13 +131,15 @@ def _dots(rounds: int) -> list[str]:
     return jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x, w).compile()
 
   names = list(_configs())
-  _per_tile(True)
-  jax.clear_caches()  # The engine's inner jit re-traces with the patch.
-  try:
-    tiled = {n: grad_of(c) for n, c in _configs().items()}
-  finally:
-    _per_tile(False)
-    jax.clear_caches()
+  tiled = {}
+  if passes_dense is not None:  # Else the engine itself is per tile.
+    _per_tile(True)
+    jax.clear_caches()  # The engine's inner jit re-traces with the patch.
+    try:
+      tiled = {n: grad_of(c) for n, c in _configs().items()}
+    finally:
+      _per_tile(False)
+      jax.clear_caches()
   fns = {'float': grad_of(None)}
   fns.update({n: grad_of(c) for n, c in _configs().items()})
   tiled = {f'{n} per tile': f for n, f in tiled.items()}
@@ -156,6 +159,9 @@ def _dots(rounds: int) -> list[str]:
   for n in names:
     row = [n]
     for k in (n, f'{n} per tile'):
+      if k not in wall:  # No dense path to patch off (an older tree).
+        row += ['', '', '']
+        continue
       row += [
         f'{wall[k]:.1f}',
         f'{wall[k] / wall["float"]:.2f}',
