@@ -23,6 +23,7 @@ PRESETS = (
   'fp8',
   'int8_weight_only',
   'int4_weight_only',
+  'w4a8',
 )
 
 

@@ -58,6 +58,7 @@ __all__ = [
   'nvfp4_training',
   'nvfp4_weight_only',
   'switchback',
+  'w4a8',
 ]
 
 
@@ -186,6 +187,31 @@ def int8_weight_only() -> DotGeneralConfig:
 def int4_weight_only() -> DotGeneralConfig:
   """int4 rhs (weights) only, stored as int4; activations stay float."""
   return _weight_only(_int(4, storage='int4'))
+
+
+def w4a8() -> DotGeneralConfig:
+  """int4 weights x int8 activations: `int4_weight_only` with int8 rows.
+
+  Forward `y = (q_x q_w) s_x s_w`: x in int8 per row (`q_x = round(x /
+  s_x)`, `s_x = max_k |x| / 127`), w in int4 per output column (`s_w =
+  max_k |w| / 7`, stored as int4); the dot is int8 x int8 -> int32 on
+  the widened codes. On CPU a served model's decoding steps (up to 16
+  rows with AVX-512 VNNI, 4 with AVX2) read the int4 codes as stored,
+  two a byte (docs/decoding.md, Speed). The backward passes reuse the
+  forward's quantized operands, with g in float: dX = g (s_w q_w)^T and
+  dW = (s_x q_x)^T g.
+
+  Example:
+    >>> cfg = w4a8()
+    >>> cfg.fwd.lhs.numerics.bits, cfg.fwd.rhs.numerics.bits
+    (8, 4)
+  """
+  w = operand(_int(4, storage='int4'))
+  return DotGeneralConfig(
+    fwd=raw(operand(_int(8)), w, False),
+    dlhs=raw(_none(), w, True),
+    drhs=raw(_none(), _none(), True),
+  )
 
 
 def fp8() -> DotGeneralConfig:

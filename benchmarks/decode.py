@@ -185,8 +185,10 @@ def models_by_weights(max_len: int, d_model: int, layers: int, heads: int):
 
 
 def w4a8() -> aqtr.DotGeneralConfig:
-  """int4 weights x int8 activations: `int4_weight_only` with the `int8`
-  preset's per-row activations (an int8 x int8 dot on widened codes)."""
+  """int4 weights x int8 activations: `aqtr.presets.w4a8()`, composed
+  here for an aqtr tree older than the preset (`before_after.py`)."""
+  if hasattr(aqtr.presets, 'w4a8'):
+    return aqtr.presets.w4a8()
   w4 = aqtr.presets.int4_weight_only()
   a8 = aqtr.presets.int8().fwd.lhs
   return dataclasses.replace(w4, fwd=dataclasses.replace(w4.fwd, lhs=a8))

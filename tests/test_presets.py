@@ -157,6 +157,29 @@ def test_weight_only(name, bits, dtype):
   assert not cfg.dlhs.quantized and not cfg.drhs.quantized
 
 
+def test_w4a8_is_int4_weights_times_int8_rows_and_reuses_them_backward():
+  cfg = presets.w4a8()
+  assert _int_bits(cfg.fwd.lhs) == 8 and _int_bits(cfg.fwd.rhs) == 4
+  assert cfg.fwd.rhs.numerics.dtype == jnp.int4
+  assert cfg.fwd.rhs == presets.int4_weight_only().fwd.rhs
+  assert cfg.dlhs.use_fwd_quant and cfg.drhs.use_fwd_quant
+  assert not cfg.dlhs.lhs.quantized and not cfg.drhs.lhs.quantized
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.standard_normal((8, 64)), jnp.float32)
+  w = jnp.asarray(rng.standard_normal((64, 16)), jnp.float32)
+  g = jnp.asarray(rng.standard_normal((8, 16)), jnp.float32)
+  dn = (((1,), (0,)), ((), ()))
+  y, vjp = jax.vjp(lambda x, w: aqtr.dot_general(x, w, dn, cfg), x, w)
+  dx, dw = vjp(g)
+  sx = jnp.max(jnp.abs(x), axis=1, keepdims=True) / 127
+  sw = jnp.max(jnp.abs(w), axis=0, keepdims=True) / 7
+  xq, wq = jnp.round(x / sx) * sx, jnp.round(w / sw) * sw
+  np.testing.assert_allclose(y, xq @ wq, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(dx, g @ wq.T, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(dw, xq.T @ g, rtol=1e-5, atol=1e-5)
+  assert float(jnp.abs(dw - x.T @ g).max()) > 1e-3  # x's int8 is reused
+
+
 def test_fp8():
   cfg = presets.fp8()
   e4, e5 = 'float8_e4m3fn', 'float8_e5m2'
@@ -173,6 +196,7 @@ FOUR_BITS = (
   'mxfp4_weight_only',
   'nvfp4',
   'nvfp4_weight_only',
+  'w4a8',
 )
 
 

@@ -66,6 +66,7 @@ PRESETS = {
   'nvfp4_training',
   'nvfp4_weight_only',
   'switchback',
+  'w4a8',
 }
 
 

@@ -20,6 +20,7 @@ from aqtr.freezers import Mode
 PRESETS = {
   'int8': (aqtr.presets.int8, ('qvalue', jnp.int8), 0.3),
   'int4': (aqtr.presets.int4_weight_only, ('int4', jnp.uint8), 0.16),
+  'w4a8': (aqtr.presets.w4a8, ('int4', jnp.uint8), 0.16),
 }
 
 

@@ -154,13 +154,7 @@ def _minor_k_config(name):
       rhs=replace(cfg.fwd.rhs, tiling=tiled),
     )
     cfg = replace(cfg, fwd=fwd)
-  elif name == 'w4a8':  # int4 weights x int8 activations.
-    w4 = aqtr.presets.int4_weight_only()
-    a8 = aqtr.presets.int8().fwd.lhs
-    cfg = replace(
-      w4, fwd=replace(w4.fwd, lhs=replace(a8, tiling=w4.fwd.rhs.tiling))
-    )
-  else:
+  else:  # A preset (w4a8: int4 weights x int8 activations).
     cfg = getattr(aqtr.presets, name)()
   return aqtr.freezers.configure(cfg, rhs='weights')
 
