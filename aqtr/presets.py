@@ -170,10 +170,14 @@ def int8_sparse_2_4(
   )
 
 
-def _weight_only(numerics: Numerics, **kw) -> DotGeneralConfig:
+def _weight_only(
+  numerics: Numerics, lhs: TensorConfig | None = None, **kw
+) -> DotGeneralConfig:
+  """Quantized weights (rhs); activations `lhs` in the forward only (float
+  when None); the backward passes reuse the forward's operands."""
   w = operand(numerics, **kw)
   return DotGeneralConfig(
-    fwd=raw(_none(), w, False),
+    fwd=raw(_none() if lhs is None else lhs, w, False),
     dlhs=raw(_none(), w, True),
     drhs=raw(_none(), _none(), True),
   )
@@ -206,12 +210,7 @@ def w4a8() -> DotGeneralConfig:
     >>> cfg.fwd.lhs.numerics.bits, cfg.fwd.rhs.numerics.bits
     (8, 4)
   """
-  w = operand(_int(4, storage='int4'))
-  return DotGeneralConfig(
-    fwd=raw(operand(_int(8)), w, False),
-    dlhs=raw(_none(), w, True),
-    drhs=raw(_none(), _none(), True),
-  )
+  return _weight_only(_int(4, storage='int4'), lhs=operand(_int(8)))
 
 
 def fp8() -> DotGeneralConfig:
