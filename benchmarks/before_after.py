@@ -47,7 +47,9 @@ def _cpu() -> str:
   return 'unknown CPU'
 
 
-def _rows(src: pathlib.Path, argv: list[str]) -> list[dict]:
+def rows(src: pathlib.Path, argv: list[str]) -> list[dict]:
+  """The JSON rows `argv` (a script and its flags, `--json` added) prints
+  with PYTHONPATH at the tree `src`."""
   # The tree first; an inherited PYTHONPATH (e.g. a peer library installed
   # with `pip install --target`) stays reachable after it.
   path = [str(src), *filter(None, [os.environ.get('PYTHONPATH')])]
@@ -75,7 +77,7 @@ def main(argv=None) -> None:
     unpack(a.rev, tmp)
     for _ in range(a.alternations):
       for side, src in (('before', pathlib.Path(tmp)), ('after', ROOT)):
-        for r in _rows(src, script):
+        for r in rows(src, script):
           key = tuple((k, v) for k, v in r.items() if isinstance(v, str))
           got = best.setdefault(key, {})
           for k, v in r.items():

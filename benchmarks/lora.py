@@ -23,11 +23,15 @@ frozen base + other) over full fine-tuning's (float weights + two AdamW
 moments). Last line: QLoRA's step over LoRA's, wall (cpu).
 
 Run: python benchmarks/lora.py [--model=stock|pax] [--rounds 5] [--steps 5]
+  [--json]
+(`--json`: the median step times, one JSON row per run, for
+benchmarks/before_after.py and benchmarks/perf_targets.py.)
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 
@@ -172,8 +176,18 @@ def main(argv=None) -> None:
   ap.add_argument('--model', choices=('stock', 'pax'), default='stock')
   ap.add_argument('--rounds', type=int, default=5)
   ap.add_argument('--steps', type=int, default=5)
+  ap.add_argument(
+    '--json',
+    action='store_true',
+    help='one JSON row per run, step times only (for before_after.py)',
+  )
   args = ap.parse_args(argv)
   times, sizes = bench(args.rounds, args.steps, args.model)
+  if args.json:
+    for name, (ms, cpu_ms) in times.items():
+      row = {'model': args.model, 'run': name, 'ms': ms, 'cpu_ms': cpu_ms}
+      print(json.dumps(row))
+    return
   print(table(times, sizes, args.model))
 
 

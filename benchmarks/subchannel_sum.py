@@ -15,13 +15,16 @@ off (one dot per tile, scaled, summed by `tile_sum`: the engine before
 interleaved rounds, median wall ms; `cpu x float` is the ratio of process
 CPU time (all threads), the steadier figure on a shared host.
 
-Run: python benchmarks/subchannel_sum.py [--rounds 5] [--dots-only]
+Run: python benchmarks/subchannel_sum.py [--rounds 5] [--dots-only] [--json]
+(`--json`: part 2's medians, one JSON row per config, for
+benchmarks/before_after.py and benchmarks/perf_targets.py.)
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import statistics
 import time
 
@@ -120,7 +123,8 @@ def _per_tile(on: bool) -> None:
     module.dense_tiles = (lambda: False) if on else passes_dense
 
 
-def _dots(rounds: int) -> list[str]:
+def measure_dots(rounds: int) -> tuple[dict, dict]:
+  """Median wall and CPU ms per config ('float', '<config> per tile')."""
   x = jax.random.normal(jax.random.key(0), (M, K))
   w = jax.random.normal(jax.random.key(1), (K, N))
 
@@ -130,7 +134,6 @@ def _dots(rounds: int) -> list[str]:
 
     return jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x, w).compile()
 
-  names = list(_configs())
   tiled = {}
   if passes_dense is not None:  # Else the engine itself is per tile.
     _per_tile(True)
@@ -149,6 +152,12 @@ def _dots(rounds: int) -> list[str]:
       times[k].append(_wall_cpu(f, (x, w)))
   wall = {k: statistics.median(t[0] for t in v) for k, v in times.items()}
   cpu = {k: statistics.median(t[1] for t in v) for k, v in times.items()}
+  return wall, cpu
+
+
+def _dots(rounds: int) -> list[str]:
+  names = list(_configs())
+  wall, cpu = measure_dots(rounds)
   lines = [
     f'float dot fwd+bwd: {wall["float"]:.1f} ms (cpu {cpu["float"]:.1f} ms)',
     '',
@@ -175,7 +184,17 @@ def main(argv=None) -> None:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument('--rounds', type=int, default=5)
   ap.add_argument('--dots-only', action='store_true', help='skip part 1')
+  ap.add_argument(
+    '--json',
+    action='store_true',
+    help='part 2 only, one JSON row per config (for before_after.py)',
+  )
   args = ap.parse_args(argv)
+  if args.json:
+    wall, cpu = measure_dots(args.rounds)
+    for k in wall:
+      print(json.dumps({'config': k, 'ms': wall[k], 'cpu_ms': cpu[k]}))
+    return
   host.header('subchannel_sum.py')
   print(f'M, K, N = {M}, {K}, {N}; load {host.load_average()}\n')
   if not args.dots_only:
