@@ -19,16 +19,16 @@ target:
 The benchmarks run as subprocesses with `--json` (the protocol of
 benchmarks/before_after.py): on this working tree and, with `--rev`, on
 the package `aqtr/` as it is at that git revision, alternately
-(`--alternations`); each side keeps the minimum of each field over the
-alternations, then takes the ratio. `--suite` clones each side's commit
-(this side: HEAD, so commit first), runs `CI=true pytest -q -n 2` there
-with this interpreter and PYTHONPATH at the clone, and reads its wall
-time and the peak resident memory of its largest process (about nine
-minutes a side on this project's 2-core host; `--suite-paths` runs a
-part). The compile figures need Qwix on PYTHONPATH (`pip
-install qwix`); without it they read `n/a`.
+(`--alternations`). A figure is a ratio of two rows of one run; over
+several runs the table gives its median and, in brackets, its range.
+`--suite` clones each side's commit (this side: HEAD, so commit first),
+runs `CI=true pytest -q -n 2` there with this interpreter and PYTHONPATH
+at the clone, and reads its wall time and the peak resident memory of
+its largest process (8-11 minutes a side on this project's 2-core host;
+`--suite-paths` runs a part). The compile figures need Qwix on
+PYTHONPATH (`pip install qwix`); without it they read `n/a`.
 
-Run: python benchmarks/perf_targets.py [--rev 471432b] [--alternations 2]
+Run: python benchmarks/perf_targets.py [--rev 471432b] [--alternations 3]
   [--only compile int8 train nf4 qlora] [--suite [--suite-paths P ...]]
   [--quick]
 """
@@ -43,6 +43,7 @@ import math
 import os
 import pathlib
 import shlex
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -165,22 +166,25 @@ FIGURES = (
 SUITE_S, SUITE_GB = 480.0, 3.0
 
 
-def merged(runs: list[list[dict]]) -> list[dict]:
-  """One row per set of text fields, each number the minimum over runs.
+def over_runs(values: list[float | str]) -> float | str | tuple:
+  """A figure over runs: (median, lowest, highest), the one run's figure,
+  or the first reason text.
+
+  Each run's figure is a ratio of two rows of that one run; the median
+  over runs is the figure, the range shows how far runs differ.
 
   Example:
-    >>> merged([[{'impl': 'a', 'ms': 2.0}], [{'impl': 'a', 'ms': 1.5}]])
-    [{'impl': 'a', 'ms': 1.5}]
+    >>> over_runs([1.2, 1.0, 1.1])
+    (1.1, 1.0, 1.2)
+    >>> over_runs([1.2, 'n/a (no row)'])
+    'n/a (no row)'
   """
-  best: dict[tuple, dict] = {}
-  for rows in runs:
-    for r in rows:
-      key = tuple((k, v) for k, v in r.items() if isinstance(v, str))
-      got = best.setdefault(key, dict(key))
-      for k, v in r.items():
-        if not isinstance(v, str):
-          got[k] = min(got.get(k, math.inf), v)
-  return list(best.values())
+  for v in values:
+    if isinstance(v, str):
+      return v
+  if len(values) == 1:
+    return values[0]
+  return (statistics.median(values), min(values), max(values))
 
 
 def value(fig: Figure, rows: list[dict]) -> float | str:
@@ -208,20 +212,24 @@ def value(fig: Figure, rows: list[dict]) -> float | str:
   return round(num[fig.field] / den[fig.field], 4)
 
 
-def met(x: float | str, target: float, at_least: bool) -> str:
-  """'yes' / 'no' for a number against its target; '' for a reason text.
+def met(x: float | str | tuple, target: float, at_least: bool) -> str:
+  """'yes' / 'no' for a figure (or its median) against its target; '' for
+  a reason text.
 
   Example:
-    >>> met(1.2, 1.4, at_least=True), met(0.8, 0.85, at_least=False)
+    >>> met(1.2, 1.4, at_least=True), met((0.8, 0.7, 0.9), 0.85, False)
     ('no', 'yes')
   """
+  x = x[0] if isinstance(x, tuple) else x
   if isinstance(x, str) or math.isnan(x):
     return ''
   return 'yes' if (x >= target if at_least else x <= target) else 'no'
 
 
-def _cell(x: float | str, digits: int = 2) -> str:
-  return x if isinstance(x, str) else f'{x:.{digits}f}'
+def _cell(x: float | str | tuple) -> str:
+  if isinstance(x, tuple):  # (median, low, high) over runs
+    return f'{x[0]:.2f} ({x[1]:.2f}-{x[2]:.2f})'
+  return x if isinstance(x, str) else f'{x:.2f}'
 
 
 def table(
@@ -264,13 +272,13 @@ def _log(msg: str) -> None:
 
 
 def run_benches(benches, sides, alternations: int, quick: bool) -> dict:
-  """{(bench, side): merged rows}; a failing benchmark gets no rows."""
+  """{(bench, side): rows per run}; a failing run gets no rows."""
   runs: dict[tuple[str, str], list[list[dict]]] = {}
   for bench in benches:
     cmd = command(bench, quick)
     for i in range(alternations):
       for side, src in sides:
-        _log(f'{bench} on {side} ({i + 1}/{alternations}): {" ".join(cmd)}')
+        _log(f'{bench} on {side} ({i + 1}/{alternations}): {shlex.join(cmd)}')
         t = time.perf_counter()
         try:
           got = before_after.rows(src, cmd)
@@ -283,7 +291,7 @@ def run_benches(benches, sides, alternations: int, quick: bool) -> dict:
           f'{bench} on {side}: {len(got)} rows in '
           f'{time.perf_counter() - t:.0f} s'
         )
-  return {k: merged(v) for k, v in runs.items()}
+  return runs
 
 
 _TIMER = """
@@ -419,12 +427,13 @@ def main(argv=None) -> None:
   for fig in FIGURES:
     if fig.bench not in a.only:
       continue
-    b = value(fig, got[(fig.bench, 'before')]) if a.rev else None
+    runs = {k: [value(fig, r) for r in got[(fig.bench, k)]] for k, _ in sides}
+    b = over_runs(runs['before']) if a.rev else None
     rows.append(
       (
         fig.name,
         b,
-        value(fig, got[(fig.bench, 'now')]),
+        over_runs(runs['now']),
         fig.target,
         fig.at_least,
       )
@@ -439,7 +448,8 @@ def main(argv=None) -> None:
     f'`python benchmarks/perf_targets.py {" ".join(sys.argv[1:])}`; '
     f'{host.cpu_model()} ({host.cpu_flags()}); '
     f'{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC; load '
-    f'{host.load_average()}; min over {a.alternations} alternation(s)'
+    f'{host.load_average()}; {a.alternations} run(s) a side'
+    + (': median (range)' if a.alternations > 1 else '')
   )
   print()
   print(table(rows, f'before ({before})' if before else None, now))

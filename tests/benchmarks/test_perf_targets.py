@@ -25,14 +25,10 @@ def test_every_figure_reads_a_benchmark_that_prints_json_rows():
   assert int(pt.command('int8', True)[-1]) < int(pt.command('int8', False)[-1])
 
 
-def test_merged_keeps_each_fields_minimum_per_row():
-  runs = [
-    [{'impl': 'a', 'ms': 2.0, 'cpu_ms': 1.0}, {'impl': 'b', 'ms': 5.0}],
-    [{'impl': 'a', 'ms': 1.5, 'cpu_ms': 3.0}],
-  ]
-  got = {r['impl']: r for r in pt.merged(runs)}
-  assert got['a'] == {'impl': 'a', 'ms': 1.5, 'cpu_ms': 1.0}
-  assert got['b'] == {'impl': 'b', 'ms': 5.0}
+def test_over_runs_is_median_and_range_or_the_reason():
+  assert pt.over_runs([1.3, 1.1, 1.2, 1.0]) == (1.15, 1.0, 1.3)
+  assert pt.over_runs([0.9]) == 0.9
+  assert pt.over_runs([1.0, 'n/a (no row x)']) == 'n/a (no row x)'
 
 
 def _rows():
@@ -59,6 +55,7 @@ def test_met_reads_the_targets_direction():
   assert pt.met(0.85, 0.85, at_least=False) == 'yes'
   assert pt.met('n/a (no row)', 0.85, at_least=False) == ''
   assert pt.met(float('nan'), 0.85, at_least=False) == ''
+  assert pt.met((1.41, 1.2, 1.5), 1.4, at_least=True) == 'yes'  # the median
 
 
 def test_table_with_and_without_a_before_column():
@@ -66,6 +63,7 @@ def test_table_with_and_without_a_before_column():
     ('compile mlp', 1.35, 1.18, 0.85, False),
     ('train MLP', 1.21, 'n/a (no row x)', 1.4, True),
     ('suite part', 30.0, 25.0, None, False),
+    ('int8', (1.1, 1.05, 1.2), (1.13, 1.12, 1.2), 1.05, False),
   ]
   text = pt.table(rows, 'before (471432b)', 'now (abc1234)')
   lines = text.splitlines()
@@ -75,6 +73,9 @@ def test_table_with_and_without_a_before_column():
   assert lines[2] == '| compile mlp | 1.35 | 1.18 | <= 0.85 | no |'
   assert lines[3] == '| train MLP | 1.21 | n/a (no row x) | >= 1.4 |  |'
   assert lines[4] == '| suite part | 30.00 | 25.00 | - |  |'
+  assert lines[5] == (
+    '| int8 | 1.10 (1.05-1.20) | 1.13 (1.12-1.20) | <= 1.05 | no |'
+  )
   one = pt.table(rows[:1], None, 'now').splitlines()
   assert one[0] == '| figure | now | target | met |'
   assert one[2] == '| compile mlp | 1.18 | <= 0.85 | no |'
