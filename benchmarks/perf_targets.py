@@ -112,55 +112,49 @@ def _compile(row: str) -> Figure:
   )
 
 
-def _train(model: str, label: str) -> Figure:
+def _ms(name: str, bench: str, num: dict, den: dict, target: float, **kw):
   return Figure(
-    name=f'train step, x float (min ms): {label}',
-    bench='train',
-    num={'model': model, 'impl': 'float'},
-    den={'model': model, 'impl': 'aqtr int8'},
-    field='ms',
-    target=1.40,
-    at_least=True,
+    name=name, bench=bench, num=num, den=den, field='ms', target=target, **kw
   )
 
 
+def _train(model: str, label: str) -> Figure:
+  rows = (
+    {'model': model, 'impl': 'float'},
+    {'model': model, 'impl': 'aqtr int8'},
+  )
+  name = f'train step, x float (min ms): {label}'
+  return _ms(name, 'train', *rows, 1.40, at_least=True)
+
+
+_LIMIT = {'impl': 'int8 limit'}
 FIGURES = (
-  _compile('mlp'),
-  _compile('lm'),
-  _compile('pax'),
-  Figure(
-    name='int8 fwd+VJP 1024^3, x three bare int8 dots (median ms)',
-    bench='int8',
-    num={'impl': 'aqtr int8'},
-    den={'impl': 'int8 limit'},
-    field='ms',
-    target=1.05,
+  *(_compile(row) for row in ('mlp', 'lm', 'pax')),
+  _ms(
+    'int8 fwd+VJP 1024^3, x three bare int8 dots (median ms)',
+    'int8',
+    {'impl': 'aqtr int8'},
+    _LIMIT,
+    1.05,
   ),
-  Figure(
-    name='same, stochastic gradients',
-    bench='int8',
-    num={'impl': 'aqtr int8 sr'},
-    den={'impl': 'int8 limit'},
-    field='ms',
-    target=1.20,
+  _ms(
+    'same, stochastic gradients', 'int8', {'impl': 'aqtr int8 sr'}, _LIMIT, 1.20
   ),
   _train('mlp', 'MLP'),
   _train('lm', 'LM'),
-  Figure(
-    name='nf4 g64 fwd+bwd dot, x float dot (median ms)',
-    bench='nf4',
-    num={'config': 'nf4 g64 (weight only)'},
-    den={'config': 'float'},
-    field='ms',
-    target=1.15,
+  _ms(
+    'nf4 g64 fwd+bwd dot, x float dot (median ms)',
+    'nf4',
+    {'config': 'nf4 g64 (weight only)'},
+    {'config': 'float'},
+    1.15,
   ),
-  Figure(
-    name='QLoRA step / LoRA step, Pax LM (median ms)',
-    bench='qlora',
-    num={'run': 'qlora_nf4'},
-    den={'run': 'lora'},
-    field='ms',
-    target=1.05,
+  _ms(
+    'QLoRA step / LoRA step, Pax LM (median ms)',
+    'qlora',
+    {'run': 'qlora_nf4'},
+    {'run': 'lora'},
+    1.05,
   ),
 )
 SUITE_S, SUITE_GB = 480.0, 3.0
