@@ -346,7 +346,11 @@ def run_suites(rev: str | None, paths: list[str]) -> tuple[list, list]:
   what = f'suite part {" ".join(paths)}' if paths else 'default suite'
   # A part of the suite has no target.
   s_target, gb_target = (None, None) if paths else (SUITE_S, SUITE_GB)
-  wall = {s: r['wall_s'] for s, r in res.items()}
+  # A failing suite's time is no figure.
+  wall = {
+    s: r['wall_s'] if r['rc'] == 0 else f'n/a (pytest rc {r["rc"]})'
+    for s, r in res.items()
+  }
   gb = {s: r['peak_kb'] / 2**20 for s, r in res.items()}
   rows = [
     (
@@ -439,7 +443,7 @@ def main(argv=None) -> None:
     if dirty:
       notes.append(f'The suite ran {head}, without the uncommitted changes.')
   print(
-    f'`python benchmarks/perf_targets.py {" ".join(sys.argv[1:])}`; '
+    f'`python benchmarks/perf_targets.py {shlex.join(sys.argv[1:])}`; '
     f'{host.cpu_model()} ({host.cpu_flags()}); '
     f'{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC; load '
     f'{host.load_average()}; {a.alternations} run(s) a side'

@@ -98,3 +98,18 @@ def test_bad_arguments_are_one_line(argv, where, capsys):
 def test_unknown_rev_is_one_line():
   with pytest.raises(SystemExit, match="--rev: 'no-such-rev' is no commit"):
     pt.main(['--rev', 'no-such-rev', '--only', 'nf4'])
+
+
+def test_suite_rows_name_a_failed_run_and_a_part_has_no_target(monkeypatch):
+  runs = {
+    'old': {'rc': 0, 'wall_s': 600.0, 'peak_kb': 5 * 2**20, 'summary': 's'},
+    'HEAD': {'rc': 1, 'wall_s': 400.0, 'peak_kb': 2 * 2**20, 'summary': 'f'},
+  }
+  monkeypatch.setattr(pt, 'suite', lambda rev, paths: runs[rev])
+  rows, notes = pt.run_suites('old', [])
+  assert rows[0][1:] == (600.0, 'n/a (pytest rc 1)', pt.SUITE_S, False)
+  assert rows[1][1:] == (5.0, 2.0, pt.SUITE_GB, False)
+  assert notes == ['suite before: s (rc 0)', 'suite now: f (rc 1)']
+  rows, _ = pt.run_suites(None, ['tests/core'])
+  assert rows[0][0].startswith('suite part tests/core')
+  assert rows[0][1:] == (None, 'n/a (pytest rc 1)', None, False)
