@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import os
 import platform
+import shlex
 import subprocess
 import sys
 
@@ -38,7 +39,7 @@ def header(script: str) -> None:
     script: the benchmark's file name ('kv_read.py').
   """
   print(f'CPU: {cpu_model()}; jax {jax.__version__}; {jax.devices()[0]}')
-  print(f'command: python benchmarks/{script} {" ".join(sys.argv[1:])}')
+  print(f'command: python benchmarks/{script} {shlex.join(sys.argv[1:])}')
   print(f'date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC')
 
 

@@ -442,11 +442,10 @@ def main(argv=None) -> None:
     rows += suite_rows
     if dirty:
       notes.append(f'The suite ran {head}, without the uncommitted changes.')
+  host.header('perf_targets.py')
   print(
-    f'`python benchmarks/perf_targets.py {shlex.join(sys.argv[1:])}`; '
-    f'{host.cpu_model()} ({host.cpu_flags()}); '
-    f'{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC; load '
-    f'{host.load_average()}; {a.alternations} run(s) a side'
+    f'CPU flags: {host.cpu_flags()}; load {host.load_average()}; '
+    f'{a.alternations} run(s) a side'
     + (': median (range)' if a.alternations > 1 else '')
   )
   print()
